@@ -1,0 +1,570 @@
+"""Typed, frozen experiment configuration.
+
+A config is a tree of frozen dataclasses (`Config` with sections model, moe, farskip, mesh, train,
+data, distill, eval). It is read from YAML files that may inherit from another file with
+`base: other.yaml` (path relative to the file), then patched by dotted command-line overrides
+(`model.num_layers=4 farskip.preset=attn_only`). Every key and value is checked: an unknown key fails
+with the nearest valid names, a wrong type names the key and the expected type, and impossible
+combinations (kv heads not dividing heads, top_k > experts, ...) fail with one `ConfigError`.
+
+    cfg = load_config("configs/tiny.yaml", ["train.steps=50"])
+    print(dump_config(cfg))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+from farskip_jax.errors import ConfigError
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+# --------------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RopeScalingConfig:
+    """RoPE frequency scaling. `type`: none | linear | llama3 | yarn (see model/rope.py)."""
+
+    type: Literal["none", "linear", "llama3", "yarn"] = "none"
+    factor: float = 1.0
+    original_max_position: int = 4096
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    mscale: float = 1.0  # yarn (DeepSeek)
+    mscale_all_dim: float = 0.0  # yarn (DeepSeek)
+    attention_factor: Optional[float] = None  # yarn: overrides the computed attention scale
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Transformer shape and numerics. Layer i is an MoE layer when i >= first_k_dense and
+    (i + 1) % moe_every == 0, unless `moe_layers` lists the MoE layers explicitly."""
+
+    vocab_size: int = 512
+    d_model: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: Optional[int] = None  # default d_model // num_heads
+    mlp_hidden: int = 512  # hidden size of dense SwiGLU layers
+    first_k_dense: int = 0
+    moe_every: int = 1
+    moe_layers: Optional[tuple[int, ...]] = None
+    attention: Literal["gqa", "mla"] = "gqa"
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
+    qk_norm: bool = False
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    param_dtype: DType = "float32"
+    compute_dtype: DType = "float32"
+    remat: Literal["none", "full", "dots", "minimal"] = "none"
+
+    def __post_init__(self):
+        _check(self.num_layers >= 1, f"model.num_layers must be >= 1, got {self.num_layers}")
+        _check(self.num_heads >= 1 and self.num_kv_heads >= 1, "model.num_heads and model.num_kv_heads must be >= 1")
+        _check(
+            self.num_heads % self.num_kv_heads == 0,
+            f"model.num_kv_heads={self.num_kv_heads} must divide model.num_heads={self.num_heads} "
+            f"(grouped-query attention shares each kv head among num_heads/num_kv_heads query heads)",
+        )
+        _check(
+            self.head_dim is not None or self.d_model % self.num_heads == 0,
+            f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}; "
+            "set model.head_dim explicitly",
+        )
+        _check(0 <= self.first_k_dense <= self.num_layers, "model.first_k_dense must be in [0, num_layers]")
+        _check(self.moe_every >= 1, "model.moe_every must be >= 1")
+        if self.moe_layers is not None:
+            bad = [i for i in self.moe_layers if not 0 <= i < self.num_layers]
+            _check(not bad, f"model.moe_layers has layer indices outside [0, {self.num_layers}): {bad}")
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
+
+    def is_moe_layer(self, i: int) -> bool:
+        if self.moe_layers is not None:
+            return i in self.moe_layers
+        return i >= self.first_k_dense and (i + 1) % self.moe_every == 0
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Routed + shared experts. `num_experts: 0` makes every layer dense."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    expert_hidden: int = 256
+    num_shared_experts: int = 1
+    shared_hidden: Optional[int] = None  # default expert_hidden * num_shared_experts
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1  # group-limited routing: experts split in n_group groups ...
+    topk_group: int = 1  # ... and tokens pick experts only from the best topk_group groups
+    group_score: Literal["max", "top2_sum"] = "max"  # how a group is scored (V2: max, V3: top2_sum)
+    selection_bias: bool = False  # aux-loss-free balancing: bias added for selection only
+    bias_update_rate: float = 1e-3
+    aux_loss_weight: float = 0.01  # load-balance loss weight
+    z_loss_weight: float = 0.0  # router z-loss weight
+    capacity_factor: Optional[float] = None  # None = dropless
+    dispatch: Literal["local", "all_to_all", "ragged"] = "local"
+    gmm: Literal["auto", "ragged_dot", "tiled", "einsum"] = "auto"
+    gmm_tile: int = 128
+    num_groups: int = 1  # Federation of Experts groups (1 = ordinary MoE)
+
+    def __post_init__(self):
+        _check(self.num_experts >= 0, "moe.num_experts must be >= 0")
+        if self.num_experts:
+            _check(
+                1 <= self.top_k <= self.num_experts,
+                f"moe.top_k={self.top_k} must be between 1 and moe.num_experts={self.num_experts}",
+            )
+            _check(self.num_experts % self.n_group == 0, f"moe.n_group={self.n_group} must divide moe.num_experts={self.num_experts}")
+            _check(1 <= self.topk_group <= self.n_group, f"moe.topk_group={self.topk_group} must be in [1, moe.n_group={self.n_group}]")
+            _check(
+                self.n_group == 1 or self.top_k <= self.topk_group * (self.num_experts // self.n_group),
+                "moe.top_k exceeds the experts available in the selected groups (topk_group * num_experts / n_group)",
+            )
+        _check(self.capacity_factor is None or self.capacity_factor > 0, "moe.capacity_factor must be > 0 or null (dropless)")
+        _check(self.gmm_tile >= 1, "moe.gmm_tile must be >= 1")
+        _check(self.num_groups >= 1, "moe.num_groups must be >= 1")
+
+    @property
+    def resolved_shared_hidden(self) -> int:
+        return self.shared_hidden if self.shared_hidden is not None else self.expert_hidden * self.num_shared_experts
+
+
+PRESETS: dict[str, tuple[str, str]] = {
+    # preset -> (attn_input, moe_input) on converted layers (DESIGN.md section 1)
+    "standard": ("full", "full"),
+    "farskip": ("partial", "outdated"),
+    "attn_only": ("partial", "full"),
+    "mlp_only": ("full", "outdated"),
+}
+
+
+@dataclass(frozen=True)
+class FarSkipConfig:
+    """Which stream each sub-block reads (DESIGN.md section 1).
+
+    preset: standard | farskip | attn_only | mlp_only; `attn_input` / `moe_input` override the
+    preset's choice on converted layers. `layers` selects the converted layers: "all", "none",
+    "first:N", "last:N", "range:A:B" (A inclusive, B exclusive) or a list of layer indices.
+    `skip_distance: d` makes partial/outdated attention inputs lack the MoE outputs of the last d
+    layers (d = 1 is the paper's FarSkip)."""
+
+    preset: str = "standard"
+    attn_input: Optional[Literal["full", "partial", "outdated"]] = None
+    moe_input: Optional[Literal["full", "outdated"]] = None
+    layers: Union[str, tuple[int, ...]] = "all"
+    skip_distance: int = 1
+
+    def __post_init__(self):
+        _check(
+            self.preset in PRESETS,
+            f"farskip.preset={self.preset!r} is unknown; choose one of {sorted(PRESETS)}"
+            + _suggest(self.preset, list(PRESETS)),
+        )
+        _check(self.skip_distance >= 1, f"farskip.skip_distance must be >= 1, got {self.skip_distance}")
+        if isinstance(self.layers, str):
+            parse_layer_spec(self.layers, 10**6)  # syntax check; range checked against num_layers later
+
+    def converted_layers(self, num_layers: int) -> frozenset[int]:
+        if isinstance(self.layers, str):
+            return parse_layer_spec(self.layers, num_layers)
+        return frozenset(self.layers)
+
+    def layer_inputs(self, i: int, num_layers: int) -> tuple[str, str]:
+        """(attn_input, moe_input) of layer i."""
+        if i not in self.converted_layers(num_layers):
+            return ("full", "full")
+        attn, moe = PRESETS[self.preset]
+        return (self.attn_input or attn, self.moe_input or moe)
+
+
+def parse_layer_spec(spec: str, num_layers: int) -> frozenset[int]:
+    """'all' | 'none' | 'first:N' | 'last:N' | 'range:A:B' -> set of layer indices."""
+    s = spec.strip()
+    try:
+        if s == "all":
+            return frozenset(range(num_layers))
+        if s == "none":
+            return frozenset()
+        kind, _, rest = s.partition(":")
+        if kind == "first":
+            n = int(rest)
+            return frozenset(range(min(n, num_layers)))
+        if kind == "last":
+            n = int(rest)
+            return frozenset(range(max(num_layers - n, 0), num_layers))
+        if kind == "range":
+            a, b = (int(v) for v in rest.split(":"))
+            return frozenset(range(max(a, 0), min(b, num_layers)))
+    except ValueError:
+        pass
+    raise ConfigError(
+        f"farskip.layers={spec!r} is not a layer set; use 'all', 'none', 'first:N', 'last:N', "
+        "'range:A:B' or a list of layer indices like [1, 2, 5]"
+    )
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh sizes; their product must equal the device count (one of them may be -1 to take
+    the rest). `xla_preset` selects the XLA flags set before JAX starts (parallel/xla_flags.py)."""
+
+    data: int = -1
+    fsdp: int = 1
+    expert: int = 1
+    tensor: int = 1
+    xla_preset: Literal["none", "cpu", "cuda_hopper", "rocm_mi300"] = "none"
+    distributed: Literal["auto", "on", "off"] = "auto"
+    coordinator_address: Optional[str] = None
+    num_processes: Optional[int] = None
+    process_id: Optional[int] = None
+
+    def __post_init__(self):
+        sizes = {"data": self.data, "fsdp": self.fsdp, "expert": self.expert, "tensor": self.tensor}
+        _check(all(v == -1 or v >= 1 for v in sizes.values()), f"mesh sizes must be >= 1 or -1, got {sizes}")
+        _check(sum(v == -1 for v in sizes.values()) <= 1, f"at most one mesh axis may be -1, got {sizes}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation, schedule, logging and checkpoint cadence."""
+
+    mode: Literal["pretrain", "distill"] = "pretrain"
+    steps: int = 300
+    batch_size: int = 16
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 1.0
+    grad_accum: int = 1
+    seed: int = 0
+    eval_every: int = 100
+    eval_batches: int = 4
+    log_every: int = 10
+    run_dir: str = "runs/default"
+    overwrite: bool = False
+    checkpoint_every: int = 0  # 0 = only at the end
+    keep_checkpoints: int = 3
+    max_nonfinite: int = 5
+    peak_flops: Optional[float] = None  # per device, for MFU
+    tensorboard: bool = True
+
+    def __post_init__(self):
+        for k in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_batches"):
+            _check(getattr(self, k) >= 1, f"train.{k} must be >= 1, got {getattr(self, k)}")
+        _check(self.lr > 0, "train.lr must be > 0")
+        _check(self.batch_size % self.grad_accum == 0, "train.grad_accum must divide train.batch_size")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Training text. source: stdlib (the interpreter's own .py files, no download) | text | jsonl |
+    arrayrecord; tokenizer: byte or a path to an HF tokenizer.json."""
+
+    source: Literal["stdlib", "text", "jsonl", "arrayrecord"] = "stdlib"
+    paths: tuple[str, ...] = ()
+    text_field: str = "text"
+    tokenizer: str = "byte"
+    val_fraction: float = 0.02
+    max_docs: Optional[int] = None
+
+    def __post_init__(self):
+        _check(0.0 < self.val_fraction < 1.0, "data.val_fraction must be in (0, 1)")
+        _check(self.source == "stdlib" or len(self.paths) > 0, f"data.source={self.source!r} needs data.paths")
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """FCSD self-distillation (teacher = same weights, standard connectivity)."""
+
+    temperature: float = 1.0
+    kl: Literal["forward", "reverse", "both"] = "forward"
+    kl_weight: float = 1.0
+    ce_weight: float = 0.0
+    hidden_weight: float = 0.0
+    top_k_logits: int = 0  # 0 = full distribution
+    teacher_dtype: DType = "bfloat16"
+    metric: Literal["val_kl", "val_loss", "task"] = "val_kl"
+    patience: int = 20
+    max_drop: float = 0.02
+    eval_every: int = 1000
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Evaluation settings (eval.py)."""
+
+    batches: int = 8
+    tasks: tuple[str, ...] = ()
+    max_new_tokens: int = 64
+    top_p: float = 1.0
+    temperature: float = 0.0
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything a run needs. `init_from_hf`: an HF checkpoint folder to start from."""
+
+    name: str = "run"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    farskip: FarSkipConfig = field(default_factory=FarSkipConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    init_from_hf: Optional[str] = None
+
+    def __post_init__(self):
+        m, e = self.model, self.moe
+        if e.num_experts and e.num_groups > 1:
+            g = e.num_groups
+            _check(m.num_kv_heads % g == 0, f"moe.num_groups={g} must divide model.num_kv_heads={m.num_kv_heads}")
+            _check(e.num_experts % g == 0, f"moe.num_groups={g} must divide moe.num_experts={e.num_experts}")
+            _check(e.top_k % g == 0, f"moe.num_groups={g} must divide moe.top_k={e.top_k}")
+            _check(
+                self.mesh.expert % g == 0 or g % self.mesh.expert == 0,
+                f"moe.num_groups={g} and mesh.expert={self.mesh.expert} must divide one another",
+            )
+        if e.num_experts and self.mesh.expert > 1:
+            _check(
+                e.num_experts % self.mesh.expert == 0,
+                f"moe.num_experts={e.num_experts} is not divisible by the expert-parallel size "
+                f"mesh.expert={self.mesh.expert}; pick an expert-parallel size that divides the experts",
+            )
+        if self.mesh.expert > 1:
+            _check(
+                e.dispatch != "local",
+                f"mesh.expert={self.mesh.expert} needs moe.dispatch: all_to_all or ragged (got 'local')",
+            )
+        conv = self.farskip.converted_layers(m.num_layers) if isinstance(self.farskip.layers, str) else self.farskip.layers
+        bad = [i for i in conv if not 0 <= i < m.num_layers]
+        _check(not bad, f"farskip.layers lists layers outside [0, {m.num_layers}): {sorted(bad)}")
+        _check(self.train.seq_len <= m.max_seq_len, f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Dict <-> dataclass with type checks
+# --------------------------------------------------------------------------------------------------
+
+
+def _suggest(name: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(name, options, n=3, cutoff=0.5)
+    return f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, path)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(f"{path}={value!r} has the wrong type; expected {_type_name(tp)}")
+    if origin is Literal:
+        if value in args:
+            return value
+        raise ConfigError(
+            f"{path}={value!r} is not allowed; choose one of {list(args)}" + _suggest(str(value), [str(a) for a in args])
+        )
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path} must be a mapping of {tp.__name__} fields, got {value!r}")
+        return from_dict(tp, value, path)
+    if origin is tuple:
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}={value!r} must be a list")
+        elem = args[0] if args else Any
+        return tuple(_coerce(v, elem, f"{path}[{i}]") for i, v in enumerate(value))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}={value!r} must be true or false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{path}={value!r} must be an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)  # YAML reads "1e-3" as a string
+            except ValueError:
+                pass
+        raise ConfigError(f"{path}={value!r} must be a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{path}={value!r} must be a string")
+    return value
+
+
+def from_dict(cls: type, data: dict, path: str = "") -> Any:
+    """Build dataclass `cls` from a (nested) dict, rejecting unknown keys with suggestions."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{path}.{key}" if path else key
+        if key not in hints or key not in names:
+            raise ConfigError(f"unknown config key {full!r}" + (_suggest(key, names) or f"; valid keys: {names}"))
+        kwargs[key] = _coerce(value, hints[key], full)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except TypeError as e:
+        raise ConfigError(f"{path or cls.__name__}: {e}") from None
+
+
+def to_dict(cfg: Any) -> dict:
+    """Plain nested dict (tuples as lists) of a config dataclass."""
+
+    def conv(v):
+        if dataclasses.is_dataclass(v):
+            return {f.name: conv(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, tuple):
+            return [conv(x) for x in v]
+        return v
+
+    return conv(cfg)
+
+
+def dump_config(cfg: Config) -> str:
+    """The resolved config as YAML text (loads back to the same Config)."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# YAML loading, inheritance, overrides
+# --------------------------------------------------------------------------------------------------
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_yaml_tree(path: str, _seen: tuple[str, ...] = ()) -> dict:
+    """Read a YAML config and merge it over its `base:` chain (paths relative to each file)."""
+    path = os.path.abspath(path)
+    if path in _seen:
+        raise ConfigError(f"config inheritance cycle: {' -> '.join(_seen + (path,))}")
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    with open(path) as f:
+        try:
+            data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping at the top level")
+    base = data.pop("base", None)
+    if base:
+        bases = base if isinstance(base, list) else [base]
+        merged: dict = {}
+        for b in bases:
+            bpath = b if os.path.isabs(b) else os.path.join(os.path.dirname(path), b)
+            merged = _deep_merge(merged, load_yaml_tree(bpath, _seen + (path,)))
+        data = _deep_merge(merged, data)
+    return data
+
+
+def apply_overrides(tree: dict, overrides: list[str]) -> dict:
+    """Apply `a.b.c=value` overrides (value parsed as YAML) to a nested dict."""
+    tree = dict(tree)
+    for ov in overrides:
+        if "=" not in ov:
+            raise ConfigError(f"override {ov!r} must look like section.key=value (e.g. model.num_layers=4)")
+        key, _, raw = ov.partition("=")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        parts = key.strip().split(".")
+        node = tree
+        for p in parts[:-1]:
+            child = node.get(p)
+            child = dict(child) if isinstance(child, dict) else {}
+            node[p] = child
+            node = child
+        node[parts[-1]] = value
+    return tree
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> Config:
+    """Load `path` (or the defaults when None), apply overrides, validate."""
+    tree = load_yaml_tree(path) if path else {}
+    tree = apply_overrides(tree, list(overrides or []))
+    return from_dict(Config, tree)
+
+
+def config_from_dict(tree: dict) -> Config:
+    return from_dict(Config, tree)
+
+
+def replace(cfg: Any, **changes: Any) -> Any:
+    """`dataclasses.replace` that accepts dotted keys: replace(cfg, **{"model.num_layers": 2})."""
+    tree = to_dict(cfg)
+    tree = apply_overrides(tree, [])
+    for k, v in changes.items():
+        node = tree
+        parts = k.split(".")
+        for p in parts[:-1]:
+            node = node[p]
+        node[parts[-1]] = to_dict(v) if dataclasses.is_dataclass(v) else v
+    return from_dict(type(cfg), tree)

@@ -1,0 +1,25 @@
+"""The project's exception types.
+
+Every user mistake (bad config key, wrong shape in a checkpoint, missing file, empty dataset) raises a
+subclass of `FarSkipError` whose message names the culprit and the fix, so no traceback is needed.
+"""
+
+
+class FarSkipError(Exception):
+    """Base class of every error a user can cause."""
+
+
+class ConfigError(FarSkipError, ValueError):
+    """An invalid configuration: unknown key, wrong type, or an impossible combination."""
+
+
+class CheckpointError(FarSkipError):
+    """A checkpoint that cannot be read, is incomplete, or does not match the model."""
+
+
+class DataError(FarSkipError):
+    """Missing, empty or unreadable training/evaluation data."""
+
+
+class BackendError(FarSkipError):
+    """A feature requested on a platform that cannot run it (e.g. ragged all-to-all on CPU)."""

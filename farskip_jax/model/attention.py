@@ -1,0 +1,90 @@
+"""Grouped-query attention (GQA/MQA/MHA) with RoPE, optional q/k RMSNorm, causal + document masks.
+
+Split in named parts so the compiled schedule can be read per part (DESIGN.md section 4):
+`attention_qkv` (projections + rope), `attention_core` (softmax(QK^T)V), `attention_out` (output
+projection). x: [batch, seq, d_model]; positions, segment_ids: [batch, seq].
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from farskip_jax.config import ModelConfig
+from farskip_jax.model.layers import Linear, RMSNorm, dtype_of
+from farskip_jax.model.rope import apply_rope, rope_frequencies
+
+NEG_INF = -1e30
+
+
+def attention_mask(q_pos: jax.Array, k_pos: jax.Array, q_seg: Optional[jax.Array], k_seg: Optional[jax.Array],
+                   *, causal: bool = True, chunk_size: Optional[int] = None) -> jax.Array:
+    """Boolean mask [batch, 1, q_len, k_len]: causal (by position), same document, optional chunk."""
+    m = jnp.ones((q_pos.shape[0], q_pos.shape[1], k_pos.shape[1]), bool)
+    if causal:
+        m &= k_pos[:, None, :] <= q_pos[:, :, None]
+    if q_seg is not None and k_seg is not None:
+        m &= q_seg[:, :, None] == k_seg[:, None, :]
+    if chunk_size:
+        m &= (q_pos[:, :, None] // chunk_size) == (k_pos[:, None, :] // chunk_size)
+    return m[:, None]
+
+
+def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+    """q: [b, t, h, d], k/v: [b, s, kv, d(v)], mask: [b, 1, t, s] -> [b, t, h, dv] (softmax in fp32)."""
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    qg = q.reshape(b, t, kv, h // kv, d)
+    logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    logits = jnp.where(mask[:, :, None], logits, NEG_INF)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, h, v.shape[-1])
+
+
+class Attention(nnx.Module):
+    """GQA attention. Heads: num_heads queries share num_kv_heads key/value heads."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer_idx: int = 0):
+        self.cfg = cfg
+        d, h, kv, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+        kw = dict(rngs=rngs, std=cfg.init_std, param_dtype=dtype_of(cfg.param_dtype),
+                  compute_dtype=dtype_of(cfg.compute_dtype))
+        self.q_proj = Linear(d, h * hd, axes=("embed", "heads"), bias=cfg.attention_bias, **kw)
+        self.k_proj = Linear(d, kv * hd, axes=("embed", "kv_heads"), bias=cfg.attention_bias, **kw)
+        self.v_proj = Linear(d, kv * hd, axes=("embed", "kv_heads"), bias=cfg.attention_bias, **kw)
+        self.o_proj = Linear(h * hd, d, axes=("heads", "embed"), **kw)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, eps=cfg.norm_eps, param_dtype=dtype_of(cfg.param_dtype), axes=("head_dim",))
+            self.k_norm = RMSNorm(hd, eps=cfg.norm_eps, param_dtype=dtype_of(cfg.param_dtype), axes=("head_dim",))
+        else:
+            self.q_norm = self.k_norm = None
+        self.inv_freq, self.rope_factor = rope_frequencies(hd, cfg.rope_theta, cfg.rope_scaling)
+        self.inv_freq = tuple(float(f) for f in self.inv_freq)  # hashable static attribute
+        self.scale = hd ** -0.5
+
+    def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        cfg = self.cfg
+        b, t, _ = x.shape
+        hd = cfg.resolved_head_dim
+        q = self.q_proj(x).reshape(b, t, cfg.num_heads, hd)
+        k = self.k_proj(x).reshape(b, t, cfg.num_kv_heads, hd)
+        v = self.v_proj(x).reshape(b, t, cfg.num_kv_heads, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv = jnp.asarray(self.inv_freq)
+        q = apply_rope(q, positions, inv, attention_factor=self.rope_factor)
+        k = apply_rope(k, positions, inv, attention_factor=self.rope_factor)
+        return q, k, v
+
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array] = None) -> jax.Array:
+        with jax.named_scope("attention_qkv"):
+            q, k, v = self.qkv(x, positions)
+        with jax.named_scope("attention_core"):
+            mask = attention_mask(positions, positions, segment_ids, segment_ids)
+            o = attention_core(q, k, v, mask, self.scale)
+        with jax.named_scope("attention_out"):
+            return self.o_proj(o.reshape(o.shape[0], o.shape[1], -1))

@@ -1,0 +1,115 @@
+"""Routed SwiGLU experts and the single-device (`local`) dispatch/compute/combine.
+
+Expert weights: w_gate, w_up [E, d_model, hidden], w_down [E, hidden, d_model], logical axes
+("expert", "embed", "mlp"). The token exchange is a pluggable `RoutedCompute`:
+
+    routed_compute(x [b, s, d], route: RouteResult, experts: ExpertWeights, cfg: MoEConfig)
+        -> RoutedOutput(y [b, s, d], dropped [] int32)
+
+`local_routed_compute` (here) sorts the b*s*k assignments by expert, runs the grouped matmul
+(model/gmm.py) on exactly those rows (dropless unless `capacity_factor` is set), and un-sorts. The
+expert-parallel versions live in parallel/ (every collective does) and have the same signature.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from farskip_jax.config import MoEConfig
+from farskip_jax.model.gmm import gmm
+from farskip_jax.model.layers import normal_init
+from farskip_jax.model.router import RouteResult
+
+
+@struct.dataclass
+class ExpertWeights:
+    w_gate: jax.Array  # [E, d, h]
+    w_up: jax.Array  # [E, d, h]
+    w_down: jax.Array  # [E, h, d]
+
+
+@struct.dataclass
+class RoutedOutput:
+    y: jax.Array  # [b, s, d]
+    dropped: jax.Array  # [] number of dropped (token, expert) assignments
+
+
+class RoutedCompute(Protocol):
+    def __call__(self, x: jax.Array, route: RouteResult, experts: ExpertWeights, cfg: MoEConfig) -> RoutedOutput: ...
+
+
+class RoutedExperts(nnx.Module):
+    """The E routed experts' weights (stored in param_dtype, used in the compute dtype)."""
+
+    def __init__(self, d_model: int, hidden: int, num_experts: int, *, rngs: nnx.Rngs, std: float = 0.02,
+                 param_dtype=jnp.float32, compute_dtype=jnp.float32):
+        ax = ("expert", "embed", "mlp")
+        self.w_gate = nnx.Param(normal_init(rngs, (num_experts, d_model, hidden), std, param_dtype), axes=ax)
+        self.w_up = nnx.Param(normal_init(rngs, (num_experts, d_model, hidden), std, param_dtype), axes=ax)
+        self.w_down = nnx.Param(normal_init(rngs, (num_experts, hidden, d_model), std, param_dtype),
+                                axes=("expert", "mlp", "embed"))
+        self.compute_dtype = compute_dtype
+
+    def weights(self) -> ExpertWeights:
+        c = self.compute_dtype
+        return ExpertWeights(self.w_gate[...].astype(c), self.w_up[...].astype(c), self.w_down[...].astype(c))
+
+
+def expert_swiglu(xs: jax.Array, group_sizes: jax.Array, ew: ExpertWeights, cfg: MoEConfig) -> jax.Array:
+    """Rows xs [M, d] sorted by expert (group_sizes [E]) -> expert outputs [M, d]."""
+    g = gmm(xs, ew.w_gate, group_sizes, cfg.gmm, cfg.gmm_tile)
+    u = gmm(xs, ew.w_up, group_sizes, cfg.gmm, cfg.gmm_tile)
+    return gmm(jax.nn.silu(g) * u, ew.w_down, group_sizes, cfg.gmm, cfg.gmm_tile)
+
+
+def capacity(num_assignments: int, num_experts: int, capacity_factor: float | None) -> int:
+    """Per-expert slot count: ceil(cf * assignments / E), or all assignments when dropless."""
+    if capacity_factor is None:
+        return num_assignments
+    return max(1, math.ceil(capacity_factor * num_assignments / num_experts))
+
+
+def sort_by_expert(expert_of: jax.Array, num_experts: int):
+    """expert_of [N] -> (order [N] sorting assignments by expert, group_sizes [E], rank [N] within expert)."""
+    order = jnp.argsort(expert_of, stable=True)
+    group_sizes = jnp.bincount(expert_of, length=num_experts).astype(jnp.int32)
+    starts = jnp.cumsum(group_sizes) - group_sizes
+    sorted_e = expert_of[order]
+    rank_sorted = jnp.arange(expert_of.shape[0], dtype=jnp.int32) - starts[sorted_e]
+    rank = jnp.zeros_like(rank_sorted).at[order].set(rank_sorted)
+    return order, group_sizes, rank
+
+
+def local_routed_compute(x: jax.Array, route: RouteResult, experts: ExpertWeights, cfg: MoEConfig) -> RoutedOutput:
+    """Single-device routed experts: sort assignments by expert, grouped matmul, weighted un-sort."""
+    b, s, d = x.shape
+    k = route.indices.shape[-1]
+    e = experts.w_gate.shape[0]
+    xt = x.reshape(b * s, d)
+    flat_e = route.indices.reshape(-1)  # [N = b*s*k]
+    n = flat_e.shape[0]
+    with jax.named_scope("dispatch"):
+        order, group_sizes, rank = sort_by_expert(flat_e, e)
+        cap = capacity(n, e, cfg.capacity_factor)
+        kept = rank < cap  # [N] in assignment order
+        kept_sizes = jnp.minimum(group_sizes, cap)
+        # keep dropped rows out of the groups: move them to the end of the sort
+        order = jnp.argsort(jnp.where(kept, flat_e, e), stable=True)
+        xs = xt[order // k]
+    with jax.named_scope("expert_compute"):
+        ys = expert_swiglu(xs, kept_sizes, experts, cfg)
+    with jax.named_scope("combine"):
+        inv = jnp.argsort(order)
+        y = ys[inv] * kept[:, None].astype(ys.dtype)  # [N, d] in assignment order
+        w = route.weights.reshape(n, 1).astype(ys.dtype)
+        y = (y * w).reshape(b * s, k, d).sum(1).reshape(b, s, d)
+    dropped = jnp.sum(~kept).astype(jnp.int32)
+    return RoutedOutput(y=y, dropped=dropped)
+
+
+RoutedComputeFn = Callable[[jax.Array, RouteResult, ExpertWeights, MoEConfig], RoutedOutput]

@@ -1,0 +1,61 @@
+"""MoE block: router + routed experts (through a pluggable exchange) + shared experts.
+
+    MoEOutput = MoEBlock(x: [batch, seq, d_model])
+      shared [b, s, d] or None   shared-expert output (FarSkip's "no-routed" part)
+      routed [b, s, d]           weighted routed-expert output (crosses the all-to-alls under EP)
+      aux_loss, z_loss []        router losses; load [E]; dropped [] assignments
+
+Shared and routed are returned separately because the two residual streams need them apart
+(DESIGN.md section 1). Named scopes: router, dispatch/expert_compute/combine (in the exchange),
+shared_experts.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from farskip_jax.config import ModelConfig, MoEConfig
+from farskip_jax.model.experts import RoutedComputeFn, RoutedExperts, local_routed_compute
+from farskip_jax.model.layers import SwiGLU, dtype_of
+from farskip_jax.model.router import Router
+
+
+@struct.dataclass
+class MoEOutput:
+    shared: Optional[jax.Array]
+    routed: jax.Array
+    aux_loss: jax.Array
+    z_loss: jax.Array
+    load: jax.Array
+    dropped: jax.Array
+
+
+class MoEBlock(nnx.Module):
+    def __init__(self, mcfg: ModelConfig, cfg: MoEConfig, *, rngs: nnx.Rngs,
+                 routed_compute: Optional[RoutedComputeFn] = None):
+        self.cfg = cfg
+        pd, cd = dtype_of(mcfg.param_dtype), dtype_of(mcfg.compute_dtype)
+        self.router = Router(mcfg.d_model, cfg, rngs=rngs, std=mcfg.init_std)
+        self.experts = RoutedExperts(mcfg.d_model, cfg.expert_hidden, cfg.num_experts, rngs=rngs,
+                                     std=mcfg.init_std, param_dtype=pd, compute_dtype=cd)
+        if cfg.num_shared_experts > 0:
+            self.shared = SwiGLU(mcfg.d_model, cfg.resolved_shared_hidden, rngs=rngs, std=mcfg.init_std,
+                                 param_dtype=pd, compute_dtype=cd)
+        else:
+            self.shared = None
+        self.routed_compute = routed_compute or local_routed_compute
+
+    def __call__(self, x: jax.Array) -> MoEOutput:
+        with jax.named_scope("router"):
+            route = self.router(x)
+        out = self.routed_compute(x, route, self.experts.weights(), self.cfg)
+        shared = None
+        if self.shared is not None:
+            with jax.named_scope("shared_experts"):
+                shared = self.shared(x)
+        return MoEOutput(shared=shared, routed=out.y.astype(x.dtype), aux_loss=route.aux_loss,
+                         z_loss=route.z_loss, load=route.load, dropped=out.dropped)
