@@ -1,0 +1,124 @@
+"""Routed-expert forward+backward time relative to an equal-FLOP dense SwiGLU MLP, side by side.
+
+    python benchmarks/moe_layer.py [--shapes a,b] [--backends tiled,einsum,ragged_dot] [--repeats 5]
+
+Shapes (fp32):
+  a: batch 8 x seq 256, d_model 256, 16 experts, top-2, expert hidden 512
+  b: batch 2 x seq 256, d_model 1024, 64 experts, top-6, expert hidden 1408 (DeepSeek-V2-Lite
+     proportions; batch shrunk so a CPU run takes a couple of minutes)
+Each MoE variant = router (softmax top-k) + `local_routed_compute` (sort, grouped matmul SwiGLU,
+weighted un-sort), gradients w.r.t. the input, router and expert weights. The reference is a dense
+SwiGLU with hidden = top_k * expert_hidden (same active FLOPs per token), gradients w.r.t. input and
+weights. Variants are timed interleaved (one call of each per repeat), median reported; the printed
+ratio is variant / dense. `tiled@cf1.25` is the dropping variant (capacity factor 1.25) for reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from farskip_jax.config import MoEConfig  # noqa: E402
+from farskip_jax.model.experts import ExpertWeights, local_routed_compute  # noqa: E402
+from farskip_jax.model.router import RouteResult  # noqa: E402
+
+SHAPES = {
+    "a": dict(batch=8, seq=256, d=256, experts=16, top_k=2, hidden=512),
+    "b": dict(batch=2, seq=256, d=1024, experts=64, top_k=6, hidden=1408),
+}
+
+
+def make_moe_step(cfg: MoEConfig):
+    def loss(params, x, ct):
+        logits = jnp.einsum("bsd,de->bse", x, params["router"])
+        probs = jax.nn.softmax(logits, -1)
+        w, idx = jax.lax.top_k(probs, cfg.top_k)
+        w = w / w.sum(-1, keepdims=True)
+        route = RouteResult(indices=idx.astype(jnp.int32), weights=w, aux_loss=jnp.zeros(()),
+                            z_loss=jnp.zeros(()), load=jnp.zeros((cfg.num_experts,)))
+        ew = ExpertWeights(params["w_gate"], params["w_up"], params["w_down"])
+        out = local_routed_compute(x, route, ew, cfg)
+        return jnp.sum(out.y * ct), out.dropped
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+
+
+def make_dense_step():
+    def loss(params, x, ct):
+        h = jax.nn.silu(x @ params["w_gate"]) * (x @ params["w_up"])
+        return jnp.sum((h @ params["w_down"]) * ct)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+
+def run_shape(name: str, backends: list[str], repeats: int, tile: int) -> list[tuple[str, float, float]]:
+    s = SHAPES[name]
+    b, t, d, e, k, h = s["batch"], s["seq"], s["d"], s["experts"], s["top_k"], s["hidden"]
+    rng = np.random.default_rng(0)
+    f32 = lambda *shape, std=0.02: jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * std)  # noqa: E731
+    x = f32(b, t, d, std=1.0)
+    ct = f32(b, t, d, std=1.0)
+    moe_params = {"router": f32(d, e, std=0.5), "w_gate": f32(e, d, h), "w_up": f32(e, d, h), "w_down": f32(e, h, d)}
+    dense_params = {"w_gate": f32(d, k * h), "w_up": f32(d, k * h), "w_down": f32(k * h, d)}
+    variants = {"dense": (make_dense_step(), dense_params)}
+    for be in backends:
+        cf = None
+        label = be
+        if "@cf" in be:
+            be, cf = be.split("@cf")[0], float(be.split("@cf")[1])
+        cfg = MoEConfig(num_experts=e, top_k=k, expert_hidden=h, gmm=be, gmm_tile=tile, capacity_factor=cf)
+        variants[label] = (make_moe_step(cfg), moe_params)
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    dropped: dict[str, float] = {}
+    print(f"[shape {name}] {s}  tokens={b * t} assignments={b * t * k}", flush=True)
+    for label, (fn, params) in variants.items():  # compile + warm up
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(params, x, ct))
+        if label != "dense":
+            dropped[label] = float(out[0][1]) / (b * t * k)
+        print(f"  compiled {label:16s} {time.perf_counter() - t0:6.1f}s", flush=True)
+    for r in range(repeats):
+        for label, (fn, params) in variants.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(params, x, ct))
+            times[label].append(time.perf_counter() - t0)
+        print(f"  repeat {r + 1}/{repeats}: " + " ".join(f"{v}={times[v][-1] * 1e3:.0f}ms" for v in variants), flush=True)
+    dense = statistics.median(times["dense"])
+    rows = []
+    for label in variants:
+        if label == "dense":
+            continue
+        ratio = statistics.median(times[label]) / dense
+        rows.append((label, ratio, dropped[label]))
+        print(f"  {label:16s} {ratio:5.2f}x dense   dropped {dropped[label]:.2%}", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="a,b")
+    ap.add_argument("--backends", default=None,
+                    help="comma list; default a: tiled,einsum,ragged_dot,tiled@cf1.25  b: tiled,einsum")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--tile", type=int, default=MoEConfig.gmm_tile)
+    args = ap.parse_args(argv)
+    print(f"jax {jax.__version__} on {jax.default_backend()}, {os.cpu_count()} CPUs", flush=True)
+    for name in args.shapes.split(","):
+        default = "tiled,einsum,ragged_dot,tiled@cf1.25" if name == "a" else "tiled,einsum"
+        run_shape(name, (args.backends or default).split(","), args.repeats, args.tile)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
