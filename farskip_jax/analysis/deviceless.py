@@ -1,0 +1,134 @@
+"""Compile a JAX program for a GPU topology with no GPU present, and read back XLA's schedule.
+
+    devices = gpu_devices("h100_sxm", 8)          # compile-only devices (jax-cuda12-plugin/pjrt)
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(...), axis_names)
+    prog = compile_deviceless(jax.jit(fn), *abstract_args, flags=LHS_FLAGS)
+    prog.hlo_text          # the scheduled module (compiled.as_text())
+    prog.schedule          # hlo.Schedule with XLA's cost-model start/end times per instruction
+
+Target configs are GpuTargetConfigProto text files in `specs/` (data copied from OpenXLA's
+xla/backends/gpu/target_config/specs/) or any path to such a file. Works with
+`JAX_PLATFORMS=cpu`: the topology API creates compile-only devices, the rest of JAX stays on CPU.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from farskip_jax.analysis.hlo import Schedule, load_schedule
+from farskip_jax.errors import BackendError
+
+SPECS_DIR = Path(__file__).parent / "specs"
+TARGETS = {"h100_sxm": "cuda", "h200": "cuda"}
+
+# Flags every overlap compile uses unless the caller overrides them (GPU debug options).
+LHS_FLAGS: dict[str, Any] = {
+    "xla_gpu_enable_latency_hiding_scheduler": True,
+}
+
+
+def target_config_text(target: str) -> str:
+    """GpuTargetConfigProto text of a known target (h100_sxm, h200) or of a .txtpb path."""
+    path = Path(target)
+    if not path.exists():
+        path = SPECS_DIR / f"{target}.txtpb"
+    if not path.exists():
+        known = sorted(p.stem for p in SPECS_DIR.glob("*.txtpb"))
+        raise BackendError(f"unknown GPU target {target!r}; use one of {known} or a path to a "
+                           "GpuTargetConfigProto text file")
+    return path.read_text()
+
+
+def gpu_devices(target: str = "h100_sxm", num_devices: int = 8, platform: Optional[str] = None) -> list:
+    """Compile-only devices of a single-host GPU topology with `num_devices` GPUs."""
+    from jax.experimental import topologies
+
+    platform = platform or TARGETS.get(target, "cuda")
+    try:
+        topo = topologies.get_topology_desc(platform=platform, target_config=target_config_text(target),
+                                            topology=f"1x1x{num_devices}")
+    except Exception as e:  # plugin missing or proto not understood by this jaxlib
+        raise BackendError(
+            f"cannot create a deviceless {platform} topology for target {target!r}: {e}. Install the "
+            "compile-only plugin wheels matching jax (pip install jax-cuda12-plugin jax-cuda12-pjrt)") from e
+    return list(topo.devices)
+
+
+@dataclass
+class CompiledProgram:
+    hlo_text: str
+    schedule: Schedule
+    flags: dict
+
+
+def compile_deviceless(jitted, *args, flags: Optional[dict] = None, keep_dump: Optional[str] = None,
+                       **kwargs) -> CompiledProgram:
+    """Lower `jitted(*args, **kwargs)` (ShapeDtypeStructs with shardings on GPU devices), compile it
+    with the latency-hiding scheduler dump on, and return the scheduled HLO + XLA's schedule."""
+    opts = dict(LHS_FLAGS)
+    opts.update(flags or {})
+    with tempfile.TemporaryDirectory(prefix="farskip_overlap_") as tmp:
+        dump = keep_dump or tmp
+        os.makedirs(dump, exist_ok=True)
+        opts_c = dict(opts, xla_dump_to=dump, xla_dump_latency_hiding_schedule=True)
+        compiled = jitted.lower(*args, **kwargs).compile(compiler_options=opts_c)
+        files = sorted(glob.glob(os.path.join(dump, "*.schedule.txt")), key=os.path.getmtime)
+        if not files:
+            raise BackendError("XLA wrote no latency-hiding schedule; is the latency-hiding scheduler on "
+                               "(xla_gpu_enable_latency_hiding_scheduler=true) and the target a GPU?")
+        schedule = load_schedule(Path(files[-1]).read_text())
+    return CompiledProgram(hlo_text=compiled.as_text(), schedule=schedule, flags=opts)
+
+
+_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "S32": "int32", "U32": "uint32",
+           "S8": "int8", "U8": "uint8", "F64": "float64", "S64": "int64"}
+
+
+def probe_all_to_all_latency(element_type: str, dims: tuple, split_dim: int, group_size: int, devices: list,
+                             flags: Optional[dict] = None) -> Optional[float]:
+    """XLA's modelled latency (us) of one all-to-all of a per-device operand [dims] over groups of
+    `group_size` devices: compile it alone and read the start-to-done gap of its schedule."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    if element_type not in _DTYPES or not dims or group_size < 2 or len(devices) % group_size:
+        return None
+    if dims[split_dim] % group_size:
+        return None
+    mesh = Mesh(np.array(devices).reshape(len(devices) // group_size, group_size), ("rest", "group"))
+    spec = P(("rest", "group"))
+    glob = (dims[0] * len(devices),) + tuple(dims[1:])
+
+    def body(x):
+        return jax.lax.all_to_all(x, "group", split_dim, split_dim, tiled=True)
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+    arg = jax.ShapeDtypeStruct(glob, getattr(jnp, _DTYPES[element_type]), sharding=NamedSharding(mesh, spec))
+    sched = compile_deviceless(fn, arg, flags=flags).schedule
+    gaps = [p.done.start - p.start.end for p in sched.pairs if p.collective == "all-to-all"]
+    return max(gaps) if gaps else None
+
+
+def collective_durations(schedule: Schedule, devices: list, flags: Optional[dict] = None) -> list[float]:
+    """Modelled duration of every collective of `schedule.pairs`: XLA's latency for all-to-alls
+    (probed once per distinct shape), else the start-to-done window (exact whenever the done waits)."""
+    cache: dict = {}
+    out = []
+    for p in schedule.pairs:
+        window = max(p.done.start - p.start.end, 0.0)
+        lat = None
+        if p.collective == "all-to-all" and len(p.operand_shapes) == 1 and len(p.dims) == 1:
+            et, dims = p.operand_shapes[0]
+            key = (et, dims, p.dims[0], p.group_size or len(devices))
+            if key not in cache:
+                cache[key] = probe_all_to_all_latency(et, dims, p.dims[0], key[3], devices, flags)
+            lat = cache[key]
+        out.append(lat if lat is not None else window)
+    return out
