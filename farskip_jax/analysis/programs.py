@@ -1,0 +1,83 @@
+"""The programs the overlap report compiles: the real model's forward and train step, abstractly.
+
+    mesh = analysis_mesh(cfg, gpu_devices("h100_sxm", 8))
+    fn, args = forward_program(cfg, mesh, batch=8, seq=4096)       # jitted, ShapeDtypeStructs
+    fn, args = train_program(cfg, mesh, batch=8, seq=4096)
+
+Nothing is materialised: the parameters are `nnx.eval_shape` of the model with the shardings of
+`parallel.sharding.state_shardings`, the tokens a [batch, seq] int32 ShapeDtypeStruct split over
+data x fsdp x expert, so programs for compile-only GPU devices can be lowered on a CPU host.
+
+The train step is loss -> grad -> SGD update (cross entropy + router aux/z losses, as in
+train/step.py); the optimizer's elementwise update does not change what overlaps the all-to-alls.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from farskip_jax.config import Config
+from farskip_jax.model import Transformer
+from farskip_jax.parallel.ep import routed_compute_for
+from farskip_jax.parallel.mesh import BATCH_AXES, make_mesh
+from farskip_jax.parallel.sharding import state_shardings
+
+
+def analysis_mesh(cfg: Config, devices: Sequence) -> Mesh:
+    """The mesh of cfg.mesh over the given (compile-only) devices."""
+    return make_mesh(cfg.mesh, devices=list(devices))
+
+
+def abstract_model(cfg: Config, mesh: Mesh):
+    """(graphdef, state) with every leaf a ShapeDtypeStruct carrying its NamedSharding."""
+    rc = routed_compute_for(cfg.moe.dispatch, mesh)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), routed_compute=rc)))
+    shardings = state_shardings(state, mesh)
+    is_var = lambda x: isinstance(x, nnx.Variable)
+
+    def one(v, s):
+        x = v.get_value() if hasattr(v, "get_value") else v[...]
+        return v.replace(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s))
+
+    return graphdef, jax.tree.map(one, state, shardings, is_leaf=is_var)
+
+
+def _tokens(mesh: Mesh, batch: int, seq: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=NamedSharding(mesh, P(BATCH_AXES, None)))
+
+
+def forward_program(cfg: Config, mesh: Mesh, batch: int, seq: int):
+    """jit(forward)(state, tokens) -> logits, with connectivity cfg.farskip."""
+    graphdef, state = abstract_model(cfg, mesh)
+    fs = cfg.farskip
+
+    def forward(state, tokens):
+        out = nnx.merge(graphdef, state)(tokens, farskip=fs)
+        return out.logits, out.aux_loss
+
+    return jax.jit(forward), (state, _tokens(mesh, batch, seq))
+
+
+def train_program(cfg: Config, mesh: Mesh, batch: int, seq: int, lr: float = 1e-3):
+    """jit(step)(params, rest, tokens) -> (new params, loss): CE + aux/z loss, grad, SGD update."""
+    graphdef, state = abstract_model(cfg, mesh)
+    fs = cfg.farskip
+    params, rest = nnx.split_state(state, nnx.Param, ...) if hasattr(nnx, "split_state") else state.split(nnx.Param, ...)
+
+    def loss_fn(params, rest, tokens):
+        out = nnx.merge(graphdef, params, rest)(tokens, farskip=fs)
+        logp = jax.nn.log_softmax(out.logits[:, :-1], axis=-1)
+        ce = -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+        return ce + cfg.moe.aux_loss_weight * out.aux_loss + cfg.moe.z_loss_weight * out.z_loss
+
+    def step(params, rest, tokens):
+        loss, grads = jax.value_and_grad(loss_fn)(params, rest, tokens)
+        new = jax.tree.map(lambda p, g: p - lr * g.astype(p.dtype), params, grads)
+        return new, loss
+
+    return jax.jit(step, donate_argnums=(0,)), (params, rest, _tokens(mesh, batch, seq))
