@@ -1,0 +1,175 @@
+"""Overlap report: how much all-to-all time XLA hides under compute, standard vs FarSkip.
+
+    python -m farskip_jax.analysis.overlap --config configs/deepseek_v2_lite.yaml \
+        --batch 8 --seq 4096 --programs forward,train --target h100_sxm --hardware mi300x \
+        --out runs/overlap [--verbose] [key=value config overrides ...]
+
+For each connectivity preset (default: standard, farskip) and program (forward, train step) it
+compiles the real model deviceless for an 8-GPU topology with the latency-hiding scheduler on, and
+reports, from XLA's own cost-model schedule: every all-to-all (layer, dispatch/combine, fwd/bwd,
+MB, modelled duration, hidden time, the named scopes that ran inside it, the compute independent
+of it), totals side by side (hidden fraction, structural bound, hidden/bound, modelled step time,
+speedup) and, with --hardware, the same totals under the two-stream cost model (cost_model.py).
+Writes report.json and one timeline picture per program (standard above farskip) into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Optional, Sequence
+
+from farskip_jax.analysis.deviceless import LHS_FLAGS, collective_durations, compile_deviceless, gpu_devices
+from farskip_jax.analysis.report import OverlapReport, analyze, format_collectives, format_side_by_side
+
+PROGRAMS = ("forward", "train")
+
+
+def _parse_value(v: str):
+    low = v.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    try:
+        return int(v)
+    except ValueError:
+        try:
+            return float(v)
+        except ValueError:
+            return v
+
+
+@dataclasses.dataclass
+class ProgramResult:
+    preset: str
+    program: str
+    report: OverlapReport
+    modelled: Optional[OverlapReport]  # under the two-stream cost model (--hardware)
+    schedule: object
+    compile_s: float
+
+
+def run_overlap(cfg, presets: Sequence[str] = ("standard", "farskip"), programs: Sequence[str] = PROGRAMS,
+                batch: Optional[int] = None, seq: Optional[int] = None, target: str = "h100_sxm",
+                num_devices: int = 8, flags: Optional[dict] = None, hardware: Optional[str] = None,
+                log=None) -> list[ProgramResult]:
+    """Compile and analyse every (preset, program); `log(msg)` receives progress lines."""
+    from farskip_jax.analysis.cost_model import HARDWARE, simulate
+    from farskip_jax.analysis.programs import analysis_mesh, forward_program, train_program
+    from farskip_jax.config import replace
+
+    log = log or (lambda m: None)
+    batch = batch or cfg.train.batch_size
+    seq = seq or cfg.train.seq_len
+    devices = gpu_devices(target, num_devices)
+    results = []
+    for preset in presets:
+        c = replace(cfg, **{"farskip.preset": preset})
+        mesh = analysis_mesh(c, devices)
+        for prog in programs:
+            build = {"forward": forward_program, "train": train_program}[prog]
+            t0 = time.time()
+            log(f"[overlap] compiling {prog} ({preset}, batch {batch} x seq {seq}, {target} x{num_devices}) ...")
+            fn, args = build(c, mesh, batch, seq)
+            compiled = compile_deviceless(fn, *args, flags=flags)
+            dt = time.time() - t0
+            log(f"[overlap]   compiled in {dt:.1f}s: {len(compiled.schedule.ops)} ops, "
+                f"{len(compiled.schedule.pairs)} async collectives; analysing ...")
+            durs = collective_durations(compiled.schedule, devices, flags)
+            rep = analyze(compiled.schedule, durs, label=preset)
+            modelled = None
+            if hardware:
+                sched_hw, durs_hw = simulate(compiled.schedule, HARDWARE[hardware], mesh.shape.get("expert", 1))
+                modelled = analyze(sched_hw, durs_hw, label=f"{preset}@{hardware}")
+            results.append(ProgramResult(preset, prog, rep, modelled, compiled.schedule, dt))
+            log(f"[overlap]   done in {time.time() - t0:.1f}s")
+    return results
+
+
+def _middle_moe_layer(rep: OverlapReport) -> Optional[int]:
+    layers = sorted({s.layer for s in rep.stats if s.layer is not None})
+    return layers[len(layers) // 2] if layers else None
+
+
+def to_json(results: Sequence[ProgramResult]) -> dict:
+    out = {}
+    for r in results:
+        entry = {"compile_s": r.compile_s, "step_time_us": r.report.step_time,
+                 "totals": {d: r.report.totals(d) for d in ("fwd", "bwd", "all")},
+                 "collectives": [dataclasses.asdict(s) for s in r.report.stats]}
+        if r.modelled is not None:
+            entry["modelled"] = {"step_time_us": r.modelled.step_time,
+                                 "totals": {d: r.modelled.totals(d) for d in ("fwd", "bwd", "all")}}
+        out.setdefault(r.program, {})[r.preset] = entry
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m farskip_jax.analysis.overlap", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default=None, help="YAML config (default: built-in defaults)")
+    ap.add_argument("--presets", default="standard,farskip")
+    ap.add_argument("--programs", default="forward,train", help="forward, train or both (comma separated)")
+    ap.add_argument("--batch", type=int, default=None, help="global batch (default train.batch_size)")
+    ap.add_argument("--seq", type=int, default=None, help="sequence length (default train.seq_len)")
+    ap.add_argument("--target", default="h100_sxm", help="GPU target spec: h100_sxm, h200 or a .txtpb path")
+    ap.add_argument("--devices", type=int, default=8)
+    ap.add_argument("--xla", action="append", default=[], metavar="FLAG=VALUE",
+                    help="extra XLA debug option for the compile (repeatable)")
+    ap.add_argument("--hardware", default=None, help="also model on: mi300x, mi325x, h100_sxm")
+    ap.add_argument("--out", default=None, help="folder for report.json and timeline pictures")
+    ap.add_argument("--verbose", action="store_true", help="print every all-to-all")
+    ap.add_argument("overrides", nargs="*", help="config overrides key=value")
+    a = ap.parse_args(argv)
+
+    from farskip_jax.config import load_config
+    from farskip_jax.errors import FarSkipError
+
+    try:
+        cfg = load_config(a.config, a.overrides)
+        flags = dict(LHS_FLAGS)
+        for kv in a.xla:
+            k, _, v = kv.partition("=")
+            flags[k.lstrip("-")] = _parse_value(v)
+        progs = [p.strip() for p in a.programs.split(",") if p.strip()]
+        bad = [p for p in progs if p not in PROGRAMS]
+        if bad:
+            raise FarSkipError(f"--programs: unknown {bad}; choose from {list(PROGRAMS)}")
+        log = lambda m: print(m, file=sys.stderr, flush=True)
+        results = run_overlap(cfg, [p.strip() for p in a.presets.split(",")], progs, a.batch, a.seq, a.target,
+                              a.devices, flags, a.hardware, log)
+    except FarSkipError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for prog in progs:
+        sel = [r for r in results if r.program == prog]
+        print(f"\n=== {prog}: XLA cost model ({a.target} x{a.devices}) ===")
+        if a.verbose:
+            for r in sel:
+                print(format_collectives(r.report) + "\n")
+        print(format_side_by_side([r.report for r in sel]))
+        if a.hardware:
+            print(f"\n=== {prog}: two-stream cost model ({a.hardware}) ===")
+            print(format_side_by_side([r.modelled for r in sel]))
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "report.json"), "w") as f:
+            json.dump(to_json(results), f, indent=1)
+        from farskip_jax.analysis.timeline import plot_layer_timelines
+
+        for prog in progs:
+            sel = [r for r in results if r.program == prog]
+            layer = _middle_moe_layer(sel[0].report)
+            if layer is None:
+                continue
+            for d in ("fwd", "bwd") if prog == "train" else ("fwd",):
+                path = os.path.join(a.out, f"timeline_{prog}_{d}.png")
+                plot_layer_timelines([(r.preset, r.schedule, r.report) for r in sel], layer, d, path)
+                print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
