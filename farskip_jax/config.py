@@ -52,6 +52,7 @@ class RopeScalingConfig:
     mscale: float = 1.0  # yarn (DeepSeek)
     mscale_all_dim: float = 0.0  # yarn (DeepSeek)
     attention_factor: Optional[float] = None  # yarn: overrides the computed attention scale
+    truncate: bool = True  # yarn: round the correction range to whole dims (HF default)
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,22 @@ class ModelConfig:
     param_dtype: DType = "float32"
     compute_dtype: DType = "float32"
     remat: Literal["none", "full", "dots", "minimal"] = "none"
+    # --- pieces of imported families (convert/); the defaults keep the plain GQA model ---
+    qk_norm_scope: Literal["head", "all_heads"] = "head"  # q/k RMSNorm per head or over all heads (OLMoE)
+    qk_l2_norm: bool = False  # weightless L2 (RMS) norm of q/k after rope, rope layers only (Llama-4)
+    rope_interleaved: bool = False  # rotate adjacent pairs (DeepSeek, Llama-4) instead of halves
+    nope_layers: tuple[int, ...] = ()  # layers without rope (Llama-4 NoPE layers)
+    attention_chunk_size: Optional[int] = None  # chunked local attention (Llama-4)
+    chunked_layers: Optional[tuple[int, ...]] = None  # layers using it (None = every layer)
+    attn_temperature_tuning: bool = False  # NoPE layers scale q by log1p(floor((pos+1)/floor))*scale+1
+    attn_temperature_floor: float = 8192.0
+    attn_temperature_scale: float = 0.1
+    gated_attention: bool = False  # attention output *= sigmoid(gate_proj(x)) before o_proj (Instella)
+    q_lora_rank: Optional[int] = None  # MLA: low-rank query (None = full q projection)
+    kv_lora_rank: int = 512  # MLA: compressed kv latent size
+    qk_nope_head_dim: int = 128  # MLA: per-head q/k dims without rope ...
+    qk_rope_head_dim: int = 64  # ... and with rope (one rope key shared by all heads)
+    v_head_dim: int = 128  # MLA: per-head value dim
 
     def __post_init__(self):
         _check(self.num_layers >= 1, f"model.num_layers must be >= 1, got {self.num_layers}")
@@ -100,6 +117,13 @@ class ModelConfig:
         if self.moe_layers is not None:
             bad = [i for i in self.moe_layers if not 0 <= i < self.num_layers]
             _check(not bad, f"model.moe_layers has layer indices outside [0, {self.num_layers}): {bad}")
+        bad = [i for i in self.nope_layers + (self.chunked_layers or ()) if not 0 <= i < self.num_layers]
+        _check(not bad, f"model.nope_layers/chunked_layers have layer indices outside [0, {self.num_layers}): {bad}")
+        _check(self.attention_chunk_size is None or self.attention_chunk_size >= 1, "model.attention_chunk_size must be >= 1")
+        if self.attention == "mla":
+            _check(self.qk_rope_head_dim % 2 == 0, f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even")
+            _check(self.kv_lora_rank >= 1 and (self.q_lora_rank is None or self.q_lora_rank >= 1),
+                   "model.kv_lora_rank and model.q_lora_rank must be >= 1")
 
     @property
     def resolved_head_dim(self) -> int:
@@ -135,6 +159,8 @@ class MoEConfig:
     gmm: Literal["auto", "ragged_dot", "tiled", "einsum"] = "auto"
     gmm_tile: int = 128
     num_groups: int = 1  # Federation of Experts groups (1 = ordinary MoE)
+    shared_gate: bool = False  # shared-expert output *= sigmoid(x @ w_gate [d, 1]) (Qwen2-MoE)
+    route_on_input: bool = False  # the routing weight scales the expert INPUT (Llama-4; needs top_k 1)
 
     def __post_init__(self):
         _check(self.num_experts >= 0, "moe.num_experts must be >= 0")
@@ -152,6 +178,8 @@ class MoEConfig:
         _check(self.capacity_factor is None or self.capacity_factor > 0, "moe.capacity_factor must be > 0 or null (dropless)")
         _check(self.gmm_tile >= 1, "moe.gmm_tile must be >= 1")
         _check(self.num_groups >= 1, "moe.num_groups must be >= 1")
+        _check(not self.route_on_input or self.top_k == 1,
+               f"moe.route_on_input scales each expert's input by its weight and needs moe.top_k=1, got {self.top_k}")
 
     @property
     def resolved_shared_hidden(self) -> int:

@@ -45,23 +45,51 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, sc
     return out.reshape(b, t, h, v.shape[-1])
 
 
+def temperature_scale(positions: jax.Array, floor: float, scale: float) -> jax.Array:
+    """Llama-4 attention temperature tuning of NoPE layers: [b, t] -> [b, t, 1, 1] query multiplier."""
+    p = positions.astype(jnp.float32)
+    return (jnp.log1p(jnp.floor((p + 1.0) / floor)) * scale + 1.0)[:, :, None, None]
+
+
+def l2_norm(x: jax.Array, eps: float) -> jax.Array:
+    """Weightless RMS normalisation over the last dim (Llama-4's q/k "L2Norm")."""
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def layer_mask(cfg: ModelConfig, layer_idx: int, positions: jax.Array, segment_ids: Optional[jax.Array]) -> jax.Array:
+    """Causal/document mask of one layer, chunked when the layer uses chunked local attention."""
+    chunked = cfg.attention_chunk_size and (cfg.chunked_layers is None or layer_idx in cfg.chunked_layers)
+    return attention_mask(positions, positions, segment_ids, segment_ids,
+                          chunk_size=cfg.attention_chunk_size if chunked else None)
+
+
 class Attention(nnx.Module):
-    """GQA attention. Heads: num_heads queries share num_kv_heads key/value heads."""
+    """GQA attention. Heads: num_heads queries share num_kv_heads key/value heads.
+
+    Optional pieces (ModelConfig): q/k RMSNorm per head or over all heads, NoPE layers, q/k L2 norm
+    after rope, chunked local attention, NoPE temperature tuning, sigmoid-gated output."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer_idx: int = 0):
         self.cfg = cfg
+        self.layer_idx = layer_idx
         d, h, kv, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
-        kw = dict(rngs=rngs, std=cfg.init_std, param_dtype=dtype_of(cfg.param_dtype),
-                  compute_dtype=dtype_of(cfg.compute_dtype))
+        pd = dtype_of(cfg.param_dtype)
+        kw = dict(rngs=rngs, std=cfg.init_std, param_dtype=pd, compute_dtype=dtype_of(cfg.compute_dtype))
         self.q_proj = Linear(d, h * hd, axes=("embed", "heads"), bias=cfg.attention_bias, **kw)
         self.k_proj = Linear(d, kv * hd, axes=("embed", "kv_heads"), bias=cfg.attention_bias, **kw)
         self.v_proj = Linear(d, kv * hd, axes=("embed", "kv_heads"), bias=cfg.attention_bias, **kw)
         self.o_proj = Linear(h * hd, d, axes=("heads", "embed"), **kw)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(hd, eps=cfg.norm_eps, param_dtype=dtype_of(cfg.param_dtype), axes=("head_dim",))
-            self.k_norm = RMSNorm(hd, eps=cfg.norm_eps, param_dtype=dtype_of(cfg.param_dtype), axes=("head_dim",))
+        self.gate_proj = Linear(d, h * hd, axes=("embed", "heads"), **kw) if cfg.gated_attention else None
+        if cfg.qk_norm and cfg.qk_norm_scope == "all_heads":
+            self.q_norm = RMSNorm(h * hd, eps=cfg.norm_eps, param_dtype=pd, axes=("heads",))
+            self.k_norm = RMSNorm(kv * hd, eps=cfg.norm_eps, param_dtype=pd, axes=("kv_heads",))
+        elif cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, eps=cfg.norm_eps, param_dtype=pd, axes=("head_dim",))
+            self.k_norm = RMSNorm(hd, eps=cfg.norm_eps, param_dtype=pd, axes=("head_dim",))
         else:
             self.q_norm = self.k_norm = None
+        self.use_rope = layer_idx not in cfg.nope_layers
         self.inv_freq, self.rope_factor = rope_frequencies(hd, cfg.rope_theta, cfg.rope_scaling)
         self.inv_freq = tuple(float(f) for f in self.inv_freq)  # hashable static attribute
         self.scale = hd ** -0.5
@@ -70,21 +98,32 @@ class Attention(nnx.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         hd = cfg.resolved_head_dim
-        q = self.q_proj(x).reshape(b, t, cfg.num_heads, hd)
-        k = self.k_proj(x).reshape(b, t, cfg.num_kv_heads, hd)
-        v = self.v_proj(x).reshape(b, t, cfg.num_kv_heads, hd)
-        if self.q_norm is not None:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_norm is not None and cfg.qk_norm_scope == "all_heads":
             q, k = self.q_norm(q), self.k_norm(k)
-        inv = jnp.asarray(self.inv_freq)
-        q = apply_rope(q, positions, inv, attention_factor=self.rope_factor)
-        k = apply_rope(k, positions, inv, attention_factor=self.rope_factor)
+        q = q.reshape(b, t, cfg.num_heads, hd)
+        k = k.reshape(b, t, cfg.num_kv_heads, hd)
+        v = v.reshape(b, t, cfg.num_kv_heads, hd)
+        if self.q_norm is not None and cfg.qk_norm_scope == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.use_rope:
+            inv = jnp.asarray(self.inv_freq)
+            q = apply_rope(q, positions, inv, attention_factor=self.rope_factor, interleaved=cfg.rope_interleaved)
+            k = apply_rope(k, positions, inv, attention_factor=self.rope_factor, interleaved=cfg.rope_interleaved)
+            if cfg.qk_l2_norm:
+                q, k = l2_norm(q, cfg.norm_eps), l2_norm(k, cfg.norm_eps)
+        elif cfg.attn_temperature_tuning:
+            q = (q * temperature_scale(positions, cfg.attn_temperature_floor, cfg.attn_temperature_scale)).astype(q.dtype)
         return q, k, v
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array] = None) -> jax.Array:
         with jax.named_scope("attention_qkv"):
             q, k, v = self.qkv(x, positions)
         with jax.named_scope("attention_core"):
-            mask = attention_mask(positions, positions, segment_ids, segment_ids)
+            mask = layer_mask(self.cfg, self.layer_idx, positions, segment_ids)
             o = attention_core(q, k, v, mask, self.scale)
         with jax.named_scope("attention_out"):
-            return self.o_proj(o.reshape(o.shape[0], o.shape[1], -1))
+            o = o.reshape(o.shape[0], o.shape[1], -1)
+            if self.gate_proj is not None:
+                o = o * jax.nn.sigmoid(self.gate_proj(x))
+            return self.o_proj(o)

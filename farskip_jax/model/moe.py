@@ -20,7 +20,7 @@ from flax import nnx, struct
 
 from farskip_jax.config import ModelConfig, MoEConfig
 from farskip_jax.model.experts import RoutedComputeFn, RoutedExperts, local_routed_compute
-from farskip_jax.model.layers import SwiGLU, dtype_of
+from farskip_jax.model.layers import Linear, SwiGLU, dtype_of
 from farskip_jax.model.router import Router
 
 
@@ -47,15 +47,24 @@ class MoEBlock(nnx.Module):
                                  param_dtype=pd, compute_dtype=cd)
         else:
             self.shared = None
+        # Qwen2-MoE: the shared output is scaled by sigmoid(x @ w) with w: [d_model, 1]
+        self.shared_gate = Linear(mcfg.d_model, 1, axes=("embed", None), rngs=rngs, std=mcfg.init_std,
+                                  param_dtype=pd, compute_dtype=cd) if cfg.shared_gate and self.shared is not None else None
         self.routed_compute = routed_compute or local_routed_compute
 
     def __call__(self, x: jax.Array) -> MoEOutput:
         with jax.named_scope("router"):
             route = self.router(x)
-        out = self.routed_compute(x, route, self.experts.weights(), self.cfg)
+        x_routed = x
+        if self.cfg.route_on_input:  # Llama-4: expert(w * x) instead of w * expert(x) (top_k == 1)
+            x_routed = (x * route.weights.astype(x.dtype)).astype(x.dtype)
+            route = route.replace(weights=jnp.ones_like(route.weights))
+        out = self.routed_compute(x_routed, route, self.experts.weights(), self.cfg)
         shared = None
         if self.shared is not None:
             with jax.named_scope("shared_experts"):
                 shared = self.shared(x)
+                if self.shared_gate is not None:
+                    shared = shared * jax.nn.sigmoid(self.shared_gate(x))
         return MoEOutput(shared=shared, routed=out.y.astype(x.dtype), aux_loss=route.aux_loss,
                          z_loss=route.z_loss, load=route.load, dropped=out.dropped)

@@ -49,8 +49,10 @@ def rope_frequencies(dim: int, theta: float, scaling: RopeScalingConfig | None =
             attn = _yarn_get_mscale(s.factor, s.mscale) / _yarn_get_mscale(s.factor, s.mscale_all_dim)
         else:
             attn = _yarn_get_mscale(s.factor)
-        low = math.floor(_yarn_find_correction_dim(s.beta_fast, dim, theta, s.original_max_position))
-        high = math.ceil(_yarn_find_correction_dim(s.beta_slow, dim, theta, s.original_max_position))
+        low = _yarn_find_correction_dim(s.beta_fast, dim, theta, s.original_max_position)
+        high = _yarn_find_correction_dim(s.beta_slow, dim, theta, s.original_max_position)
+        if s.truncate:
+            low, high = math.floor(low), math.ceil(high)
         low, high = max(low, 0), min(high, dim - 1)
         if low == high:
             high += 0.001

@@ -21,6 +21,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from farskip_jax.config import Config, FarSkipConfig
 from farskip_jax.model.attention import Attention
+from farskip_jax.model.mla import MLAttention
 from farskip_jax.model.connectivity import Streams
 from farskip_jax.model.experts import RoutedComputeFn
 from farskip_jax.model.layers import Embed, Linear, RMSNorm, SwiGLU, dtype_of
@@ -57,7 +58,8 @@ class Block(nnx.Module):
         pd, cd = dtype_of(m.param_dtype), dtype_of(m.compute_dtype)
         self.layer_idx = layer_idx
         self.attn_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pd)
-        self.attn = Attention(m, rngs=rngs, layer_idx=layer_idx)
+        attn_cls = MLAttention if m.attention == "mla" else Attention
+        self.attn = attn_cls(m, rngs=rngs, layer_idx=layer_idx)
         self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pd)
         self.is_moe = bool(cfg.moe.num_experts) and m.is_moe_layer(layer_idx)
         if self.is_moe:

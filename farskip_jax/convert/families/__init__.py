@@ -1,0 +1,30 @@
+"""Registry of supported HF families: `family_for(hf_config) -> module` (see common.py for the interface)."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from farskip_jax.convert.families import deepseek, farskip_native, llama4, mixtral, olmoe, qwen2_moe, qwen3_moe
+from farskip_jax.errors import CheckpointError
+
+FAMILIES: tuple[ModuleType, ...] = (deepseek, llama4, mixtral, olmoe, qwen2_moe, qwen3_moe, farskip_native)
+SUPPORTED = sorted(t for f in FAMILIES for t in f.MODEL_TYPES)
+
+
+def family_for(hf: dict) -> ModuleType:
+    """The family module of an HF config.json (FarSkip-native when it carries `"farskip": true`)."""
+    if farskip_native.is_farskip_native(hf):
+        return farskip_native
+    mt = hf.get("model_type")
+    if mt == "llama4" and "text_config" in hf:
+        raise CheckpointError("this is a multimodal Llama-4 checkpoint; import its text model (model_type llama4_text)")
+    for fam in FAMILIES:
+        if mt in fam.MODEL_TYPES:
+            return fam
+    arch = hf.get("architectures")
+    raise CheckpointError(f"unsupported model_type {mt!r} (architectures {arch}); supported model types: {SUPPORTED} "
+                          "(plus any DeepSeek-V3 layout with \"farskip\": true)")
+
+
+def family_by_name(model_type: str) -> ModuleType:
+    return family_for({"model_type": model_type})

@@ -1,0 +1,152 @@
+"""Import an HF checkpoint folder into a farskip_jax Transformer, streaming one tensor at a time.
+
+    cfg, model = import_hf("path/to/hf", mesh=None, overrides=["farskip.preset=farskip"])
+
+1. config.json -> our Config through the family module (overrides applied on top, then validated);
+2. an abstract model (`nnx.eval_shape`, no memory) gives every parameter's shape and dtype;
+3. every parameter is checked against the family's tensor specs (missing / unexpected HF tensors and
+   shape mismatches raise CheckpointError naming the tensor), then built with
+   `jax.make_array_from_callback(shape, sharding, cb)`: each device shard's callback reads only its
+   slice from the memory-mapped safetensors and casts it to the parameter dtype (bf16/fp32). No host
+   ever holds the whole model, only the slices of one tensor that its devices own.
+
+Target shardings come from `farskip_jax.parallel.sharding.param_shardings(model, mesh)` when that
+module exists, else parameters are replicated over `mesh` (or put on one device when mesh is None).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from typing import Callable, Iterable, Optional, Union
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from farskip_jax.config import Config, apply_overrides, from_dict
+from farskip_jax.convert.families import family_for
+from farskip_jax.convert.reader import HFCheckpoint
+from farskip_jax.convert.spec import TensorSpec
+from farskip_jax.errors import CheckpointError
+from farskip_jax.model.transformer import Transformer
+
+Overrides = Union[None, Iterable[str], dict]
+ALWAYS_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def hf_to_config(hf: dict, overrides: Overrides = None, *, source: Optional[str] = None) -> Config:
+    """Our Config for an HF config.json dict; `overrides`: ["a.b=v", ...] or {"a.b": v}."""
+    tree = family_for(hf).config_tree(hf)
+    if source:
+        tree["init_from_hf"] = source
+    if isinstance(overrides, dict):
+        for key, value in overrides.items():
+            node = tree
+            parts = key.split(".")
+            for p in parts[:-1]:
+                node = node.setdefault(p, {})
+            node[parts[-1]] = value
+    elif overrides:
+        tree = apply_overrides(tree, list(overrides))
+    return from_dict(Config, tree)
+
+
+def abstract_model(cfg: Config, routed_compute=None) -> Transformer:
+    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), routed_compute=routed_compute))
+
+
+def _path_str(path) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def validate(ckpt: HFCheckpoint, specs: list[TensorSpec], params: dict, hf: dict, tied: bool, ignored=None) -> None:
+    """Every parameter has a spec, every spec's HF tensors exist with the right shapes, nothing is left over."""
+    spec_paths = {s.path for s in specs}
+    uncovered = sorted(_path_str(p) for p in params if p not in spec_paths)
+    if uncovered:
+        raise CheckpointError(f"internal: no HF tensor maps to parameters {uncovered[:5]} (family module incomplete)")
+    stray = sorted(_path_str(p) for p in spec_paths if p not in params)
+    if stray:
+        raise CheckpointError(f"internal: tensor specs name parameters the model lacks: {stray[:5]}")
+    wanted = {n for s in specs for n in s.hf}
+    missing = sorted(n for n in wanted if not ckpt.has(n))
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise CheckpointError(f"{ckpt.path}: missing tensor(s) {missing[:5]}{more} that config.json implies; "
+                              "the checkpoint is incomplete or config.json does not match it")
+    extra = [n for n in ckpt.names() if n not in wanted and not ALWAYS_IGNORED.match(n)
+             and not (tied and n == "lm_head.weight") and not (ignored and ignored(n, hf))]
+    if extra:
+        more = f" (and {len(extra) - 5} more)" if len(extra) > 5 else ""
+        raise CheckpointError(f"{ckpt.path}: unexpected tensor(s) {extra[:5]}{more} that config.json does not explain "
+                              "(wrong model_type or config fields?)")
+    for s in specs:
+        s.check(ckpt)
+
+
+def target_shardings(model: Transformer, mesh) -> Callable[[tuple], jax.sharding.Sharding]:
+    """path -> sharding of each parameter (see module docstring)."""
+    if mesh is None:
+        dev = SingleDeviceSharding(jax.devices()[0])
+        return lambda path: dev
+    try:
+        from farskip_jax.parallel.sharding import param_shardings  # lands with the parallel/ work
+    except ImportError:
+        param_shardings = None
+    if param_shardings is not None:
+        flat = dict(nnx.to_flat_state(param_shardings(model, mesh)))
+        return lambda path: getattr(flat[path], "value", flat[path])
+    rep = NamedSharding(mesh, PartitionSpec())
+    return lambda path: rep
+
+
+def _progress_printer(stream=sys.stderr):
+    t0 = time.time()
+
+    def show(i: int, n: int, spec: TensorSpec) -> None:
+        print(f"[{i + 1}/{n}] {_path_str(spec.path)} <- {spec.hf[0]}{' ...' if len(spec.hf) > 1 else ''} "
+              f"{tuple(spec.shape)} ({time.time() - t0:.1f}s)", file=stream, flush=True)
+
+    return show
+
+
+def load_params(ckpt: HFCheckpoint, cfg: Config, *, mesh=None, routed_compute=None,
+                progress: Optional[Callable] = None) -> Transformer:
+    """Build the Transformer of `cfg` with its parameters streamed from `ckpt`."""
+    fam = family_for(ckpt.config)
+    model = abstract_model(cfg, routed_compute)
+    graphdef, state = nnx.split(model)
+    params = dict(nnx.to_flat_state(state))
+    specs = fam.specs(cfg)
+    validate(ckpt, specs, params, ckpt.config, cfg.model.tie_embeddings, getattr(fam, "ignored", None))
+    sharding_of = target_shardings(model, mesh)
+    for i, spec in enumerate(specs):
+        var = params[spec.path]
+        dtype = np.dtype(var.get_value().dtype)
+        arr = jax.make_array_from_callback(tuple(spec.shape), sharding_of(spec.path),
+                                           lambda idx, s=spec, d=dtype: s.read(ckpt, idx).astype(d))
+        var.set_value(arr)
+        if progress:
+            progress(i, len(specs), spec)
+    return nnx.merge(graphdef, state)
+
+
+def import_hf(path: str, mesh=None, overrides: Overrides = None, *, dtype: Optional[str] = None, routed_compute=None,
+              progress: Union[bool, Callable] = False) -> tuple[Config, Transformer]:
+    """(Config, Transformer) of the HF checkpoint folder `path` (see module docstring).
+
+    dtype: "float32" | "bfloat16" parameter dtype (default: the config's, float32); progress: True
+    prints one line per tensor to stderr, or a callable(i, n, spec)."""
+    ckpt = HFCheckpoint(path)
+    ov = dict(overrides) if isinstance(overrides, dict) else list(overrides or [])
+    if dtype is not None:
+        if isinstance(ov, dict):
+            ov["model.param_dtype"] = dtype
+        else:
+            ov.append(f"model.param_dtype={dtype}")
+    cfg = hf_to_config(ckpt.config, ov, source=ckpt.path)
+    prog = _progress_printer() if progress is True else (progress or None)
+    return cfg, load_params(ckpt, cfg, mesh=mesh, routed_compute=routed_compute, progress=prog)

@@ -1,0 +1,87 @@
+"""Reading an HF checkpoint folder: config.json, single or sharded *.safetensors, tokenizer files.
+
+    ckpt = HFCheckpoint(path)
+    ckpt.config            the parsed config.json (dict)
+    ckpt.names()           every tensor name of the checkpoint
+    ckpt.shape(name)       its shape (from the headers only)
+    ckpt.read(name, idx)   a numpy slice of it, memory-mapped (idx: tuple of slices)
+
+Sharded checkpoints are found through `model.safetensors.index.json` (its weight_map); a shard the
+index names but the folder lacks raises CheckpointError naming the file.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import numpy as np
+
+from farskip_jax.convert.safetensors_io import MappedTensor, TensorInfo, read_header
+from farskip_jax.errors import CheckpointError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+class HFCheckpoint:
+    def __init__(self, path: str):
+        self.path = os.path.abspath(path)
+        if not os.path.isdir(self.path):
+            raise CheckpointError(f"HF checkpoint folder not found: {self.path}")
+        cfg_path = os.path.join(self.path, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise CheckpointError(f"{self.path} has no config.json; point at a HuggingFace model folder")
+        with open(cfg_path) as f:
+            self.config: dict = json.load(f)
+        self._infos: dict[str, TensorInfo] = {}
+        index = os.path.join(self.path, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map: dict[str, str] = json.load(f)["weight_map"]
+            shards = sorted(set(weight_map.values()))
+            missing = [s for s in shards if not os.path.isfile(os.path.join(self.path, s))]
+            if missing:
+                raise CheckpointError(
+                    f"{self.path}: shard file(s) {missing} listed in model.safetensors.index.json are missing; "
+                    "download the complete checkpoint")
+            for s in shards:
+                infos = read_header(os.path.join(self.path, s))
+                for name, file in weight_map.items():
+                    if file == s:
+                        if name not in infos:
+                            raise CheckpointError(f"{s} lacks tensor {name!r} that the index assigns to it")
+                        self._infos[name] = infos[name]
+        else:
+            files = sorted(glob.glob(os.path.join(self.path, "*.safetensors")))
+            if not files:
+                raise CheckpointError(f"{self.path} holds no *.safetensors files (PyTorch .bin checkpoints are not read)")
+            for fpath in files:
+                self._infos.update(read_header(fpath))
+
+    def names(self) -> list[str]:
+        return sorted(self._infos)
+
+    def has(self, name: str) -> bool:
+        return name in self._infos
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._info(name).shape
+
+    def dtype(self, name: str) -> np.dtype:
+        return self._info(name).dtype
+
+    def _info(self, name: str) -> TensorInfo:
+        try:
+            return self._infos[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is missing from the checkpoint") from None
+
+    def read(self, name: str, idx=None) -> np.ndarray:
+        """The tensor (or the slice idx of it) as numpy, in its stored dtype."""
+        t = MappedTensor(self._info(name))
+        return t[tuple(idx) if idx is not None else ...]
+
+    def extra_files(self) -> list[str]:
+        """Tokenizer/generation files present in the folder (copied along on import)."""
+        return [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(self.path, f))]
