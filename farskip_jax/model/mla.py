@@ -81,7 +81,11 @@ class MLAttention(nnx.Module):
             mask = layer_mask(self.cfg, self.layer_idx, positions, segment_ids)
             o = attention_core(q, k, v, mask, self.scale)
         with jax.named_scope("attention_out"):
-            o = o.reshape(o.shape[0], o.shape[1], -1)
-            if self.gate_proj is not None:
-                o = o * jax.nn.sigmoid(self.gate_proj(x))
-            return self.o_proj(o)
+            return self.project_out(o, x)
+
+    def project_out(self, o: jax.Array, x: jax.Array) -> jax.Array:
+        """o: [b, t, h, dv] core output, x: [b, t, d] attention input -> [b, t, d] (gate + o_proj; KV-cache decode reuses it)."""
+        o = o.reshape(o.shape[0], o.shape[1], -1)
+        if self.gate_proj is not None:
+            o = o * jax.nn.sigmoid(self.gate_proj(x))
+        return self.o_proj(o)
