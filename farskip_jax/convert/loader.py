@@ -10,8 +10,9 @@
    slice from the memory-mapped safetensors and casts it to the parameter dtype (bf16/fp32). No host
    ever holds the whole model, only the slices of one tensor that its devices own.
 
-Target shardings come from `farskip_jax.parallel.sharding.param_shardings(model, mesh)` when that
-module exists, else parameters are replicated over `mesh` (or put on one device when mesh is None).
+With a mesh, target shardings follow `parallel.sharding.state_shardings` (the logical-axis rules) and
+the routed-expert exchange is `parallel.ep.routed_compute_for(cfg.moe.dispatch, mesh)`; without one,
+everything goes to the first device.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Callable, Iterable, Optional, Union
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import SingleDeviceSharding
 
 from farskip_jax.config import Config, apply_overrides, from_dict
 from farskip_jax.convert.families import family_for
@@ -32,6 +33,9 @@ from farskip_jax.convert.reader import HFCheckpoint
 from farskip_jax.convert.spec import TensorSpec
 from farskip_jax.errors import CheckpointError
 from farskip_jax.model.transformer import Transformer
+from farskip_jax.parallel.build import check_mesh
+from farskip_jax.parallel.ep import routed_compute_for
+from farskip_jax.parallel.sharding import state_shardings
 
 Overrides = Union[None, Iterable[str], dict]
 ALWAYS_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
@@ -87,20 +91,14 @@ def validate(ckpt: HFCheckpoint, specs: list[TensorSpec], params: dict, hf: dict
         s.check(ckpt)
 
 
-def target_shardings(model: Transformer, mesh) -> Callable[[tuple], jax.sharding.Sharding]:
-    """path -> sharding of each parameter (see module docstring)."""
+def target_shardings(state, mesh) -> Callable[[tuple], jax.sharding.Sharding]:
+    """path -> sharding of each parameter: one device without a mesh, else the logical-axis rules of
+    parallel/sharding.py (experts over `expert`, embed over `fsdp`, heads/mlp/vocab over `tensor`)."""
     if mesh is None:
         dev = SingleDeviceSharding(jax.devices()[0])
         return lambda path: dev
-    try:
-        from farskip_jax.parallel.sharding import param_shardings  # lands with the parallel/ work
-    except ImportError:
-        param_shardings = None
-    if param_shardings is not None:
-        flat = dict(nnx.to_flat_state(param_shardings(model, mesh)))
-        return lambda path: getattr(flat[path], "value", flat[path])
-    rep = NamedSharding(mesh, PartitionSpec())
-    return lambda path: rep
+    flat = dict(nnx.to_flat_state(state_shardings(state, mesh)))
+    return lambda path: flat[path]
 
 
 def _progress_printer(stream=sys.stderr):
@@ -117,12 +115,15 @@ def load_params(ckpt: HFCheckpoint, cfg: Config, *, mesh=None, routed_compute=No
                 progress: Optional[Callable] = None) -> Transformer:
     """Build the Transformer of `cfg` with its parameters streamed from `ckpt`."""
     fam = family_for(ckpt.config)
+    if mesh is not None and routed_compute is None:
+        check_mesh(cfg, mesh)
+        routed_compute = routed_compute_for(cfg.moe.dispatch, mesh)
     model = abstract_model(cfg, routed_compute)
     graphdef, state = nnx.split(model)
     params = dict(nnx.to_flat_state(state))
     specs = fam.specs(cfg)
     validate(ckpt, specs, params, ckpt.config, cfg.model.tie_embeddings, getattr(fam, "ignored", None))
-    sharding_of = target_shardings(model, mesh)
+    sharding_of = target_shardings(state, mesh)
     for i, spec in enumerate(specs):
         var = params[spec.path]
         dtype = np.dtype(var.get_value().dtype)

@@ -1,0 +1,117 @@
+"""The folder `python -m farskip_jax.convert import` writes: our config + parameters, streamable.
+
+    OUT_DIR/config.yaml          the resolved Config (load_config reads it; init_from_hf = the source)
+    OUT_DIR/params.safetensors   one tensor per parameter, named by its NNX path ("layers.0.attn.q_proj.w")
+    OUT_DIR/hf_config.json       the source config.json (export uses it as the base)
+    OUT_DIR/tokenizer.json ...   copied from the HF folder when present
+
+`write_native_from_hf` converts tensor by tensor straight from the HF memory map (no JAX arrays);
+`load_native` streams it back onto devices/a mesh like import_hf does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Callable, Optional
+
+import jax
+import numpy as np
+from flax import nnx
+
+from farskip_jax.config import Config, dump_config, load_config
+from farskip_jax.convert.families import family_for
+from farskip_jax.convert.loader import abstract_model, hf_to_config, target_shardings, validate
+from farskip_jax.convert.reader import HFCheckpoint
+from farskip_jax.convert.safetensors_io import read_header, MappedTensor, write_file
+from farskip_jax.errors import CheckpointError
+from farskip_jax.model.transformer import Transformer
+
+PARAMS = "params.safetensors"
+
+
+def _key(path) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def _commit(tmp: str, out_dir: str, overwrite: bool) -> None:
+    if os.path.exists(out_dir):
+        if not overwrite:
+            raise CheckpointError(f"{out_dir} already exists; pass --overwrite or choose a new folder")
+        shutil.rmtree(out_dir)
+    os.chmod(tmp, 0o755)
+    os.rename(tmp, out_dir)
+
+
+def write_native_from_hf(hf_dir: str, out_dir: str, overrides=None, *, dtype: Optional[str] = None,
+                         overwrite: bool = False, progress: Optional[Callable] = None) -> Config:
+    """Convert an HF folder into our folder format, one tensor at a time; returns the Config."""
+    out_dir = os.path.abspath(out_dir)
+    if os.path.exists(out_dir) and not overwrite:
+        raise CheckpointError(f"{out_dir} already exists; pass --overwrite or choose a new folder")
+    ckpt = HFCheckpoint(hf_dir)
+    ov = list(overrides or []) + ([f"model.param_dtype={dtype}"] if dtype else [])
+    cfg = hf_to_config(ckpt.config, ov, source=ckpt.path)
+    fam = family_for(ckpt.config)
+    params = dict(nnx.to_flat_state(nnx.state(abstract_model(cfg))))
+    specs = fam.specs(cfg)
+    validate(ckpt, specs, params, ckpt.config, cfg.model.tie_embeddings, getattr(fam, "ignored", None))
+    by_key = {_key(s.path): s for s in specs}
+    entries = [(_key(s.path), tuple(s.shape), np.dtype(params[s.path].get_value().dtype)) for s in specs]
+    dtypes = dict((k, d) for k, _, d in entries)
+    count = {"i": 0}
+
+    def produce(key: str) -> np.ndarray:
+        if progress:
+            progress(count["i"], len(entries), by_key[key])
+        count["i"] += 1
+        return by_key[key].read(ckpt).astype(dtypes[key])
+
+    os.makedirs(os.path.dirname(out_dir) or ".", exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".import-", dir=os.path.dirname(out_dir) or ".")
+    try:
+        write_file(os.path.join(tmp, PARAMS), entries, produce, metadata={"format": "farskip_jax"})
+        with open(os.path.join(tmp, "config.yaml"), "w") as f:
+            f.write(dump_config(cfg))
+        with open(os.path.join(tmp, "hf_config.json"), "w") as f:
+            json.dump(ckpt.config, f, indent=2)
+        for fn in ckpt.extra_files():
+            shutil.copy(os.path.join(ckpt.path, fn), os.path.join(tmp, fn))
+        _commit(tmp, out_dir, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return cfg
+
+
+def is_native(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, PARAMS)) and os.path.isfile(os.path.join(path, "config.yaml"))
+
+
+def load_native(path: str, mesh=None, overrides=None, routed_compute=None) -> tuple[Config, Transformer, Optional[dict]]:
+    """(Config, Transformer, source HF config or None) of a folder written by write_native_from_hf."""
+    if not is_native(path):
+        raise CheckpointError(f"{path} is not a farskip_jax import folder (needs config.yaml and {PARAMS})")
+    cfg = load_config(os.path.join(path, "config.yaml"), list(overrides or []))
+    infos = read_header(os.path.join(path, PARAMS))
+    model = abstract_model(cfg, routed_compute)
+    graphdef, state = nnx.split(model)
+    params = dict(nnx.to_flat_state(state))
+    missing = [_key(p) for p in params if _key(p) not in infos]
+    if missing:
+        raise CheckpointError(f"{path}/{PARAMS} lacks parameters {missing[:5]}")
+    sharding_of = target_shardings(state, mesh)
+    for p, var in params.items():
+        info = infos[_key(p)]
+        want = tuple(var.get_value().shape)
+        if info.shape != want:
+            raise CheckpointError(f"shape mismatch for {_key(p)}: expected {want}, found {info.shape}")
+        t, d = MappedTensor(info), np.dtype(var.get_value().dtype)
+        var.set_value(jax.make_array_from_callback(want, sharding_of(p), lambda idx, t=t, d=d: t[idx].astype(d)))
+    hf = None
+    if os.path.isfile(os.path.join(path, "hf_config.json")):
+        with open(os.path.join(path, "hf_config.json")) as f:
+            hf = json.load(f)
+    return cfg, nnx.merge(graphdef, state), hf
