@@ -308,6 +308,8 @@ class TrainConfig:
     max_nonfinite: int = 5
     peak_flops: Optional[float] = None  # per device, for MFU
     tensorboard: bool = True
+    inject_nan_at: tuple[int, ...] = ()  # fault injection for tests: the loss of these steps becomes NaN
+    time_limit_s: Optional[float] = None  # stop (with a checkpoint) after this many seconds of training
 
     def __post_init__(self):
         for k in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_batches"):
@@ -327,6 +329,8 @@ class DataConfig:
     tokenizer: str = "byte"
     val_fraction: float = 0.02
     max_docs: Optional[int] = None
+    shuffle: bool = True  # shuffle training documents (deterministic from train.seed)
+    shard_by: Literal["rows", "docs"] = "rows"  # multi-process split: rows of each global batch, or documents
 
     def __post_init__(self):
         _check(0.0 < self.val_fraction < 1.0, "data.val_fraction must be in (0, 1)")

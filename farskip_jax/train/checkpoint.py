@@ -1,0 +1,123 @@
+"""Orbax checkpoints of the train state + the data iterator state, in `<run_dir>/checkpoints/`.
+
+    ck = Checkpointer(run_dir, keep=3)
+    ck.save(step, state, data_state)          # async: returns once device arrays are copied
+    step = ck.latest_step()                   # newest COMPLETE checkpoint or None
+    state, data_state = ck.restore(step, template_state)
+    ck.wait(); ck.close()
+
+The train state tree is stored as a flat dict {"params.layers.0.attn.q.w": array, ...} so that it is
+independent of Python container types; restore maps it back onto `template_state` (same structure,
+shardings taken from the template). Orbax writes each step into a temporary folder and renames it
+when complete, so a save interrupted by a crash is never listed; `latest_step` additionally requires
+the data-state file of this process, which is written before the state save begins.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any, Optional
+
+import jax
+import orbax.checkpoint as ocp
+
+from farskip_jax.errors import CheckpointError
+
+
+def _key_str(path) -> str:
+    parts = []
+    for p in path:
+        if isinstance(p, jax.tree_util.DictKey):
+            parts.append(str(p.key))
+        elif isinstance(p, jax.tree_util.SequenceKey):
+            parts.append(str(p.idx))
+        elif isinstance(p, jax.tree_util.GetAttrKey):
+            parts.append(p.name)
+        elif isinstance(p, jax.tree_util.FlattenedIndexKey):
+            parts.append(str(p.key))
+        else:
+            parts.append(str(p))
+    return ".".join(parts)
+
+
+def flatten_state(state: Any) -> dict:
+    """Tree -> {dotted path: leaf}."""
+    flat = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        k = _key_str(path)
+        if k in flat:
+            raise CheckpointError(f"two train-state leaves share the checkpoint key {k!r}")
+        flat[k] = leaf
+    return flat
+
+
+def unflatten_state(flat: dict, template: Any) -> Any:
+    paths, treedef = jax.tree_util.tree_flatten_with_path(template)
+    leaves = []
+    for path, _ in paths:
+        k = _key_str(path)
+        if k not in flat:
+            raise CheckpointError(f"checkpoint lacks {k!r}; it was written by a different model/optimizer config")
+        leaves.append(flat[k])
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+class Checkpointer:
+    def __init__(self, run_dir: str, *, keep: int = 3, async_save: bool = True):
+        self.dir = os.path.abspath(os.path.join(run_dir, "checkpoints"))
+        self.data_dir = os.path.join(self.dir, "data_state")
+        self.process = jax.process_index()
+        opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=async_save)
+        self.mngr = ocp.CheckpointManager(self.dir, options=opts)
+
+    def _data_path(self, step: int) -> str:
+        return os.path.join(self.data_dir, str(step), f"process_{self.process}.json")
+
+    def save(self, step: int, state: Any, data_state: dict, *, force: bool = True) -> None:
+        path = self._data_path(step)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(data_state, f)
+        os.replace(tmp, path)
+        self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(flatten_state(state))), force=force)
+        self._prune_data_states()
+
+    def _prune_data_states(self) -> None:
+        if self.process != 0 or not os.path.isdir(self.data_dir):
+            return
+        live = {str(s) for s in self.mngr.all_steps()}
+        pending = max(self.mngr.all_steps(), default=-1)
+        for d in os.listdir(self.data_dir):
+            if d not in live and d.isdigit() and int(d) < pending:
+                shutil.rmtree(os.path.join(self.data_dir, d), ignore_errors=True)
+
+    def complete_steps(self) -> list[int]:
+        """Steps whose state save finished and whose data state for this process exists."""
+        self.mngr.reload()
+        return sorted(s for s in self.mngr.all_steps() if os.path.isfile(self._data_path(s)))
+
+    def latest_step(self) -> Optional[int]:
+        steps = self.complete_steps()
+        return steps[-1] if steps else None
+
+    def restore(self, step: int, template: Any) -> tuple[Any, dict]:
+        flat_t = flatten_state(template)
+        abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=getattr(v, "sharding", None))
+                    for k, v in flat_t.items()}
+        try:
+            out = self.mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
+        except Exception as e:
+            raise CheckpointError(f"cannot restore checkpoint step {step} from {self.dir}: {e}") from None
+        with open(self._data_path(step)) as f:
+            data_state = json.load(f)
+        return unflatten_state(dict(out["state"]), template), data_state
+
+    def wait(self) -> None:
+        self.mngr.wait_until_finished()
+
+    def close(self) -> None:
+        self.mngr.wait_until_finished()
+        self.mngr.close()

@@ -1,0 +1,76 @@
+"""Model FLOPs per token (for MFU) and a measured matmul peak of the local device.
+
+MFU = achieved model FLOPs/s / (peak FLOPs/s per device x devices). Model FLOPs count only useful
+work: 6 x (active matmul parameters) per trained token (forward 2, backward 4) plus the attention
+score/value products 12 x layers x heads x head_dim x seq_len (PaLM appendix B convention). Routed
+experts count top_k experts per token, whatever the backend really computes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+from farskip_jax.config import Config
+
+
+def active_matmul_params(cfg: Config) -> int:
+    """Matmul parameters one token passes through (embedding lookup excluded, lm head included)."""
+    m, e = cfg.model, cfg.moe
+    hd = m.resolved_head_dim
+    attn = m.d_model * hd * (m.num_heads + 2 * m.num_kv_heads) + m.num_heads * hd * m.d_model
+    total = m.d_model * m.vocab_size
+    for i in range(m.num_layers):
+        total += attn
+        if e.num_experts and m.is_moe_layer(i):
+            total += m.d_model * e.num_experts + e.top_k * 3 * m.d_model * e.expert_hidden
+            if e.num_shared_experts > 0:
+                total += 3 * m.d_model * e.resolved_shared_hidden
+        else:
+            total += 3 * m.d_model * m.mlp_hidden
+    return total
+
+
+def train_flops_per_token(cfg: Config, seq_len: int) -> float:
+    m = cfg.model
+    return 6.0 * active_matmul_params(cfg) + 12.0 * m.num_layers * m.num_heads * m.resolved_head_dim * seq_len
+
+
+def total_params(cfg: Config) -> int:
+    """All parameters (every expert), for reporting model size."""
+    m, e = cfg.model, cfg.moe
+    hd = m.resolved_head_dim
+    attn = m.d_model * hd * (m.num_heads + 2 * m.num_kv_heads) + m.num_heads * hd * m.d_model
+    total = m.d_model * m.vocab_size * (1 if m.tie_embeddings else 2)
+    for i in range(m.num_layers):
+        total += attn + 2 * m.d_model
+        if e.num_experts and m.is_moe_layer(i):
+            total += m.d_model * e.num_experts + e.num_experts * 3 * m.d_model * e.expert_hidden
+            if e.num_shared_experts > 0:
+                total += 3 * m.d_model * e.resolved_shared_hidden
+        else:
+            total += 3 * m.d_model * m.mlp_hidden
+    return total
+
+
+def measure_matmul_peak(dtype=jnp.float32, n: int = 1024, seconds: float = 1.0, device=None) -> float:
+    """Best observed FLOPs/s of an [n, n] @ [n, n] matmul chain on one device (a practical peak)."""
+    device = device or jax.local_devices()[0]
+    a = jax.device_put(jnp.ones((n, n), dtype) / n, device)
+    reps = 8
+
+    @jax.jit
+    def chain(x):
+        for _ in range(reps):
+            x = x @ a
+        return x
+
+    chain(a).block_until_ready()
+    best, t_end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        chain(a).block_until_ready()
+        best = max(best, reps * 2.0 * n**3 / (time.perf_counter() - t0))
+    return best

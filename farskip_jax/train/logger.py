@@ -1,0 +1,82 @@
+"""Run logging: a live progress line, JSONL metrics, TensorBoard event files (tensorboardX).
+
+Only process 0 writes. metrics.jsonl has one JSON object per line: {"kind": "train"|"eval"|"event",
+"step": int, ...}; the progress line shows step, loss, tokens/s, MFU and ETA.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Optional
+
+
+def format_eta(seconds: float) -> str:
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    s = int(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+class RunLogger:
+    def __init__(self, run_dir: str, *, tensorboard: bool = True, enabled: bool = True, stream=None):
+        self.enabled = enabled
+        self.stream = stream or sys.stdout
+        self._jsonl = None
+        self._tb = None
+        if not enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+
+    def print(self, msg: str) -> None:
+        if self.enabled:
+            print(msg, file=self.stream, flush=True)
+
+    def write(self, kind: str, step: int, values: dict) -> None:
+        if not self.enabled:
+            return
+        rec = {"kind": kind, "step": int(step), "time": round(time.time(), 3)}
+        rec.update({k: _jsonable(v) for k, v in values.items()})
+        self._jsonl.write(json.dumps(rec) + "\n")
+        if self._tb is not None:
+            for k, v in values.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v)):
+                    self._tb.add_scalar(f"{kind}/{k}", float(v), int(step))
+
+    def progress(self, step: int, total: int, m: dict, eta_s: float) -> None:
+        mfu = f" mfu {100 * m['mfu']:.1f}%" if m.get("mfu") is not None else ""
+        self.print(f"step {step:>6d}/{total} | loss {m['loss']:.4f} | gnorm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
+                   f"{m['tokens_per_s']:,.0f} tok/s{mfu} | load {m['load_min']:.2f}-{m['load_max']:.2f} | "
+                   f"eta {format_eta(eta_s)}")
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def _jsonable(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+def read_metrics(run_dir: str, kind: Optional[str] = "train") -> list[dict]:
+    """Records of metrics.jsonl (of one kind, or all with kind=None)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        recs = [json.loads(line) for line in f if line.strip()]
+    return [r for r in recs if kind is None or r["kind"] == kind]

@@ -1,0 +1,164 @@
+"""The jitted train / eval steps on a functional train state.
+
+    state = init_state(model, tx, seed)        # dict pytree (see TrainStateDict below)
+    step_fn = make_train_step(graphdef, cfg, tx, schedule)
+    state, metrics = step_fn(state, batch)     # batch: dict of [global_batch, seq] arrays
+
+Train state (a plain dict so checkpoints are a plain tree):
+    params            nnx.State of nnx.Param (fp32 master weights; matmuls run in model.compute_dtype)
+    bias              nnx.State of RouterBias (aux-loss-free selection bias; updated here, not by optax)
+    rest              nnx.State of any other variables (carried unchanged)
+    opt               optax state
+    step              int32 []   number of steps taken (skipped non-finite steps included)
+    rng               uint32 [2] PRNG key data (folded with the step for any stochastic op)
+    nonfinite_total   int32 []   steps whose loss or gradient was not finite (update skipped)
+    nonfinite_streak  int32 []   consecutive such steps up to now
+
+Loss = token-mean cross entropy over `loss_mask` + moe.aux_loss_weight * aux + moe.z_loss_weight * z.
+Gradient accumulation: the batch is cut into `train.grad_accum` micro-batches (lax.scan) and their
+gradients averaged. A non-finite loss or gradient norm leaves params, optimizer and bias untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from farskip_jax.config import Config
+from farskip_jax.model.router import RouterBias
+
+
+def split_model(model: nnx.Module):
+    """-> graphdef, params, bias, rest."""
+    return nnx.split(model, nnx.Param, RouterBias, ...)
+
+
+def init_state(model: nnx.Module, tx: optax.GradientTransformation, seed: int) -> tuple[Any, dict]:
+    """(graphdef, fresh train state) for `model`."""
+    graphdef, params, bias, rest = split_model(model)
+    state = dict(params=params, bias=bias, rest=rest, opt=tx.init(params), step=jnp.zeros((), jnp.int32),
+                 rng=jax.random.key_data(jax.random.key(seed)), nonfinite_total=jnp.zeros((), jnp.int32),
+                 nonfinite_streak=jnp.zeros((), jnp.int32))
+    return graphdef, state
+
+
+def token_ce(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Mean cross entropy over masked tokens. logits [b, s, V] f32, targets/mask [b, s] -> ([], n_tokens [])."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    n = jnp.sum(mask)
+    return jnp.sum(nll * mask) / jnp.maximum(n, 1.0), n
+
+
+def load_stats(load: jax.Array | None) -> dict:
+    """Expert load [n_moe, E] (fractions) -> min/max relative to uniform (1.0 = balanced), entropy / log E."""
+    if load is None:
+        one = jnp.ones((), jnp.float32)
+        return dict(load_min=one, load_max=one, load_entropy=one)
+    e = load.shape[-1]
+    ent = -jnp.sum(jnp.where(load > 0, load * jnp.log(jnp.maximum(load, 1e-30)), 0.0), axis=-1) / jnp.log(e)
+    return dict(load_min=jnp.min(load) * e, load_max=jnp.max(load) * e, load_entropy=jnp.mean(ent))
+
+
+def make_loss_fn(graphdef, cfg: Config, farskip=None) -> Callable:
+    """loss_fn(params, bias, rest, batch) -> (loss, aux dict)."""
+    aux_w, z_w = cfg.moe.aux_loss_weight, cfg.moe.z_loss_weight
+
+    def loss_fn(params, bias, rest, batch):
+        model = nnx.merge(graphdef, params, bias, rest)
+        out = model(batch["tokens"], batch["positions"], batch["segment_ids"], farskip=farskip)
+        ce, n = token_ce(out.logits, batch["targets"], batch["loss_mask"])
+        loss = ce + aux_w * out.aux_loss + z_w * out.z_loss
+        load = out.load if out.load is not None else jnp.zeros((0, 1), jnp.float32)
+        return loss, dict(ce=ce, aux_loss=out.aux_loss, z_loss=out.z_loss, load=load,
+                          dropped=out.dropped.astype(jnp.float32), tokens=n)
+
+    return loss_fn
+
+
+def update_router_bias(graphdef, params, bias, rest, load: jax.Array, rate: float):
+    """Aux-loss-free balancing (DeepSeek-V3): b_e += rate * sign(mean_load - load_e), per MoE layer.
+
+    load: [n_moe, E] fractions of the step. Returns the new RouterBias state."""
+    model = nnx.merge(graphdef, params, bias, rest)
+    j = 0
+    for block in model.layers:
+        if not block.is_moe:
+            continue
+        r = block.moe.router
+        if r.bias is not None:
+            lj = load[j]
+            r.bias[...] = r.bias[...] + rate * jnp.sign(jnp.mean(lj) - lj)
+        j += 1
+    return nnx.state(model, RouterBias)
+
+
+def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation, schedule: optax.Schedule,
+                    farskip=None) -> Callable:
+    """Un-jitted step(state, batch) -> (state, metrics); wrap with jax.jit (see trainer)."""
+    t = cfg.train
+    loss_fn = make_loss_fn(graphdef, cfg, farskip)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    accum = t.grad_accum
+    inject = tuple(t.inject_nan_at)
+    use_bias = bool(cfg.moe.num_experts) and cfg.moe.selection_bias
+
+    def step(state, batch):
+        params, bias, rest = state["params"], state["bias"], state["rest"]
+        if accum == 1:
+            (loss, aux), grads = grad_fn(params, bias, rest, batch)
+        else:
+            micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
+
+            def body(carry, mb):
+                (l, a), g = grad_fn(params, bias, rest, mb)
+                gsum, lsum, asum = carry
+                return (jax.tree.map(jnp.add, gsum, g), lsum + l, jax.tree.map(jnp.add, asum, a)), None
+
+            zeros_g = jax.tree.map(jnp.zeros_like, params)
+            (_, a0) = jax.eval_shape(lambda: loss_fn(params, bias, rest, jax.tree.map(lambda x: x[0], micro)))
+            zeros_a = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), a0)
+            (gsum, lsum, asum), _ = jax.lax.scan(body, (zeros_g, jnp.zeros((), jnp.float32), zeros_a), micro)
+            grads = jax.tree.map(lambda g: g / accum, gsum)
+            loss = lsum / accum
+            aux = jax.tree.map(lambda v: v / accum, asum)
+            aux["tokens"] = aux["tokens"] * accum
+            aux["dropped"] = aux["dropped"] * accum
+        if inject:
+            poison = jnp.any(state["step"] == jnp.asarray(inject, jnp.int32))
+            loss = jnp.where(poison, jnp.nan, loss)
+        gnorm = optax.global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+        updates, new_opt = tx.update(grads, state["opt"], params)
+        new_params = optax.apply_updates(params, updates)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        new_bias = bias
+        if use_bias and aux["load"].shape[0] > 0:
+            new_bias = keep(update_router_bias(graphdef, params, bias, rest, aux["load"], cfg.moe.bias_update_rate), bias)
+        streak = jnp.where(finite, 0, state["nonfinite_streak"] + 1).astype(jnp.int32)
+        new_state = dict(
+            params=keep(new_params, params), bias=new_bias, rest=rest, opt=keep(new_opt, state["opt"]),
+            step=state["step"] + 1, rng=state["rng"],
+            nonfinite_total=state["nonfinite_total"] + (~finite).astype(jnp.int32), nonfinite_streak=streak)
+        metrics = dict(loss=loss, ce=aux["ce"], aux_loss=aux["aux_loss"], z_loss=aux["z_loss"], grad_norm=gnorm,
+                       lr=schedule(state["step"]), tokens=aux["tokens"], dropped=aux["dropped"],
+                       finite=finite, nonfinite_total=new_state["nonfinite_total"], nonfinite_streak=streak,
+                       **load_stats(aux["load"] if aux["load"].shape[0] > 0 else None))
+        return new_state, metrics
+
+    return step
+
+
+def make_eval_step(graphdef, cfg: Config, farskip=None) -> Callable:
+    """eval_step(state, batch) -> dict(ce_sum, tokens) (sum so batches can be pooled)."""
+    loss_fn = make_loss_fn(graphdef, cfg, farskip)
+
+    def eval_step(state, batch):
+        _, aux = loss_fn(state["params"], state["bias"], state["rest"], batch)
+        return dict(ce_sum=aux["ce"] * aux["tokens"], tokens=aux["tokens"])
+
+    return eval_step

@@ -1,0 +1,267 @@
+"""The pretraining loop: data -> jitted step -> metrics, eval, checkpoints, resume, preemption.
+
+    result = train(cfg)          # TrainResult(status, step, final_loss, val_loss, run_dir, ...)
+
+status: "done" (reached train.steps), "preempted" (SIGTERM: saved at the step boundary),
+"time_limit" (train.time_limit_s: saved), "diverged" (train.max_nonfinite non-finite steps in a row:
+nothing saved, the last good checkpoint is intact). A run folder that already holds this run resumes
+from its newest complete checkpoint (params, optimizer, step, RNG, data iterator state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import signal
+import threading
+import time
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from farskip_jax.config import Config, dump_config
+from farskip_jax.data.pipeline import make_dataset
+from farskip_jax.data.tokenizer import load_tokenizer
+from farskip_jax.errors import ConfigError
+from farskip_jax.train.checkpoint import Checkpointer
+from farskip_jax.train.flops import measure_matmul_peak, total_params, train_flops_per_token
+from farskip_jax.train.logger import RunLogger
+from farskip_jax.train.optimizer import make_optimizer
+from farskip_jax.train.rundir import prepare_run_dir
+from farskip_jax.train.step import init_state, make_eval_step, make_train_step
+
+
+@dataclasses.dataclass
+class TrainResult:
+    status: str
+    step: int
+    final_loss: float
+    val_loss: Optional[float]
+    run_dir: str
+    tokens_per_s: float
+    mfu: Optional[float]
+    nonfinite_total: int
+    losses: list
+
+
+class _StopFlag:
+    """Set by SIGTERM (and SIGINT); checked at every step boundary."""
+
+    def __init__(self):
+        self.signal: Optional[int] = None
+        self._old = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGTERM, signal.SIGINT):
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.signal = signum
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def _parallel_api():
+    """(create_model, make_mesh, shard_batch, maybe_initialize) from farskip_jax.parallel when present."""
+    api = {}
+    try:
+        from farskip_jax.parallel.build import create_model
+
+        api["create_model"] = create_model
+    except ImportError:
+        pass
+    try:
+        from farskip_jax.parallel.mesh import make_mesh
+
+        api["make_mesh"] = make_mesh
+    except ImportError:
+        pass
+    try:
+        from farskip_jax.parallel.sharding import shard_batch
+
+        api["shard_batch"] = shard_batch
+    except ImportError:
+        pass
+    try:
+        from farskip_jax.parallel.distributed import maybe_initialize
+
+        api["maybe_initialize"] = maybe_initialize
+    except ImportError:
+        pass
+    return api
+
+
+def build_model_and_mesh(cfg: Config, api: dict):
+    """The model (params placed on the mesh when parallel/ provides it) and the mesh (or None)."""
+    mesh = api["make_mesh"](cfg.mesh) if "make_mesh" in api else None
+    if "create_model" in api:
+        model = api["create_model"](cfg, mesh, seed=cfg.train.seed)
+    else:
+        from farskip_jax.model.transformer import Transformer
+
+        model = Transformer(cfg, rngs=nnx.Rngs(cfg.train.seed))
+    return model, mesh
+
+
+def place_state(state, mesh):
+    """Leaves not yet on `mesh` (optimizer counters, step, rng, ...) are replicated onto it, so that
+    the jitted step sees the same input types at every call (no recompilation after step 1)."""
+    if mesh is None:
+        return state
+    rep = NamedSharding(mesh, P())
+
+    def put(x):
+        s = getattr(x, "sharding", None)
+        if isinstance(s, NamedSharding) and s.mesh.axis_names == mesh.axis_names and s.mesh.shape == mesh.shape:
+            return x
+        return jax.device_put(x, rep)
+
+    return jax.tree.map(put, state)
+
+
+def _put_batch(batch: dict, mesh, api: dict) -> dict:
+    if mesh is not None and "shard_batch" in api:
+        return api["shard_batch"](batch, mesh)
+    return {k: jnp.asarray(v) for k, v in batch.items()}
+
+
+def evaluate(eval_fn, state, cfg: Config, mesh, api, val_ds) -> float:
+    it = iter(val_ds)
+    ce_sum, tokens = 0.0, 0.0
+    for _ in range(cfg.train.eval_batches):
+        out = eval_fn(state, _put_batch(next(it), mesh, api))
+        ce_sum += float(out["ce_sum"])
+        tokens += float(out["tokens"])
+    return ce_sum / max(tokens, 1.0)
+
+
+def train(cfg: Config, *, stream=None) -> TrainResult:
+    """Run (or resume) the pretraining described by `cfg`."""
+    t = cfg.train
+    if t.mode != "pretrain":
+        raise ConfigError(f"train.mode={t.mode!r}: this loop runs pretraining; distillation has its own entry point")
+    api = _parallel_api()
+    if "maybe_initialize" in api:
+        api["maybe_initialize"](cfg.mesh)
+    pi, pc = jax.process_index(), jax.process_count()
+    primary = pi == 0
+    tok = load_tokenizer(cfg.data.tokenizer)
+    if cfg.model.vocab_size < tok.vocab_size:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
+                          f"({tok.vocab_size}, data.tokenizer={cfg.data.tokenizer!r}); raise model.vocab_size")
+    run_dir, resumed_folder = prepare_run_dir(cfg, is_primary=primary)
+    log = RunLogger(run_dir, tensorboard=t.tensorboard, enabled=primary, stream=stream)
+    log.print("resolved config:\n" + dump_config(cfg))
+
+    model, mesh = build_model_and_mesh(cfg, api)
+    tx, schedule = make_optimizer(t)
+    graphdef, state = init_state(model, tx, t.seed)
+    del model
+    state = place_state(state, mesh)
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    step_fn = jax.jit(make_train_step(graphdef, cfg, tx, schedule), donate_argnums=0,
+                      out_shardings=(shardings, None) if mesh is not None else None)
+    eval_fn = jax.jit(make_eval_step(graphdef, cfg))
+
+    ds_kw = dict(batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed, process_index=pi, process_count=pc,
+                 tokenizer=tok)
+    train_it = iter(make_dataset(cfg.data, "train", **ds_kw))
+    val_ds = make_dataset(cfg.data, "val", **ds_kw)
+
+    ckpt = Checkpointer(run_dir, keep=t.keep_checkpoints)
+    start = ckpt.latest_step() if resumed_folder else None
+    if start is not None:
+        state, data_state = ckpt.restore(start, state)
+        train_it.set_state(data_state)
+        log.print(f"resumed from checkpoint step {start} in {run_dir}")
+        log.write("event", start, {"event": "resume"})
+    step = int(state["step"])
+
+    n_dev = jax.device_count()
+    peak = t.peak_flops
+    if peak is None and jax.default_backend() == "cpu":
+        peak = measure_matmul_peak(jnp.float32 if cfg.model.compute_dtype == "float32" else jnp.bfloat16, seconds=0.5)
+        log.print(f"measured CPU matmul peak: {peak / 1e9:.1f} GFLOP/s per device (train.peak_flops to override)")
+    flops_tok = train_flops_per_token(cfg, t.seq_len)
+    log.print(f"model: {total_params(cfg) / 1e6:.2f}M params, {flops_tok / 6e6:.2f}M active matmul-equivalent, "
+              f"{n_dev} device(s), {pc} process(es), preset={cfg.farskip.preset}, "
+              f"tokens/step={t.batch_size * t.seq_len}, run_dir={run_dir}")
+
+    losses, val_loss, last = [], None, {}
+    t_start = time.perf_counter()
+    t_prev, timed_steps, timed_s = t_start, 0, 0.0
+    status = "done"
+    with _StopFlag() as stop:
+        while step < t.steps:
+            batch = _put_batch(next(train_it), mesh, api)
+            state, m = step_fn(state, batch)
+            m = jax.device_get(m)
+            step += 1
+            now = time.perf_counter()
+            dt = now - t_prev
+            t_prev = now
+            if step > int(start or 0) + 1:  # the first step of a process includes compilation
+                timed_steps += 1
+                timed_s += dt
+            tps = t.batch_size * t.seq_len / dt
+            rec = {k: (float(v) if np.ndim(v) == 0 and not isinstance(v, (bool, np.bool_)) else v)
+                   for k, v in m.items()}
+            rec["finite"] = bool(m["finite"])
+            rec["tokens_per_s"] = tps
+            rec["mfu"] = (tps * flops_tok / (peak * n_dev)) if peak else None
+            rec["step_time_s"] = dt
+            losses.append(rec["loss"])
+            log.write("train", step, rec)
+            last = rec
+            avg = timed_s / timed_steps if timed_steps else dt
+            if step % t.log_every == 0 or step == 1 or step == t.steps:
+                log.progress(step, t.steps, rec, avg * (t.steps - step))
+            if not rec["finite"]:
+                log.print(f"step {step}: non-finite loss/gradient ({rec['loss']}); update skipped "
+                          f"({int(rec['nonfinite_streak'])} in a row, {int(rec['nonfinite_total'])} total)")
+                if rec["nonfinite_streak"] >= t.max_nonfinite:
+                    status = "diverged"
+                    log.print(f"stopping: {t.max_nonfinite} non-finite steps in a row; the last good checkpoint "
+                              f"({ckpt.latest_step()}) is left intact")
+                    break
+            if t.eval_every and step % t.eval_every == 0 and step < t.steps:
+                val_loss = evaluate(eval_fn, state, cfg, mesh, api, val_ds)
+                log.print(f"step {step:>6d} | val loss {val_loss:.4f}")
+                log.write("eval", step, {"val_loss": val_loss})
+            if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.steps:
+                ckpt.save(step, state, train_it.get_state())
+            if stop.signal is not None:
+                status = "preempted"
+                log.print(f"signal {stop.signal} received: saving checkpoint at step {step} and exiting")
+                break
+            if t.time_limit_s is not None and now - t_start > t.time_limit_s:
+                status = "time_limit"
+                log.print(f"train.time_limit_s={t.time_limit_s} reached at step {step}: saving and exiting")
+                break
+    if status != "diverged":
+        if ckpt.latest_step() != step:
+            ckpt.save(step, state, train_it.get_state())
+        if status == "done":
+            val_loss = evaluate(eval_fn, state, cfg, mesh, api, val_ds)
+            log.print(f"step {step:>6d} | val loss {val_loss:.4f}")
+            log.write("eval", step, {"val_loss": val_loss})
+    ckpt.close()
+    tps = (t.batch_size * t.seq_len * timed_steps / timed_s) if timed_s > 0 else float(last.get("tokens_per_s", 0.0))
+    mfu = (tps * flops_tok / (peak * n_dev)) if peak else None
+    summary = {"status": status, "tokens_per_s": tps, "mfu": mfu, "val_loss": val_loss,
+               "final_loss": last.get("loss", math.nan), "wall_s": time.perf_counter() - t_start}
+    log.write("event", step, summary)
+    log.print(f"{status} at step {step}: mean {tps:,.0f} tokens/s" + (f", MFU {100 * mfu:.1f}%" if mfu else "")
+              + (f", val loss {val_loss:.4f}" if val_loss is not None else ""))
+    log.close()
+    return TrainResult(status=status, step=step, final_loss=float(last.get("loss", math.nan)), val_loss=val_loss,
+                       run_dir=run_dir, tokens_per_s=tps, mfu=mfu,
+                       nonfinite_total=int(state["nonfinite_total"]), losses=losses)
