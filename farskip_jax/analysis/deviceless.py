@@ -26,10 +26,33 @@ from farskip_jax.errors import BackendError
 SPECS_DIR = Path(__file__).parent / "specs"
 TARGETS = {"h100_sxm": "cuda", "h200": "cuda"}
 
-# Flags every overlap compile uses unless the caller overrides them (GPU debug options).
+# Flags every overlap compile uses unless the caller overrides them (GPU debug options):
+# - the latency-hiding scheduler (what the report is about);
+# - no CUB radix sort: its custom call asks the CUDA runtime for scratch sizes, which a compile with
+#   no CUDA libraries cannot answer (large sorts = the MoE token sort); XLA's own sort is used instead;
+# - no Triton GEMM fusions: without autotuning (no GPU) XLA picks tiny default tiles and its cost model
+#   then rates e.g. the 1.7-TFLOP LM head at 140 ms; cuBLAS custom calls are modelled near roofline.
 LHS_FLAGS: dict[str, Any] = {
     "xla_gpu_enable_latency_hiding_scheduler": True,
+    "xla_gpu_enable_cub_radix_sort": False,
+    "xla_gpu_enable_triton_gemm": False,
 }
+
+
+def preset_options(name: str) -> dict[str, Any]:
+    """A parallel/xla_flags.py preset as compile options (`{flag: value}`), for compiling with it
+    without touching the process-wide XLA_FLAGS."""
+    from farskip_jax.parallel.xla_flags import preset_flags
+
+    out: dict[str, Any] = {}
+    for arg in preset_flags(name):
+        k, _, v = arg.lstrip("-").partition("=")
+        if v == "":
+            out[k] = ""
+            continue
+        low = v.lower()
+        out[k] = (low == "true") if low in ("true", "false") else (int(v) if v.lstrip("-").isdigit() else v)
+    return out
 
 
 def target_config_text(target: str) -> str:

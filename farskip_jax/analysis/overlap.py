@@ -23,7 +23,8 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from farskip_jax.analysis.deviceless import LHS_FLAGS, collective_durations, compile_deviceless, gpu_devices
+from farskip_jax.analysis.deviceless import (LHS_FLAGS, collective_durations, compile_deviceless, gpu_devices,
+                                             preset_options)
 from farskip_jax.analysis.report import OverlapReport, analyze, format_collectives, format_side_by_side
 
 PROGRAMS = ("forward", "train")
@@ -56,12 +57,16 @@ def run_overlap(cfg, presets: Sequence[str] = ("standard", "farskip"), programs:
                 batch: Optional[int] = None, seq: Optional[int] = None, target: str = "h100_sxm",
                 num_devices: int = 8, flags: Optional[dict] = None, hardware: Optional[str] = None,
                 log=None) -> list[ProgramResult]:
-    """Compile and analyse every (preset, program); `log(msg)` receives progress lines."""
+    """Compile and analyse every (preset, program); `log(msg)` receives progress lines.
+
+    flags: compile options (default: the cuda_hopper preset + LHS_FLAGS)."""
     from farskip_jax.analysis.cost_model import HARDWARE, simulate
     from farskip_jax.analysis.programs import analysis_mesh, forward_program, train_program
     from farskip_jax.config import replace
 
     log = log or (lambda m: None)
+    if flags is None:
+        flags = dict(preset_options("cuda_hopper"), **LHS_FLAGS)
     batch = batch or cfg.train.batch_size
     seq = seq or cfg.train.seq_len
     devices = gpu_devices(target, num_devices)
@@ -116,6 +121,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--seq", type=int, default=None, help="sequence length (default train.seq_len)")
     ap.add_argument("--target", default="h100_sxm", help="GPU target spec: h100_sxm, h200 or a .txtpb path")
     ap.add_argument("--devices", type=int, default=8)
+    ap.add_argument("--preset", default="cuda_hopper",
+                    help="XLA flag preset of parallel/xla_flags.py compiled with (none, cuda_hopper, rocm_mi300)")
     ap.add_argument("--xla", action="append", default=[], metavar="FLAG=VALUE",
                     help="extra XLA debug option for the compile (repeatable)")
     ap.add_argument("--hardware", default=None, help="also model on: mi300x, mi325x, h100_sxm")
@@ -129,7 +136,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         cfg = load_config(a.config, a.overrides)
-        flags = dict(LHS_FLAGS)
+        flags = dict(preset_options(a.preset))
+        flags.update(LHS_FLAGS)
         for kv in a.xla:
             k, _, v = kv.partition("=")
             flags[k.lstrip("-")] = _parse_value(v)
