@@ -10,7 +10,8 @@ The train state tree is stored as a flat dict {"params.layers.0.attn.q.w": array
 independent of Python container types; restore maps it back onto `template_state` (same structure,
 shardings taken from the template). Orbax writes each step into a temporary folder and renames it
 when complete, so a save interrupted by a crash is never listed; `latest_step` additionally requires
-the data-state file of this process, which is written before the state save begins.
+orbax's `commit_success.txt` (written last) and the data-state file of this process (written before
+the state save begins), so a half-copied or half-written step folder is never picked.
 """
 
 from __future__ import annotations
@@ -88,16 +89,22 @@ class Checkpointer:
     def _prune_data_states(self) -> None:
         if self.process != 0 or not os.path.isdir(self.data_dir):
             return
-        live = {str(s) for s in self.mngr.all_steps()}
-        pending = max(self.mngr.all_steps(), default=-1)
-        for d in os.listdir(self.data_dir):
-            if d not in live and d.isdigit() and int(d) < pending:
+        oldest = min(self.mngr.all_steps(), default=None)
+        if oldest is None:
+            return
+        for d in os.listdir(self.data_dir):  # only states older than every checkpoint orbax still keeps
+            if d.isdigit() and int(d) < oldest:
                 shutil.rmtree(os.path.join(self.data_dir, d), ignore_errors=True)
 
     def complete_steps(self) -> list[int]:
         """Steps whose state save finished and whose data state for this process exists."""
         self.mngr.reload()
-        return sorted(s for s in self.mngr.all_steps() if os.path.isfile(self._data_path(s)))
+        return sorted(s for s in self.mngr.all_steps()
+                      if os.path.isfile(self._data_path(s)) and os.path.isfile(self._commit_path(s)))
+
+    def _commit_path(self, step: int) -> str:
+        """Orbax writes this file last, just before renaming the temporary folder into place."""
+        return os.path.join(self.dir, str(step), "commit_success.txt")
 
     def latest_step(self) -> Optional[int]:
         steps = self.complete_steps()

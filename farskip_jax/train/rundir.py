@@ -39,6 +39,8 @@ def prepare_run_dir(cfg: Config, *, is_primary: bool = True) -> tuple[str, bool]
     import yaml
 
     run_dir = os.path.abspath(cfg.train.run_dir)
+    if not is_primary:
+        return run_dir, True
     cfg_path = os.path.join(run_dir, "config.yaml")
     existed = os.path.isdir(run_dir) and bool(os.listdir(run_dir))
     if existed and cfg.train.overwrite:

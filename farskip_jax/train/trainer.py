@@ -158,6 +158,11 @@ def train(cfg: Config, *, stream=None) -> TrainResult:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
                           f"({tok.vocab_size}, data.tokenizer={cfg.data.tokenizer!r}); raise model.vocab_size")
     run_dir, resumed_folder = prepare_run_dir(cfg, is_primary=primary)
+    if pc > 1:  # the others wait until process 0 has validated / created (or wiped) the folder
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("farskip_jax run_dir ready")
+        resumed_folder = True  # only process 0 judged ownership; a fresh folder simply has no checkpoint
     log = RunLogger(run_dir, tensorboard=t.tensorboard, enabled=primary, stream=stream)
     log.print("resolved config:\n" + dump_config(cfg))
 
