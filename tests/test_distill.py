@@ -1,0 +1,126 @@
+"""FCSD pieces: divergences, gradients only into the student, early stopping."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from farskip_jax.config import Config, DistillConfig, FarSkipConfig, ModelConfig, MoEConfig, TrainConfig
+from farskip_jax.eval.divergence import forward_kl, reverse_kl, token_divergence, topk_forward_kl
+from farskip_jax.eval.metrics import cast_state
+from farskip_jax.model.transformer import Transformer
+from farskip_jax.train.distill import make_distill_loss_fn, make_distill_step
+from farskip_jax.train.early_stopping import EarlyStopper
+from farskip_jax.train.optimizer import make_optimizer
+from farskip_jax.train.step import init_state
+
+
+def test_kl_of_identical_distributions_is_zero():
+    x = jax.random.normal(jax.random.key(0), (2, 3, 50)) * 3
+    for kind in ("forward", "reverse", "both"):
+        np.testing.assert_allclose(token_divergence(x, x, kind=kind, temperature=2.0), 0.0, atol=1e-6)
+    np.testing.assert_allclose(topk_forward_kl(x, x, k=50), 0.0, atol=1e-6)
+
+
+def test_kl_matches_numpy_definition():
+    t = np.random.default_rng(0).normal(size=(1, 2, 7)) * 2
+    s = np.random.default_rng(1).normal(size=(1, 2, 7)) * 2
+    p = np.exp(t) / np.exp(t).sum(-1, keepdims=True)
+    q = np.exp(s) / np.exp(s).sum(-1, keepdims=True)
+    np.testing.assert_allclose(forward_kl(t, s), (p * np.log(p / q)).sum(-1), rtol=1e-5)
+    np.testing.assert_allclose(reverse_kl(t, s), (q * np.log(q / p)).sum(-1), rtol=1e-5)
+    # temperature: T^2 * KL(softmax(t/T) || softmax(s/T))
+    pT = np.exp(t / 2) / np.exp(t / 2).sum(-1, keepdims=True)
+    qT = np.exp(s / 2) / np.exp(s / 2).sum(-1, keepdims=True)
+    np.testing.assert_allclose(token_divergence(t, s, temperature=2.0), 4 * (pT * np.log(pT / qT)).sum(-1), rtol=1e-5)
+    # top-k: renormalised teacher over its top 3, student's full log-probs
+    idx = np.argsort(-t, axis=-1)[..., :3]
+    pk = np.take_along_axis(p, idx, -1)
+    pk = pk / pk.sum(-1, keepdims=True)
+    ref = (pk * (np.log(pk) - np.log(np.take_along_axis(q, idx, -1)))).sum(-1)
+    np.testing.assert_allclose(topk_forward_kl(t, s, 3), ref, rtol=1e-5)
+    assert np.all(np.asarray(topk_forward_kl(t, s, 3)) >= 0)
+
+
+def tiny_cfg(**distill):
+    return Config(model=ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1, mlp_hidden=64,
+                                    max_seq_len=16),
+                  moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32),
+                  farskip=FarSkipConfig(preset="farskip"),
+                  train=TrainConfig(mode="distill", steps=10, batch_size=2, seq_len=16, lr=1e-2, warmup_steps=0),
+                  distill=DistillConfig(teacher_dtype="float32", **distill))
+
+
+def tiny_batch(seed=0):
+    rng = np.random.default_rng(seed)
+    tok = rng.integers(0, 64, size=(2, 17)).astype(np.int32)
+    mask = np.ones((2, 16), np.float32)
+    mask[1, 12:] = 0.0  # padding at the end of row 1
+    seg = mask.astype(np.int32)
+    pos = np.broadcast_to(np.arange(16, dtype=np.int32), (2, 16))
+    return dict(tokens=jnp.asarray(tok[:, :-1]), targets=jnp.asarray(tok[:, 1:]), positions=jnp.asarray(pos),
+                segment_ids=jnp.asarray(seg), loss_mask=jnp.asarray(mask))
+
+
+def test_gradients_flow_only_into_the_student():
+    cfg = tiny_cfg(hidden_weight=0.5, ce_weight=0.1)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    tx, _ = make_optimizer(cfg.train)
+    graphdef, state = init_state(model, tx, 0)
+    teacher = cast_state(state, jnp.float32)
+    loss_fn = make_distill_loss_fn(graphdef, cfg)
+    batch = tiny_batch()
+    g_s, g_t = jax.grad(lambda p, tp: loss_fn(p, state["bias"], state["rest"], dict(teacher, params=tp), batch)[0],
+                        argnums=(0, 1))(state["params"], teacher["params"])
+    assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(g_t))
+    assert sum(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(g_s)) >= len(jax.tree.leaves(g_s)) - 2
+    # identical weights under standard connectivity: KL exactly 0 before any update
+    cfg_std = tiny_cfg()
+    from farskip_jax.config import replace
+
+    cfg_std = replace(cfg_std, **{"farskip.preset": "standard"})
+    loss, aux = make_distill_loss_fn(graphdef, cfg_std)(state["params"], state["bias"], state["rest"], teacher, batch)
+    assert abs(float(aux["kl"])) < 1e-6
+
+
+def test_distill_step_trains_student_and_leaves_teacher():
+    cfg = tiny_cfg()
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    tx, schedule = make_optimizer(cfg.train)
+    graphdef, state = init_state(model, tx, 0)
+    # make the teacher sharper than the init so the student has something to learn
+    state["params"] = jax.tree.map(lambda x: x * 3.0, state["params"])
+    teacher = cast_state(state, jnp.float32)
+    t_before = jax.tree.map(np.asarray, teacher["params"])
+    step = jax.jit(make_distill_step(graphdef, cfg, tx, schedule), donate_argnums=0)
+    batch = tiny_batch()
+    kls = []
+    for _ in range(8):
+        state, m = step(state, teacher, batch)
+        kls.append(float(m["kl"]))
+    assert kls[-1] < 0.5 * kls[0], kls
+    for a, b in zip(jax.tree.leaves(t_before), jax.tree.leaves(teacher["params"])):
+        np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_early_stopping_patience():
+    es = EarlyStopper("min", patience=3, max_drop=0.0)
+    seq = [1.0, 0.8, 0.7, 0.71, 0.705, 0.702]
+    stops = [es.update(i, v) for i, v in enumerate(seq)]
+    assert [d.improved for d in stops[:3]] == [True, True, True]
+    assert [d.stop for d in stops] == [False] * 5 + [True]
+    assert es.best == 0.7 and es.best_step == 2 and "patience" in stops[-1].reason
+
+
+def test_early_stopping_max_drop_and_max_mode():
+    es = EarlyStopper("max", patience=100, max_drop=0.02)
+    assert not es.update(0, 0.50).stop
+    assert es.update(1, 0.60).improved
+    assert not es.update(2, 0.595).stop  # 0.8% below the best
+    d = es.update(3, 0.58)  # 3.3% below the best
+    assert d.stop and "worse" in d.reason and es.best_step == 1
+    es2 = EarlyStopper("min", patience=100, max_drop=0.02)
+    es2.update(0, 1.0)
+    assert es2.update(1, float("nan")).stop
