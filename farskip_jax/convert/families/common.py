@@ -46,7 +46,9 @@ def hf_rope(cfg: Config) -> dict:
     s = m.rope_scaling
     out = {"rope_theta": m.rope_theta, "rope_type": {"none": "default"}.get(s.type, s.type)}
     if s.type != "none":
-        out.update(factor=s.factor, original_max_position_embeddings=s.original_max_position)
+        out["factor"] = s.factor
+    if s.type in ("llama3", "yarn"):
+        out["original_max_position_embeddings"] = s.original_max_position
     if s.type == "llama3":
         out.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor)
     if s.type == "yarn":

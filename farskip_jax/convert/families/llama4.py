@@ -47,7 +47,7 @@ def hf_config(cfg: Config, base: dict) -> dict:
     out.update(intermediate_size=e.expert_hidden, intermediate_size_mlp=m.mlp_hidden, num_local_experts=e.num_experts,
                num_experts_per_tok=e.top_k, moe_layers=[i for i in range(n) if m.is_moe_layer(i)],
                no_rope_layers=[int(i not in m.nope_layers) for i in range(n)], use_qk_norm=m.qk_l2_norm,
-               attn_temperature_tuning=m.attn_temperature_tuning, floor_scale=m.attn_temperature_floor,
+               attn_temperature_tuning=m.attn_temperature_tuning, floor_scale=int(m.attn_temperature_floor),
                attn_scale=m.attn_temperature_scale, head_dim=m.resolved_head_dim)
     if m.attention_chunk_size:
         ch = m.chunked_layers if m.chunked_layers is not None else range(n)
