@@ -14,6 +14,7 @@ expert-parallel versions live in parallel/ (every collective does) and have the 
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Callable, Protocol
 
 import jax
@@ -85,27 +86,83 @@ def sort_by_expert(expert_of: jax.Array, num_experts: int):
     return order, group_sizes, rank
 
 
+def inverse_permutation(perm: jax.Array) -> jax.Array:
+    """perm [N] (a permutation of 0..N-1) -> inv [N] with inv[perm[i]] = i."""
+    n = perm.shape[0]
+    return jnp.zeros((n,), jnp.int32).at[perm].set(jnp.arange(n, dtype=jnp.int32), unique_indices=True)
+
+
+@jax.custom_vjp
+def permute_rows(x: jax.Array, perm: jax.Array, inv: jax.Array) -> jax.Array:
+    """x[perm] for a permutation perm [N] with inverse inv; x: [N, d]. The VJP is a gather (g[inv])
+    instead of autodiff's scatter-add, which XLA:CPU runs as a serial loop."""
+    return x[perm]
+
+
+def _permute_rows_fwd(x, perm, inv):
+    return x[perm], (perm, inv)
+
+
+def _permute_rows_bwd(res, g):
+    perm, inv = res
+    return g[inv], None, None
+
+
+permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def expand_rows(x: jax.Array, order: jax.Array, inv: jax.Array, k: int) -> jax.Array:
+    """x [T, d] -> x[order // k] [T*k, d]: the T*k (token, choice) assignments in `order`.
+
+    order [T*k] is a permutation of the assignments (assignment a = token * k + choice), inv its
+    inverse. VJP: dx[t] = sum_j g[inv[t*k + j]], a gather and a sum (no scatter-add)."""
+    return x[order // k]
+
+
+def _expand_rows_fwd(x, order, inv, k):
+    return x[order // k], (order, inv)
+
+
+def _expand_rows_bwd(k, res, g):
+    order, inv = res
+    return g[inv].reshape(-1, k, g.shape[-1]).sum(1), None, None
+
+
+expand_rows.defvjp(_expand_rows_fwd, _expand_rows_bwd)
+
+
 def local_routed_compute(x: jax.Array, route: RouteResult, experts: ExpertWeights, cfg: MoEConfig) -> RoutedOutput:
-    """Single-device routed experts: sort assignments by expert, grouped matmul, weighted un-sort."""
+    """Single-device routed experts: sort assignments by expert, grouped matmul, weighted un-sort.
+
+    x: [b, s, d]; route.indices / route.weights: [b, s, k]. Assignment a = token * k + choice.
+    Dropless (cfg.capacity_factor None): every assignment is computed. With a capacity factor, an
+    expert keeps its first `capacity` assignments in token order; the rest are moved past the
+    groups (the grouped matmul gives them zeros) and counted in `dropped`.
+    """
     b, s, d = x.shape
     k = route.indices.shape[-1]
     e = experts.w_gate.shape[0]
     xt = x.reshape(b * s, d)
-    flat_e = route.indices.reshape(-1)  # [N = b*s*k]
+    flat_e = route.indices.reshape(-1).astype(jnp.int32)  # [N = b*s*k]
     n = flat_e.shape[0]
     with jax.named_scope("dispatch"):
         order, group_sizes, rank = sort_by_expert(flat_e, e)
-        cap = capacity(n, e, cfg.capacity_factor)
-        kept = rank < cap  # [N] in assignment order
-        kept_sizes = jnp.minimum(group_sizes, cap)
-        # keep dropped rows out of the groups: move them to the end of the sort
-        order = jnp.argsort(jnp.where(kept, flat_e, e), stable=True)
-        xs = xt[order // k]
+        if cfg.capacity_factor is None:
+            kept = jnp.ones((n,), bool)
+            kept_sizes = group_sizes
+        else:
+            cap = capacity(n, e, cfg.capacity_factor)
+            kept = rank < cap  # [N] in assignment order
+            kept_sizes = jnp.minimum(group_sizes, cap)
+            # keep dropped rows out of the groups: move them to the end of the sort
+            order = jnp.argsort(jnp.where(kept, flat_e, e), stable=True).astype(jnp.int32)
+        inv = inverse_permutation(order)
+        xs = expand_rows(xt, order, inv, k)  # [N, d] sorted by expert
     with jax.named_scope("expert_compute"):
-        ys = expert_swiglu(xs, kept_sizes, experts, cfg)
+        ys = expert_swiglu(xs, kept_sizes, experts, cfg)  # dropped rows (past the groups) are 0
     with jax.named_scope("combine"):
-        inv = jnp.argsort(order)
-        y = ys[inv] * kept[:, None].astype(ys.dtype)  # [N, d] in assignment order
+        y = permute_rows(ys, inv, order)  # [N, d] in assignment order
         w = route.weights.reshape(n, 1).astype(ys.dtype)
         y = (y * w).reshape(b * s, k, d).sum(1).reshape(b, s, d)
     dropped = jnp.sum(~kept).astype(jnp.int32)

@@ -7,9 +7,9 @@ sum(group_sizes) give zeros. Backends:
 - `ragged_dot`: jax.lax.ragged_dot (grouped GEMM on GPU/TPU; on CPU XLA expands it to a dense dot
   over every group, G x the useful work).
 - `tiled` (CPU default): a loop over the non-empty groups; each group's weight slice is taken once
-  and its rows are cut into tiles of `tile` rows plus a binary tail (tile/2, tile/4, ... down to 8
-  rows, then one masked 8-row tile), each tile one plain matmul written in place. No padding copy,
-  no [tiles, K, N] weight gather, at most 7 wasted rows per group. Custom VJP: d lhs is the same
+  and its rows are cut into full tiles of `tile` rows plus one masked tail tile of a bucketed row
+  count (8, 12, 16, 24, 32, 48, ...), each tile one plain matmul written in place. No padding copy,
+  no [tiles, K, N] weight gather, one matmul per group up to `tile` rows. Custom VJP: d lhs is the same
   loop with the weights transposed, d rhs accumulates x_t^T dy_t per group (no scatter).
 - `einsum`: pad each group to a tile multiple, gather a weight copy per tile, one batched einsum;
   plain autodiff (kept as the reference the `tiled` loop was measured against).
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 BACKENDS = ("auto", "ragged_dot", "tiled", "einsum")
-MIN_TILE = 8  # smallest tile of the binary tail; a group wastes at most MIN_TILE - 1 rows
+MIN_TILE = 8  # smallest tail tile
 
 
 def resolve_backend(backend: str, platform: str | None = None) -> str:
@@ -41,25 +41,33 @@ def resolve_backend(backend: str, platform: str | None = None) -> str:
 # tiled: per-group loop, binary tail, custom VJP
 
 
-def _tile_classes(m: int, tile: int) -> tuple[int, ...]:
-    """Tile row counts: (P, P/2, ..., >= MIN_TILE) with P = min(tile, m)."""
+def _buckets(m: int, tile: int) -> tuple[int, ...]:
+    """Row counts of the one masked tail tile per group: 8, 12, 16, 24, 32, 48, ... up to P = min(tile, m)."""
     p = max(1, min(tile, m))
-    classes = [p]
-    while classes[-1] // 2 >= MIN_TILE:
-        classes.append(classes[-1] // 2)
-    return tuple(classes)
+    out, b = [], MIN_TILE
+    while b < p:
+        out.append(b)
+        if b + b // 2 < p:
+            out.append(b + b // 2)
+        b *= 2
+    out.append(p)
+    return tuple(out)
 
 
-def _group_walk(group_sizes: jax.Array, m: int, tile: int, carry, group_init, tile_fn, group_done):
+def _group_walk(group_sizes: jax.Array, m: int, tile: int, carry, group_init, tile_fn):
     """Run `tile_fn` over the row tiles of every non-empty group, in group order.
 
+    A group of s rows is cut into s // P full tiles of P = min(tile, m) rows and one masked tail
+    tile whose row count is the smallest bucket (_buckets) >= the remainder: one matmul per group
+    for groups up to P rows. A matmul of few rows costs about one read of the weight slice
+    whatever its row count, so the tail's padding rows are nearly free and fewer calls win.
+
     group_init(g, carry) -> gstate (e.g. the weight slice);
-    tile_fn(gstate, carry, start, p, mask | None) -> carry: rows [start, start + p) (mask [p] bool
-      marks the group's rows when the tile is the masked tail, else every row belongs to the group);
-    group_done(g, gstate, carry) -> carry.
+    tile_fn(g, gstate, carry, start, p, mask | None) -> carry: rows [start, start + p); mask [p] bool
+      marks the group's rows in the tail tile (None: every row belongs to the group).
     """
-    classes = _tile_classes(m, tile)
-    big, pmin = classes[0], classes[-1]
+    buckets = _buckets(m, tile)
+    big = buckets[-1]
     gs = group_sizes.astype(jnp.int32)
     ends = jnp.minimum(jnp.cumsum(gs), m)
     starts = ends - jnp.minimum(gs, ends)
@@ -75,24 +83,24 @@ def _group_walk(group_sizes: jax.Array, m: int, tile: int, carry, group_init, ti
         nbig = size // big
 
         def big_tile(t, c):
-            return tile_fn(gstate, c, start + t * big, big, None)
+            return tile_fn(g, gstate, c, start + t * big, big, None)
 
         carry = jax.lax.fori_loop(0, nbig, big_tile, carry)
         pos = start + nbig * big
         rem = size - nbig * big
-        for p in classes[1:]:  # binary tail: at most one tile of each smaller size
-            take = (rem >= p).astype(jnp.int32)
-            carry = jax.lax.fori_loop(0, take, lambda _, c, p=p, pos=pos: tile_fn(gstate, c, pos, p, None), carry)
-            pos = pos + take * p
-            rem = rem - take * p
+        # one masked tail tile of the smallest bucket >= rem, as 0/1-trip loops. The tile start
+        # adds the loop index (always 0) so XLA cannot hoist the matmul out of the loop and run it
+        # unconditionally; a lax.switch instead would copy the whole carry into its branches.
+        lo = 0
+        for b in buckets:
+            def tail(i, c, b=b):
+                s0 = jnp.minimum(pos, m - b) + i  # shifted back when the tile would pass row m
+                rows = s0 + jnp.arange(b, dtype=jnp.int32)
+                return tile_fn(g, gstate, c, s0, b, (rows >= pos) & (rows < pos + rem))
 
-        def tail(_, c):  # rem < pmin rows: one masked pmin tile, shifted back if it would pass m
-            s0 = jnp.minimum(pos, m - pmin)
-            rows = s0 + jnp.arange(pmin, dtype=jnp.int32)
-            return tile_fn(gstate, c, s0, pmin, (rows >= pos) & (rows < pos + rem))
-
-        carry = jax.lax.fori_loop(0, (rem > 0).astype(jnp.int32), tail, carry)
-        return group_done(g, gstate, carry)
+            carry = jax.lax.fori_loop(0, ((rem > lo) & (rem <= b)).astype(jnp.int32), tail, carry)
+            lo = b
+        return carry
 
     return jax.lax.fori_loop(0, n_live, one_group, carry)
 
@@ -108,7 +116,7 @@ def _gmm_loop(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, tile: int,
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     out = jnp.zeros((m, n), lhs.dtype)
 
-    def tile_fn(w, out, start, p, mask):
+    def tile_fn(g, w, out, start, p, mask):
         x = jax.lax.dynamic_slice_in_dim(lhs, start, p, 0)
         y = _dot(x, w, 1 if transpose_rhs else 0).astype(out.dtype)
         if mask is not None:
@@ -117,7 +125,7 @@ def _gmm_loop(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, tile: int,
 
     return _group_walk(group_sizes, m, tile, out,
                        lambda g, _: jax.lax.dynamic_index_in_dim(rhs, g, 0, keepdims=False),
-                       tile_fn, lambda g, w, out: out)
+                       tile_fn)
 
 
 def _tgmm_loop(lhs: jax.Array, dy: jax.Array, group_sizes: jax.Array, tile: int, out_dtype) -> jax.Array:
@@ -126,25 +134,16 @@ def _tgmm_loop(lhs: jax.Array, dy: jax.Array, group_sizes: jax.Array, tile: int,
     n = dy.shape[1]
     out = jnp.zeros((group_sizes.shape[0], k, n), out_dtype)
 
-    def init(g, carry):
-        return g
-
-    def tile_acc(g, carry, start, p, mask):
-        out, acc = carry
+    def tile_fn(g, _, out, start, p, mask):
         x = jax.lax.dynamic_slice_in_dim(lhs, start, p, 0)
         if mask is not None:
             x = jnp.where(mask[:, None], x, 0)
         d = jax.lax.dynamic_slice_in_dim(dy, start, p, 0)
-        acc = acc + jax.lax.dot_general(x, d, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        return out, acc
+        xd = jax.lax.dot_general(x, d, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        acc = jax.lax.dynamic_index_in_dim(out, g, 0, keepdims=False) + xd.astype(out.dtype)
+        return jax.lax.dynamic_update_index_in_dim(out, acc, g, 0)
 
-    def done(g, _, carry):
-        out, acc = carry
-        out = jax.lax.dynamic_update_index_in_dim(out, acc.astype(out.dtype), g, 0)
-        return out, jnp.zeros_like(acc)
-
-    carry = (out, jnp.zeros((k, n), jnp.float32))
-    return _group_walk(group_sizes, m, tile, carry, init, tile_acc, done)[0]
+    return _group_walk(group_sizes, m, tile, out, lambda g, _: None, tile_fn)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
