@@ -308,7 +308,7 @@ class TrainConfig:
     max_nonfinite: int = 5
     peak_flops: Optional[float] = None  # per device, for MFU
     tensorboard: bool = True
-    inject_nan_at: tuple[int, ...] = ()  # fault injection for tests: the loss of these steps becomes NaN
+    inject_nan_at: tuple[int, ...] = ()  # fault injection for tests: the loss of these (1-based) steps becomes NaN
     time_limit_s: Optional[float] = None  # stop (with a checkpoint) after this many seconds of training
 
     def __post_init__(self):

@@ -129,7 +129,7 @@ def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation, sch
             aux["tokens"] = aux["tokens"] * accum
             aux["dropped"] = aux["dropped"] * accum
         if inject:
-            poison = jnp.any(state["step"] == jnp.asarray(inject, jnp.int32))
+            poison = jnp.any(state["step"] + 1 == jnp.asarray(inject, jnp.int32))  # 1-based, as logged
             loss = jnp.where(poison, jnp.nan, loss)
         gnorm = optax.global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)

@@ -241,7 +241,7 @@ def train(cfg: Config, *, stream=None) -> TrainResult:
                 val_loss = evaluate(eval_fn, state, cfg, mesh, api, val_ds)
                 log.print(f"step {step:>6d} | val loss {val_loss:.4f}")
                 log.write("eval", step, {"val_loss": val_loss})
-            if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.steps:
+            if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.steps and rec["finite"]:
                 ckpt.save(step, state, train_it.get_state())
             if stop.signal is not None:
                 status = "preempted"
