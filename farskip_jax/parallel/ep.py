@@ -10,7 +10,8 @@ on expert-rank e // E_l). Per device, in three named steps that are separate col
 can schedule the combine of layer k-1 under the attention of layer k (FarSkip, DESIGN.md §1-2):
 
   dispatch        sort the T_l*k local assignments by expert, pack them, exchange over `expert`
-  expert_compute  grouped SwiGLU (model/experts.expert_swiglu) on the rows that arrived
+  expert_compute  grouped SwiGLU (model/experts.expert_swiglu) on the rows that arrived, packed
+                  expert-major so the grouped matmul skips empty capacity slots
   combine         exchange the outputs back, un-pack, weight by the router and sum over top-k
 
 Backends:
@@ -134,7 +135,7 @@ class AllToAllCompute:
             cap = a2a_capacity(t, k, num_e, cfg.capacity_factor)
             flat_e = idx.reshape(-1)  # [N = t*k] assignment -> global expert
             with jax.named_scope("dispatch"):
-                _, _, rank = sort_by_expert(flat_e, num_e)
+                _, group_sizes, rank = sort_by_expert(flat_e, num_e)
                 kept = rank < cap
                 slot = jnp.where(kept, flat_e * cap + rank, num_e * cap)  # [N] row in the [E*C] buffer
                 token = jnp.arange(flat_e.shape[0], dtype=jnp.int32) // k
@@ -142,11 +143,23 @@ class AllToAllCompute:
                 src = jnp.full((num_e * cap,), t, jnp.int32).at[slot].set(token, mode="drop", unique_indices=True)
                 send = jnp.take(xt, src, axis=0, mode="fill", fill_value=0).reshape(ep, e_l * cap, d)
                 recv = jax.lax.all_to_all(send, EXPERT_AXIS, 0, 0, tiled=True)  # [ep sources, E_l*C, d]
+                # filled slots per (source, local expert): lets the expert compute skip empty slots
+                sent = jnp.minimum(group_sizes, cap).reshape(ep, e_l)
+                counts = jax.lax.all_to_all(sent, EXPERT_AXIS, 0, 0, tiled=True)  # [ep sources, E_l]
             with jax.named_scope("expert_compute"):
-                xs = recv.reshape(ep, e_l, cap, d).transpose(1, 0, 2, 3).reshape(e_l * ep * cap, d)
-                sizes = jnp.full((e_l,), ep * cap, jnp.int32)
-                ys = expert_swiglu(xs, sizes, ExpertWeights(wg, wu, wd), cfg)
-                ys = ys.reshape(e_l, ep, cap, d).transpose(1, 0, 2, 3).reshape(ep, e_l * cap, d)
+                # pack the filled slots expert-major: slot (s, e, c) -> row start[e] + before[s, e] + c
+                sizes = counts.sum(0)  # [E_l]
+                start = jnp.cumsum(sizes) - sizes
+                before = jnp.cumsum(counts, axis=0) - counts  # [ep, E_l]
+                c_idx = jnp.arange(cap, dtype=jnp.int32)
+                row = start[None, :, None] + before[:, :, None] + c_idx
+                rows = ep * e_l * cap
+                row = jnp.where(c_idx < counts[:, :, None], row, rows).reshape(-1)  # [ep*E_l*C]; empty -> out
+                slot_of_row = jnp.full((rows,), rows, jnp.int32).at[row].set(
+                    jnp.arange(rows, dtype=jnp.int32), mode="drop", unique_indices=True)
+                xs = jnp.take(recv.reshape(rows, d), slot_of_row, axis=0, mode="fill", fill_value=0)
+                ys = expert_swiglu(xs, sizes, ExpertWeights(wg, wu, wd), cfg)  # rows past sum(sizes): 0
+                ys = jnp.take(ys, row, axis=0, mode="fill", fill_value=0).reshape(ep, e_l * cap, d)
             with jax.named_scope("combine"):
                 back = jax.lax.all_to_all(ys, EXPERT_AXIS, 0, 0, tiled=True).reshape(num_e * cap, d)
                 y = jnp.take(back, slot, axis=0, mode="fill", fill_value=0)  # [N, d]; dropped -> 0
