@@ -99,6 +99,44 @@ def _middle_moe_layer(rep: OverlapReport) -> Optional[int]:
     return layers[len(layers) // 2] if layers else None
 
 
+def target_lines(reports: dict[str, OverlapReport], min_of_bound: float = 0.95, min_speedup: float = 1.11,
+                 paper_hidden: float = 0.884) -> list[str]:
+    """Verdicts of issue 7's targets for one program: {preset: report} with 'standard' and 'farskip'."""
+    fs, std = reports.get("farskip"), reports.get("standard")
+    if fs is None:
+        return []
+    out = []
+    for d in ("fwd", "bwd"):
+        t = fs.totals(d)
+        if not t["count"]:
+            continue
+        ok = t["of_bound"] >= min_of_bound
+        out.append(f"{'PASS' if ok else 'FAIL'} farskip {d}: hidden {100 * t['hidden_frac']:.1f}% = "
+                   f"{100 * t['of_bound']:.1f}% of the structural bound (target >= {100 * min_of_bound:.0f}%)")
+        if t["bound_frac"] >= paper_hidden:
+            ok = t["hidden_frac"] >= paper_hidden
+            out.append(f"{'PASS' if ok else 'FAIL'} farskip {d}: hidden {100 * t['hidden_frac']:.1f}% vs the "
+                       f"paper's {100 * paper_hidden:.1f}% (bound allows {100 * t['bound_frac']:.1f}%)")
+    empty = [s for s in fs.stats if s.hidden <= 1e-9]
+    fwd_d = [s for s in fs.stats if s.direction == "fwd" and s.role == "dispatch"]
+    bwd_c = [s for s in fs.stats if s.direction == "bwd" and s.role == "combine"]
+    allowed = set()
+    if fwd_d:
+        first_layer = min(s.layer for s in fwd_d if s.layer is not None) if any(s.layer is not None for s in fwd_d) else None
+        allowed |= {id(s) for s in fwd_d if s.layer == first_layer}
+    if bwd_c:
+        last_layer = max((s.layer for s in bwd_c if s.layer is not None), default=None)
+        allowed |= {id(s) for s in bwd_c if s.layer == last_layer}
+    bad = [s for s in empty if id(s) not in allowed]
+    out.append(f"{'PASS' if not bad else 'FAIL'} farskip: {len(bad)} all-to-alls with nothing inside besides the "
+               f"first dispatch / last combine-gradient" + (f" ({', '.join(s.name for s in bad[:5])})" if bad else ""))
+    if std is not None and fs.step_time:
+        sp = std.step_time / fs.step_time
+        out.append(f"{'PASS' if sp >= min_speedup else 'FAIL'} modelled step speedup farskip/standard "
+                   f"{sp:.3f}x (target >= {min_speedup:.2f}x)")
+    return out
+
+
 def to_json(results: Sequence[ProgramResult]) -> dict:
     out = {}
     for r in results:
@@ -158,9 +196,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for r in sel:
                 print(format_collectives(r.report) + "\n")
         print(format_side_by_side([r.report for r in sel]))
+        print("\n".join(target_lines({r.preset: r.report for r in sel})))
         if a.hardware:
             print(f"\n=== {prog}: two-stream cost model ({a.hardware}) ===")
             print(format_side_by_side([r.modelled for r in sel]))
+            print("\n".join(target_lines({r.preset: r.modelled for r in sel})))
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "report.json"), "w") as f:
