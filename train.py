@@ -34,7 +34,10 @@ def main(argv=None) -> int:
             apply_xla_preset = None
         if apply_xla_preset is not None:
             apply_xla_preset(cfg.mesh.xla_preset)
-        from farskip_jax.train.trainer import train
+        if cfg.train.mode == "distill":  # FCSD self-distillation (farskip_jax/train/distill.py)
+            from farskip_jax.train.distill import distill as train
+        else:
+            from farskip_jax.train.trainer import train
 
         result = train(cfg)
     except FarSkipError as e:

@@ -348,10 +348,22 @@ class DistillConfig:
     hidden_weight: float = 0.0
     top_k_logits: int = 0  # 0 = full distribution
     teacher_dtype: DType = "bfloat16"
-    metric: Literal["val_kl", "val_loss", "task"] = "val_kl"
+    metric: Literal["val_kl", "val_loss", "task"] = "val_kl"  # "task": mean accuracy over eval.tasks
     patience: int = 20
-    max_drop: float = 0.02
+    max_drop: float = 0.02  # stop when the metric is this much (relative) worse than the best; <= 0: off
     eval_every: int = 1000
+    # --- added for train/distill.py; defaults keep the behaviour above ---
+    init_from_run: Optional[str] = None  # run folder (pretrain or distill) whose newest checkpoint = teacher + student
+    export_hf: Optional[str] = None  # folder to write the best student to in HF format (convert/export.py)
+    export_family: Optional[str] = None  # HF model_type for export when the weights did not come from an HF folder
+    max_tokens: Optional[int] = None  # stop after this many training tokens (e.g. 5% of the teacher's pretraining)
+
+    def __post_init__(self):
+        _check(self.temperature > 0, f"distill.temperature must be > 0, got {self.temperature}")
+        _check(self.top_k_logits >= 0, f"distill.top_k_logits must be >= 0 (0 = full distribution), got {self.top_k_logits}")
+        _check(self.patience >= 1 and self.eval_every >= 1, "distill.patience and distill.eval_every must be >= 1")
+        _check(min(self.kl_weight, self.ce_weight, self.hidden_weight) >= 0, "distill weights must be >= 0")
+        _check(self.max_tokens is None or self.max_tokens >= 1, "distill.max_tokens must be >= 1 or null")
 
 
 @dataclass(frozen=True)

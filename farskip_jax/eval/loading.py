@@ -1,0 +1,93 @@
+"""Load a model for evaluation / distillation from an orbax run folder or an HF checkpoint folder.
+
+    cfg, graphdef, st = load_run("runs/tiny", which="latest")   # or "best" (distill runs) or a step
+    cfg, graphdef, st = load_hf("path/to/hf", mesh=mesh)
+    st: {params, bias, rest} (see eval/metrics.py)
+
+A run folder is read with the pieces of the trainer: its config.yaml rebuilds the model
+(parallel.build.create_model) and the optimizer (train.optimizer), whose fresh train state is the
+template that train.checkpoint.Checkpointer restores into. Distillation runs keep their best
+checkpoint in `<run>/best/checkpoints` (same format).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Union
+
+import yaml
+
+from farskip_jax.config import Config, config_from_dict, replace
+from farskip_jax.errors import CheckpointError, ConfigError
+from farskip_jax.eval.metrics import model_state
+
+
+def read_run_config(run_dir: str) -> Config:
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{run_dir!r} is not a farskip_jax run folder (no config.yaml); pass the train.run_dir of a run")
+    with open(path) as f:
+        return config_from_dict(yaml.safe_load(f))
+
+
+def build_model(cfg: Config, mesh=None, seed: int = 0):
+    """Transformer of cfg with params on `mesh` (parallel.build.create_model)."""
+    from farskip_jax.parallel.build import create_model
+
+    return create_model(cfg, mesh, seed=seed)
+
+
+def restore_train_state(cfg: Config, ckpt_root: str, which: Union[str, int] = "latest", mesh=None):
+    """(graphdef, full train state) restored from `<ckpt_root>/checkpoints` (a run folder or its best/)."""
+    from farskip_jax.train.checkpoint import Checkpointer
+    from farskip_jax.train.optimizer import make_optimizer
+    from farskip_jax.train.step import init_state
+
+    if not os.path.isdir(os.path.join(ckpt_root, "checkpoints")):
+        raise CheckpointError(f"no checkpoints under {ckpt_root!r}")
+    model = build_model(cfg, mesh, seed=cfg.train.seed)
+    tx, _ = make_optimizer(cfg.train)
+    graphdef, template = init_state(model, tx, cfg.train.seed)
+    ck = Checkpointer(ckpt_root, keep=max(cfg.train.keep_checkpoints, 1))
+    try:
+        steps = ck.complete_steps()
+        if not steps:
+            raise CheckpointError(f"no complete checkpoint under {ckpt_root!r}")
+        step = steps[-1] if which in ("latest", "best") else int(which)
+        if step not in steps:
+            raise CheckpointError(f"checkpoint step {step} not in {ckpt_root!r} (have {steps})")
+        state, _ = ck.restore(step, template)
+    finally:
+        ck.close()
+    return graphdef, state
+
+
+def load_run(run_dir: str, which: Union[str, int] = "latest", mesh=None,
+             config_overrides: Optional[dict] = None) -> tuple[Config, object, dict]:
+    """(cfg, graphdef, {params, bias, rest}) of a pretraining or distillation run folder.
+
+    which: "latest" | "best" (a distillation run's best checkpoint) | a step number.
+    config_overrides: dotted keys applied to the run's config before building (e.g. {"moe.dispatch": ...})."""
+    run_dir = os.path.abspath(run_dir)
+    cfg = read_run_config(run_dir)
+    if config_overrides:
+        cfg = replace(cfg, **config_overrides)
+    root = os.path.join(run_dir, "best") if which == "best" else run_dir
+    graphdef, state = restore_train_state(cfg, root, which, mesh)
+    return cfg, graphdef, model_state(state)
+
+
+def load_hf(hf_dir: str, mesh=None, overrides=None) -> tuple[Config, object, dict]:
+    """(cfg, graphdef, {params, bias, rest}) of an HF checkpoint folder (convert.loader.import_hf)."""
+    from farskip_jax.convert.loader import import_hf
+    from farskip_jax.train.step import split_model
+
+    routed = None
+    if mesh is not None:
+        from farskip_jax.parallel.ep import routed_compute_for
+
+        dispatch = (overrides or {}).get("moe.dispatch", "local") if isinstance(overrides, dict) else "local"
+        routed = routed_compute_for(dispatch, mesh)
+    cfg, model = import_hf(hf_dir, mesh=mesh, overrides=overrides, routed_compute=routed)
+    graphdef, params, bias, rest = split_model(model)
+    return cfg, graphdef, dict(params=params, bias=bias, rest=rest)

@@ -1,0 +1,316 @@
+"""FCSD: FarSkip-Collective self-distillation (arXiv 2511.11505, section "conversion").
+
+Teacher = the original weights under standard connectivity, frozen (no optimizer state, optionally
+bf16); student = a trainable copy of the same weights under `cfg.farskip` (all layers, first/last N
+or a list: `farskip.layers`). One jitted step runs both forwards on the same mesh and updates the
+student only:
+
+    loss = kl_weight * T^2 * KL_kind(softmax(t/T), softmax(s/T))    (forward | reverse | both; top-k)
+         + ce_weight * CE(student, next tokens)
+         + hidden_weight * mean_layers ||h_s - h_t||^2 / d           (per-layer full streams)
+         + moe.aux_loss_weight * aux + moe.z_loss_weight * z          (student router)
+
+all token means over non-padding tokens (`loss_mask`). Every `distill.eval_every` steps the student
+is compared with the teacher on fixed validation batches (KL, top-1 agreement, losses); the metric
+`distill.metric` (val_kl | val_loss | task) drives early stopping (train/early_stopping.py) and the
+best student is kept in `<run_dir>/best/checkpoints`. Weights come from `init_from_hf` (HF folder)
+or `distill.init_from_run` (a run folder). Step 0 is evaluated before any update, so the table
+"teacher / converted before training / after FCSD" comes from one run's metrics.jsonl.
+
+    result = distill(cfg)        # DistillResult; also `python train.py --config configs/distill_tiny.yaml`
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from farskip_jax.config import Config, dump_config, replace
+from farskip_jax.data.pipeline import make_dataset
+from farskip_jax.data.tokenizer import load_tokenizer
+from farskip_jax.errors import ConfigError
+from farskip_jax.eval.divergence import hidden_l2, masked_mean, token_divergence
+from farskip_jax.eval.metrics import STANDARD, cast_state, evaluate_pair, forward, make_compare_fn, put_batch, val_batches
+from farskip_jax.model.layers import dtype_of
+from farskip_jax.train.checkpoint import Checkpointer
+from farskip_jax.train.early_stopping import EarlyStopper
+from farskip_jax.train.logger import RunLogger, format_eta
+from farskip_jax.train.optimizer import make_optimizer
+from farskip_jax.train.rundir import prepare_run_dir
+from farskip_jax.train.step import init_state, load_stats, token_ce, update_router_bias
+
+# model-shape sections come from the checkpoint; these runtime keys keep the user's values
+RUNTIME_MODEL_KEYS = ("compute_dtype", "remat", "max_seq_len")
+RUNTIME_MOE_KEYS = ("dispatch", "gmm", "gmm_tile", "capacity_factor", "aux_loss_weight", "z_loss_weight",
+                    "bias_update_rate")
+
+
+@dataclasses.dataclass
+class DistillResult:
+    status: str  # done | early_stop | token_budget | diverged
+    step: int
+    best_step: Optional[int]
+    best_metric: Optional[float]
+    tokens: int
+    run_dir: str
+    evals: list  # [{step, val_loss, teacher_loss, kl, top1, ...}]
+    losses: list
+
+
+# --------------------------------------------------------------------------------------------------
+# loss and step
+# --------------------------------------------------------------------------------------------------
+
+
+def make_distill_loss_fn(graphdef, cfg: Config) -> Callable:
+    """loss_fn(params, bias, rest, teacher, batch) -> (loss, aux); teacher = {params, bias, rest}."""
+    d, moe = cfg.distill, cfg.moe
+    want_hidden = d.hidden_weight > 0
+
+    def loss_fn(params, bias, rest, teacher, batch):
+        with jax.named_scope("teacher"):
+            t_out = forward(graphdef, teacher, batch, STANDARD, return_hidden=want_hidden)
+        t_logits = jax.lax.stop_gradient(t_out.logits)
+        with jax.named_scope("student"):
+            s_out = nnx.merge(graphdef, params, bias, rest)(
+                batch["tokens"], batch["positions"], batch["segment_ids"], farskip=cfg.farskip, return_hidden=want_hidden)
+        mask = batch["loss_mask"]
+        kl = masked_mean(token_divergence(t_logits, s_out.logits, kind=d.kl, temperature=d.temperature,
+                                          top_k=d.top_k_logits), mask)
+        ce, n = token_ce(s_out.logits, batch["targets"], mask)
+        hid = (hidden_l2(jax.lax.stop_gradient(t_out.hidden), s_out.hidden, mask) if want_hidden
+               else jnp.zeros((), jnp.float32))
+        loss = (d.kl_weight * kl + d.ce_weight * ce + d.hidden_weight * hid
+                + moe.aux_loss_weight * s_out.aux_loss + moe.z_loss_weight * s_out.z_loss)
+        load = s_out.load if s_out.load is not None else jnp.zeros((0, 1), jnp.float32)
+        return loss, dict(kl=kl, ce=ce, hidden=hid, aux_loss=s_out.aux_loss, load=load, tokens=n)
+
+    return loss_fn
+
+
+def make_distill_step(graphdef, cfg: Config, tx: optax.GradientTransformation, schedule: optax.Schedule) -> Callable:
+    """Un-jitted step(state, teacher, batch) -> (state, metrics). `state` is a train state of
+    train/step.py (the student); `teacher` is never differentiated nor updated. A non-finite loss
+    or gradient leaves the student untouched (as in pretraining)."""
+    grad_fn = jax.value_and_grad(make_distill_loss_fn(graphdef, cfg), has_aux=True)
+    use_bias = bool(cfg.moe.num_experts) and cfg.moe.selection_bias
+
+    def step(state, teacher, batch):
+        params, bias, rest = state["params"], state["bias"], state["rest"]
+        (loss, aux), grads = grad_fn(params, bias, rest, teacher, batch)
+        gnorm = optax.global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+        updates, new_opt = tx.update(grads, state["opt"], params)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        new_bias = bias
+        if use_bias and aux["load"].shape[0] > 0:
+            new_bias = keep(update_router_bias(graphdef, params, bias, rest, aux["load"], cfg.moe.bias_update_rate), bias)
+        streak = jnp.where(finite, 0, state["nonfinite_streak"] + 1).astype(jnp.int32)
+        new_state = dict(params=keep(optax.apply_updates(params, updates), params), bias=new_bias, rest=rest,
+                         opt=keep(new_opt, state["opt"]), step=state["step"] + 1, rng=state["rng"],
+                         nonfinite_total=state["nonfinite_total"] + (~finite).astype(jnp.int32), nonfinite_streak=streak)
+        metrics = dict(loss=loss, kl=aux["kl"], ce=aux["ce"], hidden=aux["hidden"], aux_loss=aux["aux_loss"],
+                       grad_norm=gnorm, lr=schedule(state["step"]), tokens=aux["tokens"], finite=finite,
+                       nonfinite_streak=streak,
+                       **load_stats(aux["load"] if aux["load"].shape[0] > 0 else None))
+        return new_state, metrics
+
+    return step
+
+
+# --------------------------------------------------------------------------------------------------
+# where the weights come from
+# --------------------------------------------------------------------------------------------------
+
+
+def _merge_shape(cfg: Config, src: Config) -> Config:
+    """cfg with model/moe shape taken from the checkpoint's config `src` (runtime keys stay the user's)."""
+    model = replace(src.model, **{k: getattr(cfg.model, k) for k in RUNTIME_MODEL_KEYS})
+    moe = replace(src.moe, **{k: getattr(cfg.moe, k) for k in RUNTIME_MOE_KEYS})
+    return replace(cfg, model=model, moe=moe)
+
+
+def load_source(cfg: Config, mesh) -> tuple[Config, object, dict]:
+    """(cfg with the checkpoint's model shape, graphdef, {params, bias, rest}) of the distillation source."""
+    from farskip_jax.eval.loading import load_hf, load_run, read_run_config
+
+    if cfg.init_from_hf and cfg.distill.init_from_run:
+        raise ConfigError("set either init_from_hf or distill.init_from_run, not both")
+    if cfg.init_from_hf:
+        ov = {f"model.{k}": getattr(cfg.model, k) for k in RUNTIME_MODEL_KEYS}
+        ov.update({f"moe.{k}": getattr(cfg.moe, k) for k in RUNTIME_MOE_KEYS})
+        src_cfg, graphdef, st = load_hf(cfg.init_from_hf, mesh=mesh, overrides=ov)
+    elif cfg.distill.init_from_run:
+        src = read_run_config(cfg.distill.init_from_run)
+        merged = _merge_shape(cfg, src)  # the source run's shape with the user's runtime keys (dispatch on this mesh)
+        ov = {"model": merged.model, "moe": merged.moe, "mesh": cfg.mesh}
+        src_cfg, graphdef, st = load_run(cfg.distill.init_from_run, "latest", mesh, config_overrides=ov)
+    else:
+        raise ConfigError("train.mode=distill needs the weights to convert: set init_from_hf: <HF folder> or "
+                          "distill.init_from_run: <run folder of a pretraining run>")
+    out = _merge_shape(cfg, src_cfg)
+    if cfg.train.seq_len > out.model.max_seq_len:
+        raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={out.model.max_seq_len}")
+    return out, graphdef, st
+
+
+def export_student(cfg: Config, graphdef, st: dict, out_dir: str) -> str:
+    """Write the student as an HF folder with its FarSkip settings (convert/export.py `export_hf`).
+
+    The HF family comes from the config.json of `init_from_hf`, else from `distill.export_family`."""
+    from farskip_jax.convert.export import export_hf
+
+    model = nnx.merge(graphdef, st["params"], st["bias"], st["rest"])
+    family = None if cfg.init_from_hf else cfg.distill.export_family
+    if not cfg.init_from_hf and family is None:
+        raise ConfigError("distill.export_hf needs distill.export_family (an HF model_type such as qwen2_moe) "
+                          "when the weights did not come from init_from_hf; the distilled checkpoint is kept in "
+                          "<run_dir>/best")
+    return export_hf(model, cfg, out_dir, family=family, overwrite=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# the loop
+# --------------------------------------------------------------------------------------------------
+
+
+def _metric_value(cfg: Config, r, task_score: Optional[Callable]) -> float:
+    if cfg.distill.metric == "val_kl":
+        return r.kl
+    if cfg.distill.metric == "val_loss":
+        return r.val_loss
+    return task_score()
+
+
+def distill(cfg: Config, *, stream=None) -> DistillResult:
+    """Run (or resume) FCSD as described by `cfg` (train.mode must be 'distill')."""
+    from farskip_jax.parallel.mesh import make_mesh
+
+    t, d = cfg.train, cfg.distill
+    if t.mode != "distill":
+        raise ConfigError(f"train.mode={t.mode!r}: distill() runs train.mode=distill")
+    if t.grad_accum != 1:
+        raise ConfigError("train.grad_accum > 1 is not supported by distillation yet; lower train.batch_size instead")
+    if d.metric == "task" and not cfg.eval.tasks:
+        raise ConfigError("distill.metric=task needs eval.tasks: [path/to/task.jsonl, ...]")
+    if d.export_hf and not cfg.init_from_hf and not d.export_family:
+        raise ConfigError("distill.export_hf needs distill.export_family (an HF model_type such as qwen2_moe) when "
+                          "the weights do not come from init_from_hf")
+    mesh = make_mesh(cfg.mesh)
+    cfg, graphdef, src = load_source(cfg, mesh)
+    tok = load_tokenizer(cfg.data.tokenizer)
+    run_dir, resumed = prepare_run_dir(cfg)
+    log = RunLogger(run_dir, tensorboard=t.tensorboard, stream=stream)
+    log.print("resolved config:\n" + dump_config(cfg))
+
+    tx, schedule = make_optimizer(t)
+    model = nnx.merge(graphdef, src["params"], src["bias"], src["rest"])
+    graphdef, state = init_state(model, tx, t.seed)
+    teacher = cast_state(state, dtype_of(d.teacher_dtype))  # a copy: the student's buffers are donated
+    del model, src
+    step_fn = jax.jit(make_distill_step(graphdef, cfg, tx, schedule), donate_argnums=0)
+    cmp_fn = make_compare_fn(graphdef, cfg.farskip)
+    val = val_batches(cfg, t.eval_batches, mesh=mesh, tokenizer=tok)
+    task_score = None
+    if d.metric == "task":
+        from farskip_jax.eval.tasks import score_tasks
+
+        task_score = lambda: float(np.mean([r["acc"] for r in score_tasks(
+            graphdef, state, cfg.eval.tasks, tok, cfg.farskip).values()]))
+
+    train_it = iter(make_dataset(cfg.data, "train", batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed,
+                                 process_index=jax.process_index(), process_count=jax.process_count(), tokenizer=tok))
+    ckpt = Checkpointer(run_dir, keep=t.keep_checkpoints)
+    best = Checkpointer(os.path.join(run_dir, "best"), keep=1, async_save=False)
+    es = EarlyStopper("max" if d.metric == "task" else "min", d.patience, d.max_drop)
+    es_path = os.path.join(run_dir, "early_stopping.json")
+    step = 0
+    if resumed and ckpt.latest_step() is not None:
+        step = ckpt.latest_step()
+        state, data_state = ckpt.restore(step, state)
+        train_it.set_state(data_state)
+        if os.path.isfile(es_path):
+            with open(es_path) as f:
+                es.load_state_dict(json.load(f))
+        log.print(f"resumed distillation from step {step}")
+    tokens_per_step = t.batch_size * t.seq_len
+    evals: list = []
+
+    def run_eval(at: int) -> tuple[float, object]:
+        r = evaluate_pair(cmp_fn, state, teacher, val)
+        m = _metric_value(cfg, r, task_score)
+        rec = dict(val_loss=r.val_loss, ppl=r.ppl, teacher_loss=r.teacher_loss, kl=r.kl, top1=r.top1,
+                   metric=m, tokens_used=at * tokens_per_step)
+        evals.append(dict(step=at, **rec))
+        log.write("eval", at, rec)
+        log.print(f"step {at:>6d} | val loss {r.val_loss:.4f} (teacher {r.teacher_loss:.4f}) | KL {r.kl:.5f} | "
+                  f"top-1 {100 * r.top1:.2f}% | {d.metric} {m:.5f}")
+        dec = es.update(at, m)
+        if dec.improved:
+            best.save(at, state, train_it.get_state())
+        with open(es_path, "w") as f:
+            json.dump(es.state_dict(), f)
+        return dec
+
+    status = "done"
+    if step == 0:
+        run_eval(0)  # the converted model before any training
+    losses: list = []
+    t0 = time.perf_counter()
+    start_step = step
+    max_steps = t.steps
+    if d.max_tokens is not None:
+        max_steps = min(max_steps, d.max_tokens // tokens_per_step)
+    while step < max_steps:
+        batch = put_batch({k: np.asarray(v) for k, v in next(train_it).items()}, mesh)
+        state, m = step_fn(state, teacher, batch)
+        m = jax.device_get(m)
+        step += 1
+        rec = {k: float(v) for k, v in m.items() if np.ndim(v) == 0}
+        losses.append(rec["loss"])
+        log.write("train", step, rec)
+        if not bool(m["finite"]) and int(m["nonfinite_streak"]) >= t.max_nonfinite:
+            status = "diverged"
+            log.print(f"stopping: {t.max_nonfinite} non-finite steps in a row")
+            break
+        if step % t.log_every == 0 or step == 1 or step == max_steps:
+            el = time.perf_counter() - t0
+            eta = el / (step - start_step) * (max_steps - step)
+            log.print(f"step {step:>6d}/{max_steps} | loss {rec['loss']:.5f} | kl {rec['kl']:.5f} | ce {rec['ce']:.4f} | "
+                      f"gnorm {rec['grad_norm']:.3f} | lr {rec['lr']:.2e} | "
+                      f"{tokens_per_step * (step - start_step) / max(el, 1e-9):,.0f} tok/s | eta {format_eta(eta)}")
+        if step % d.eval_every == 0 or step == max_steps:
+            dec = run_eval(step)
+            if dec.stop:
+                status = "early_stop"
+                log.print(f"early stop at step {step}: {dec.reason}")
+                break
+        if t.checkpoint_every and step % t.checkpoint_every == 0:
+            ckpt.save(step, state, train_it.get_state())
+    if status == "done" and max_steps < t.steps:
+        status = "token_budget"
+    if status != "diverged" and ckpt.latest_step() != step:
+        ckpt.save(step, state, train_it.get_state())
+    ckpt.close()
+    best.close()
+    log.print(f"{status} at step {step}: best {d.metric} {es.best} at step {es.best_step} "
+              f"({step * tokens_per_step:,} training tokens)")
+    if d.export_hf:
+        from farskip_jax.eval.loading import restore_train_state
+
+        _, best_state = restore_train_state(cfg, os.path.join(run_dir, "best"), "best", mesh)
+        log.print(f"exported the best student (step {es.best_step}) to {export_student(cfg, graphdef, best_state, d.export_hf)}")
+    log.write("event", step, dict(status=status, best_step=es.best_step, best_metric=es.best))
+    log.close()
+    return DistillResult(status=status, step=step, best_step=es.best_step, best_metric=es.best,
+                         tokens=step * tokens_per_step, run_dir=run_dir, evals=evals, losses=losses)
