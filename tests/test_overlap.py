@@ -174,3 +174,15 @@ def test_ragged_backend_compiles_for_gpu():
     kinds = {p.collective for p in r.schedule.pairs}
     assert "ragged-all-to-all" in kinds
     assert any(s.collective == "ragged-all-to-all" for s in r.report.stats)
+
+
+def test_target_lines_verdicts():
+    from farskip_jax.analysis.overlap import target_lines
+
+    rep = analyze(_sched(SPEC, [("s", "d")]), durations=[30.0], label="farskip")
+    lines = target_lines({"standard": rep, "farskip": rep})
+    assert any(l.startswith("PASS farskip fwd") and "100.0% of the structural bound" in l for l in lines)
+    assert any(l.startswith("FAIL modelled step speedup") for l in lines)  # 1.000x < 1.11x
+    empty = analyze(_sched(SPEC, [("s", "d")]), durations=[30.0])
+    empty.stats[0].hidden = 0.0  # the first dispatch may be empty
+    assert any(l.startswith("PASS farskip: 0 all-to-alls") for l in target_lines({"farskip": empty}))

@@ -13,7 +13,7 @@ collectives is at most the maximum flow of
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 from scipy.sparse import csr_matrix
@@ -84,8 +84,9 @@ def max_hidden(costs: np.ndarray, durations: Sequence[float], indep: Sequence[np
 
 
 def structural_bound(schedule: Schedule, pairs: Sequence[CollectivePair], durations: Sequence[float],
-                     subsets: Iterable[Sequence[int]]) -> list[float]:
-    """Upper bound on the hidden time of each subset (lists of indices into `pairs`)."""
-    indep = independent_ops(schedule, pairs)
+                     subsets: Iterable[Sequence[int]], indep: Optional[list[np.ndarray]] = None) -> list[float]:
+    """Upper bound on the hidden time of each subset (lists of indices into `pairs`); `indep` may
+    pass `independent_ops(schedule, pairs)` when the caller has it already."""
+    indep = independent_ops(schedule, pairs) if indep is None else indep
     costs = np.asarray([o.duration if o.kind == "compute" else 0.0 for o in schedule.ops])
     return [max_hidden(costs, [durations[i] for i in sub], [indep[i] for i in sub]) for sub in subsets]

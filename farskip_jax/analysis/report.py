@@ -17,7 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from farskip_jax.analysis.bound import structural_bound
+from farskip_jax.analysis.bound import independent_ops, structural_bound
 from farskip_jax.analysis.hlo import Schedule
 from farskip_jax.analysis.scopes import direction_of, label_of, layer_of, scope_of
 
@@ -102,12 +102,12 @@ def analyze(schedule: Schedule, durations: Optional[Sequence[float]] = None, lab
         subsets = {"all": list(range(len(sel))),
                    "fwd": [k for k, s in enumerate(stats) if s.direction == "fwd"],
                    "bwd": [k for k, s in enumerate(stats) if s.direction == "bwd"]}
-        from farskip_jax.analysis.bound import independent_ops
         indep = independent_ops(schedule, [pairs[i] for i in sel])
         costs = {o.index: o.duration for o in compute}
         for k, ix in enumerate(indep):
             stats[k].independent = float(sum(costs.get(int(j), 0.0) for j in ix))
-        vals = structural_bound(schedule, [pairs[i] for i in sel], [s.duration for s in stats], subsets.values())
+        vals = structural_bound(schedule, [pairs[i] for i in sel], [s.duration for s in stats], subsets.values(),
+                                  indep=indep)
         bound = dict(zip(subsets.keys(), vals))
     other = sum(max(p.done.start - p.start.end, 0.0) for i, p in enumerate(pairs) if p.collective not in kinds)
     return OverlapReport(label=label, stats=stats, step_time=schedule.makespan,
