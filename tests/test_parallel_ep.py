@@ -7,7 +7,8 @@
 - with a small capacity, the dropped assignments are exactly those a per-shard numpy oracle drops,
   their output is zero, the count is reported, and reruns are bitwise identical;
 - the ragged backend's offset arithmetic, with ragged_all_to_all emulated by all_gather, matches the
-  local path (outputs and gradients); the real ragged backend on CPU fails with the promised message.
+  local path (outputs and gradients); the real ragged backend compiles for GPU (deviceless) and on
+  CPU fails with the promised message.
 """
 
 import functools
@@ -221,3 +222,18 @@ def test_batch_not_divisible_is_a_clear_error():
     mesh = make_mesh(cfg.mesh)
     with pytest.raises(ConfigError, match="multiple of 8"):
         shard_batch(np.zeros((4, 16), np.int32), mesh)
+
+
+def test_ragged_compiles_for_gpu_deviceless():
+    # the real ragged_all_to_all (not the emulation) lowers and compiles for an 8 x H100 target
+    deviceless = pytest.importorskip("farskip_jax.analysis.deviceless")
+    from farskip_jax.analysis.programs import analysis_mesh, forward_program
+
+    try:
+        devices = deviceless.gpu_devices("h100_sxm", 8)
+    except BackendError as e:
+        pytest.skip(str(e))
+    cfg = mw.tiny_config(ep=8, dispatch="ragged", num_layers=1, gmm="ragged_dot", preset="farskip")
+    fn, args = forward_program(cfg, analysis_mesh(cfg, devices), batch=8, seq=16)
+    hlo = deviceless.compile_deviceless(fn, *args).hlo_text
+    assert "ragged-all-to-all-start" in hlo and " all-to-all(" not in hlo
