@@ -1,0 +1,147 @@
+"""Train-step tokens/s of our model vs HF transformers' PyTorch Qwen3-MoE, same config and weights.
+
+    python benchmarks/vs_hf.py [--layers 4] [--batch 8] [--seq 256] [--repeats 5] [--hf-impl eager,grouped_mm]
+
+A random Qwen3-MoE (HF config class, fp32) is saved with save_pretrained and imported through
+`farskip_jax.convert.import_hf`, so both sides hold the same weights. Checked first: fp32 logits
+agreement on the benchmark batch. Then one train step each (forward, cross entropy + load-balance
+loss, backward, global-norm clip 1.0, AdamW) is timed alternately on the same CPU and batch
+(ours: the project's jitted `make_train_step`; HF: model forward with router logits, backward,
+torch AdamW), median of `repeats`. Prints tokens/s and the ratio ours / HF for each HF experts
+implementation asked for (`eager` is transformers' per-expert loop, `grouped_mm` its grouped GEMM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from farskip_jax.config import replace  # noqa: E402
+from farskip_jax.convert import import_hf  # noqa: E402
+from farskip_jax.train.optimizer import make_optimizer  # noqa: E402
+from farskip_jax.train.step import init_state, make_train_step  # noqa: E402
+
+
+def hf_config(args) -> transformers.Qwen3MoeConfig:
+    return transformers.Qwen3MoeConfig(
+        vocab_size=args.vocab, hidden_size=args.d_model, num_hidden_layers=args.layers, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=args.d_model // 8, intermediate_size=4 * args.d_model,
+        moe_intermediate_size=args.expert_hidden, num_experts=args.experts, num_experts_per_tok=args.top_k,
+        norm_topk_prob=True, tie_word_embeddings=False, max_position_embeddings=4096, initializer_range=0.02,
+        output_router_logits=True, router_aux_loss_coef=0.001)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--expert-hidden", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--hf-impl", default="eager,grouped_mm", help="transformers experts implementations to time")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    print(f"jax {jax.__version__} / torch {torch.__version__} (threads {torch.get_num_threads()}) / "
+          f"transformers {transformers.__version__}, {os.cpu_count()} CPUs", flush=True)
+
+    hcfg = hf_config(args)
+    hf_models = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        base = transformers.AutoModelForCausalLM.from_config(hcfg).float()
+        base.save_pretrained(tmp)
+        for impl in args.hf_impl.split(","):
+            hf_models[impl] = transformers.AutoModelForCausalLM.from_pretrained(
+                tmp, dtype=torch.float32, experts_implementation=impl).train()
+        cfg, model = import_hf(tmp, overrides={"moe.aux_loss_weight": hcfg.router_aux_loss_coef})
+    cfg = replace(cfg, **{"train.lr": 1e-4, "train.warmup_steps": 1, "train.weight_decay": 0.1,
+                          "train.grad_clip": 1.0, "train.batch_size": args.batch, "train.seq_len": args.seq})
+    print(f"model: {args.layers} layers, d_model {args.d_model}, {args.experts} experts top-{args.top_k}, expert "
+          f"hidden {args.expert_hidden}, vocab {args.vocab}; batch {args.batch} x seq {args.seq}; "
+          f"our gmm backend: {cfg.moe.gmm} (resolves per platform)", flush=True)
+
+    rng = np.random.default_rng(0)
+    seq = rng.integers(0, args.vocab, (args.batch, args.seq + 1)).astype(np.int32)
+    tokens, targets = seq[:, :-1], seq[:, 1:]
+    b, s = tokens.shape
+    batch = dict(tokens=jnp.asarray(tokens), targets=jnp.asarray(targets),
+                 positions=jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)),
+                 segment_ids=jnp.ones((b, s), jnp.int32), loss_mask=jnp.ones((b, s), jnp.float32))
+
+    # fp32 logits agreement (before any step changes the weights)
+    ours_logits = np.asarray(jax.jit(lambda m, t: m(t).logits)(model, batch["tokens"]))
+    for impl, hf in hf_models.items():
+        with torch.no_grad():
+            ref = hf(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
+        diff = np.abs(ours_logits - ref).max()
+        print(f"logits agreement vs HF[{impl}]: max |diff| = {diff:.2e} (max |logit| {np.abs(ref).max():.2f})",
+              flush=True)
+
+    tx, schedule = make_optimizer(cfg.train)
+    graphdef, state = init_state(model, tx, 0)
+    del model
+    step = jax.jit(make_train_step(graphdef, cfg, tx, schedule), donate_argnums=0)
+
+    def ours():
+        nonlocal state
+        state, metrics = step(state, batch)
+        return float(metrics["loss"])
+
+    t_tokens = torch.tensor(tokens, dtype=torch.long)
+    t_targets = torch.tensor(targets, dtype=torch.long)
+    hf_steps = {}
+    for impl, hf in hf_models.items():
+        opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, betas=(cfg.train.b1, cfg.train.b2), weight_decay=0.1)
+
+        def hf_step(hf=hf, opt=opt):
+            opt.zero_grad(set_to_none=True)
+            out = hf(input_ids=t_tokens, output_router_logits=True)
+            ce = torch.nn.functional.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), t_targets.reshape(-1))
+            loss = ce + hcfg.router_aux_loss_coef * out.aux_loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+            opt.step()
+            return float(loss.detach())
+
+        hf_steps[f"hf[{impl}]"] = hf_step
+    variants = {"ours": ours, **hf_steps}
+    for name, fn in variants.items():  # compile / warm up (twice: the first output state may retrace)
+        t0 = time.perf_counter()
+        loss = fn()
+        fn()
+        print(f"  warm-up {name:16s} {time.perf_counter() - t0:6.1f}s  loss {loss:.4f}", flush=True)
+    times = {v: [] for v in variants}
+    for r in range(args.repeats):
+        for name, fn in variants.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+        print(f"  repeat {r + 1}/{args.repeats}: " + " ".join(f"{v}={times[v][-1] * 1e3:.0f}ms" for v in variants),
+              flush=True)
+    tok = b * s
+    ours_tps = tok / statistics.median(times["ours"])
+    print(f"ours          {ours_tps:9.0f} tokens/s")
+    for name in hf_steps:
+        tps = tok / statistics.median(times[name])
+        print(f"{name:13s} {tps:9.0f} tokens/s   ours/HF = {ours_tps / tps:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
