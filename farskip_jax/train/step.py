@@ -84,6 +84,7 @@ def update_router_bias(graphdef, params, bias, rest, load: jax.Array, rate: floa
     """Aux-loss-free balancing (DeepSeek-V3): b_e += rate * sign(mean_load - load_e), per MoE layer.
 
     load: [n_moe, E] fractions of the step. Returns the new RouterBias state."""
+    bias = jax.tree.map(lambda x: x, bias)  # fresh Variables: the caller's `bias` must stay untouched
     model = nnx.merge(graphdef, params, bias, rest)
     j = 0
     for block in model.layers:
