@@ -22,9 +22,12 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from farskip_jax.config import MoEConfig
-from farskip_jax.model.gmm import gmm
+from farskip_jax.model.gmm import gmm, grouped_swiglu, resolve_backend
 from farskip_jax.model.layers import normal_init
 from farskip_jax.model.router import RouteResult
+
+
+FUSED_SWIGLU = True  # tiled backend: one fused walk for gate/up/down (False: three gmm walks)
 
 
 @struct.dataclass
@@ -62,7 +65,11 @@ class RoutedExperts(nnx.Module):
 
 
 def expert_swiglu(xs: jax.Array, group_sizes: jax.Array, ew: ExpertWeights, cfg: MoEConfig) -> jax.Array:
-    """Rows xs [M, d] sorted by expert (group_sizes [E]) -> expert outputs [M, d]."""
+    """Rows xs [M, d] sorted by expert (group_sizes [E]) -> expert outputs [M, d].
+
+    `tiled` runs the fused per-group SwiGLU walk (gmm.grouped_swiglu); other backends three gmms."""
+    if resolve_backend(cfg.gmm) == "tiled" and FUSED_SWIGLU:
+        return grouped_swiglu(xs, ew.w_gate, ew.w_up, ew.w_down, group_sizes, cfg.gmm_tile)
     g = gmm(xs, ew.w_gate, group_sizes, cfg.gmm, cfg.gmm_tile)
     u = gmm(xs, ew.w_up, group_sizes, cfg.gmm, cfg.gmm_tile)
     return gmm(jax.nn.silu(g) * u, ew.w_down, group_sizes, cfg.gmm, cfg.gmm_tile)
