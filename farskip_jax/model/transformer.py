@@ -107,6 +107,9 @@ class Transformer(nnx.Module):
         m = cfg.model
         pd, cd = dtype_of(m.param_dtype), dtype_of(m.compute_dtype)
         self.cfg = cfg
+        if cfg.moe.num_groups > 1:  # Federation of Experts: fail early on what it cannot split (model/foe.py)
+            from farskip_jax.model.foe import check_foe
+            check_foe(cfg)
         self.embed = Embed(m.vocab_size, m.d_model, rngs=rngs, std=m.init_std, param_dtype=pd, compute_dtype=cd)
         self.layers = nnx.List([Block(cfg, i, rngs=rngs, routed_compute=routed_compute) for i in range(m.num_layers)])
         self.final_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pd)
@@ -122,6 +125,10 @@ class Transformer(nnx.Module):
     def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None, segment_ids: Optional[jax.Array] = None,
                  *, farskip: Optional[FarSkipConfig] = None, return_hidden: bool = False,
                  return_trace: bool = False) -> ModelOutput:
+        if self.cfg.moe.num_groups > 1:  # Federation of Experts groups (model/foe.py)
+            from farskip_jax.model.foe import foe_forward
+            return foe_forward(self, tokens, positions, segment_ids, farskip=farskip, return_hidden=return_hidden,
+                               return_trace=return_trace)
         fs = farskip if farskip is not None else self.cfg.farskip
         n = len(self.layers)
         if positions is None:

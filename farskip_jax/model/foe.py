@@ -1,0 +1,324 @@
+"""Federation of Experts (FoE, arXiv 2605.06206) as a model option: `moe.num_groups = H > 1`.
+
+Each layer is split into H groups. Group h owns
+  - query heads [h*nh/H, (h+1)*nh/H) with their kv heads [h*nkv/H, (h+1)*nkv/H) (the rows of o_proj
+    of those heads included),
+  - routed experts [h*E/H, (h+1)*E/H) and a router over them only, which picks k/H of them,
+  - (under expert parallelism) 1/H of the expert-parallel devices (parallel/foe.py).
+The parameter layout is the ordinary one (heads and experts grouped contiguously), so any checkpoint
+runs with any num_groups and H = 1 is the ordinary model.
+
+Dataflow of layer k (standard connectivity). With P_k the synchronised post-attention stream,
+s_k the shared-expert (or dense-MLP) output, a^h_k / m^h_k group h's attention / routed outputs:
+
+    X^h_{k-1} = P_{k-1} + s_{k-1} + m^h_{k-1}            group h's own representation (X^h_{-1} = emb)
+    a^h_k     = Attn_h(norm(X^h_{k-1}))                   group h's heads, its own rows of o_proj
+    P_k       = P_{k-1} + s_{k-1} + sum_h m^h_{k-1} + sum_h a^h_k        the cross-group sum
+    m^h_k     = MoE_h(norm(P_k)),  s_k = Shared(norm(P_k))               every group reads P_k
+    R_k       = P_k + s_k + sum_h m^h_k                   the full stream (goes to the final norm)
+
+In DESIGN.md's vocabulary: the MoE reads `full` (R_{k-1} + a_k), and the `full` attention input of
+group h is R_{k-1} minus the OTHER groups' routed outputs of layer k-1. Under FarSkip connectivity a
+converted layer's attention reads `partial` / `outdated` (these lack every group's routed output of
+layer k-1, so all groups read the same stream) and its MoE reads `outdated` = R_{k-1}; then neither
+the cross-group sum nor the intra-group all-to-alls are on the critical path. Every preset,
+`layers` set and `skip_distance` works as for the ordinary model (model/connectivity.py).
+
+Choices where the paper leaves details open (documented, see also docs/foe.md):
+  - scoring: each group's router normalises over its own E/H experts (softmax per group); the
+    top-k/H weights are normalised within the group when moe.norm_topk_prob. So each group's routed
+    output is a convex combination (times routed_scaling_factor) and sum_h m^h carries weight H.
+    `score_scope="global"` (argument of `group_route`) instead takes one softmax over all E experts.
+  - load-balance loss: per group ((E/H) * sum_i f_i P_i over the group's experts), averaged over the
+    groups; z-loss: per group's logits, averaged. Both reduce to the ordinary ones at H = 1.
+  - the routed outputs of the groups are computed as H "virtual tokens" per token (token t of group h
+    carries group h's k/H choices); capacity (when set) therefore counts per expert in token order
+    exactly like a per-group loop would.
+  - dense layers (no routed experts): their MLP output counts as shared; the groups still split the
+    attention heads, but all group representations coincide after a dense layer.
+  - unsupported with H > 1 (rejected by `check_foe`): MLA attention, q/k norm over all heads,
+    group-limited routing (moe.n_group > 1), route_on_input.
+
+Single device: group representations are carried as [H, b, s, d]; the attention of all groups runs
+as one einsum over the leading H axis with per-group views of the q/k/v/o weights. The routed
+compute goes through the model's pluggable `RoutedComputeFn`; a backend that also has
+`group_routed(x, route, experts, cfg, H) -> ([H,b,s,d], dropped)` and `group_sum(v [H,...])` (the
+group-confined expert-parallel one in parallel/foe.py) is used as such.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+from jax.ad_checkpoint import checkpoint_name
+
+from farskip_jax.config import Config, FarSkipConfig
+from farskip_jax.errors import ConfigError
+from farskip_jax.model.attention import Attention, attention_core, l2_norm, layer_mask, temperature_scale
+from farskip_jax.model.rope import apply_rope
+from farskip_jax.model.connectivity import Streams, _add
+from farskip_jax.model.experts import ExpertWeights
+from farskip_jax.model.router import RouteResult, Router
+from farskip_jax.model.transformer import REMAT_POLICIES, Block, ModelOutput, Transformer
+
+
+def check_foe(cfg: Config, num_groups: Optional[int] = None) -> int:
+    """Validate the FoE-specific constraints; returns H. Raises ConfigError naming the culprit."""
+    m, e = cfg.model, cfg.moe
+    h = num_groups or e.num_groups
+    if h == 1:
+        return 1
+    checks = [
+        (m.num_kv_heads % h == 0, f"moe.num_groups={h} must divide model.num_kv_heads={m.num_kv_heads}"),
+        (m.num_heads % h == 0, f"moe.num_groups={h} must divide model.num_heads={m.num_heads}"),
+        (not e.num_experts or e.num_experts % h == 0, f"moe.num_groups={h} must divide moe.num_experts={e.num_experts}"),
+        (not e.num_experts or e.top_k % h == 0, f"moe.num_groups={h} must divide moe.top_k={e.top_k}"),
+        (m.attention != "mla", "moe.num_groups > 1 (Federation of Experts) needs model.attention=gqa (MLA shares "
+                               "one latent projection over all heads); set moe.num_groups=1"),
+        (not (m.qk_norm and m.qk_norm_scope == "all_heads"),
+         "moe.num_groups > 1 cannot split a q/k norm taken over all heads; use model.qk_norm_scope=head or num_groups=1"),
+        (e.n_group == 1, "moe.num_groups > 1 with group-limited routing (moe.n_group > 1) is not supported; set moe.n_group=1"),
+        (not e.route_on_input, "moe.route_on_input needs top_k=1, which moe.num_groups > 1 cannot split"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ConfigError(msg)
+    return h
+
+
+# --------------------------------------------------------------------------------------------------
+# routing: one router per group over its own experts
+# --------------------------------------------------------------------------------------------------
+
+
+def group_route(router: Router, x: jax.Array, num_groups: int, score_scope: str = "group") -> RouteResult:
+    """Per-group token-choice routing. x: [b, s, d] -> RouteResult with
+      indices [b, s, k] (global expert ids; choices [h*k/H, (h+1)*k/H) are group h's, all in
+      [h*E/H, (h+1)*E/H)), weights [b, s, k] (normalised within the group when norm_topk_prob),
+      aux_loss / z_loss (per-group, averaged over groups), load [E] (fraction of all b*s*k assignments).
+    score_scope: "group" = softmax over the group's own experts; "global" = one softmax over all E."""
+    cfg = router.cfg
+    hg = num_groups
+    logits = jnp.einsum("bsd,de->bse", x.astype(jnp.float32), router.w[...])
+    b, s, e = logits.shape
+    eg, kg = e // hg, cfg.top_k // hg
+    lg = logits.reshape(b, s, hg, eg)
+    if cfg.scoring == "softmax":
+        scores = jax.nn.softmax(lg if score_scope == "group" else logits, -1).reshape(b, s, hg, eg)
+    else:
+        scores = jax.nn.sigmoid(lg)
+    sel = scores + router.bias[...].reshape(hg, eg) if router.bias is not None else scores
+    local = jax.lax.top_k(jax.lax.stop_gradient(sel), kg)[1].astype(jnp.int32)  # [b, s, H, kg]
+    w = jnp.take_along_axis(scores, local, axis=-1)
+    if cfg.norm_topk_prob:
+        w = w / (w.sum(-1, keepdims=True) + 1e-20)
+    w = w * cfg.routed_scaling_factor
+    idx = (local + (jnp.arange(hg, dtype=jnp.int32) * eg)[:, None]).reshape(b, s, hg * kg)
+    counts = jnp.sum(jax.nn.one_hot(idx, e, dtype=jnp.float32), axis=(0, 1, 2))  # [E]
+    load = counts / idx.size
+    frac = counts.reshape(hg, eg) / (b * s * kg)  # fraction of each group's assignments
+    probs = scores / (scores.sum(-1, keepdims=True) if cfg.scoring == "sigmoid" or score_scope == "global" else 1.0)
+    aux = jnp.mean(eg * jnp.sum(jax.lax.stop_gradient(frac) * probs.mean(axis=(0, 1)), axis=-1))
+    z = jnp.mean(jax.nn.logsumexp(lg, axis=-1) ** 2)
+    return RouteResult(indices=idx, weights=w.reshape(b, s, hg * kg), aux_loss=aux, z_loss=z, load=load)
+
+
+def group_routed(routed_compute, x: jax.Array, route: RouteResult, experts: ExpertWeights, cfg, num_groups: int):
+    """Routed outputs of each group: ([H, b, s, d], dropped []).
+
+    A FoE-aware backend (has `group_routed`) is called as such; any plain `RoutedComputeFn` gets the
+    H*b "virtual tokens" (token t of group h carries group h's k/H choices) in one call."""
+    if hasattr(routed_compute, "group_routed"):
+        return routed_compute.group_routed(x, route, experts, cfg, num_groups)
+    b, s, d = x.shape
+    hg = num_groups
+    kg = route.indices.shape[-1] // hg
+
+    def per_group(v):  # [b, s, H*kg] -> [H*b, s, kg]
+        return v.reshape(b, s, hg, kg).transpose(2, 0, 1, 3).reshape(hg * b, s, kg)
+
+    r = RouteResult(indices=per_group(route.indices), weights=per_group(route.weights), aux_loss=None,
+                    z_loss=None, load=None)
+    xr = jnp.broadcast_to(x[None], (hg, b, s, d)).reshape(hg * b, s, d)
+    out = routed_compute(xr, r, experts, cfg)
+    return out.y.reshape(hg, b, s, d).astype(x.dtype), out.dropped
+
+
+def group_sum(routed_compute, v: jax.Array) -> jax.Array:
+    """The cross-group sum [H, ...] -> [...] (an explicit collective for the parallel backend)."""
+    if hasattr(routed_compute, "group_sum"):
+        return routed_compute.group_sum(v)
+    return jnp.sum(v, axis=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# attention: group h's heads on group h's input
+# --------------------------------------------------------------------------------------------------
+
+
+def _group_proj(lin, x_h: jax.Array, hg: int) -> jax.Array:
+    """Linear lin (w [d, n*hd]) applied per group: x_h [H, b, t, d] -> [H, b, t, n*hd/H] (group h uses
+    columns [h*n*hd/H, (h+1)*n*hd/H))."""
+    cd = lin.compute_dtype
+    w = lin.w[...].astype(cd)
+    w = w.reshape(w.shape[0], hg, w.shape[1] // hg)
+    y = jnp.einsum("hbtd,dhe->hbte", x_h.astype(cd), w)
+    if lin.b is not None:
+        y = y + lin.b[...].astype(cd).reshape(hg, 1, 1, -1)
+    return y
+
+
+def group_attention(attn: Attention, x_h: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array],
+                    num_groups: int) -> jax.Array:
+    """x_h: [H, b, t, d] normalised group inputs -> a_h [H, b, t, d], group h's heads through its own
+    rows of o_proj (sum_h a_h = ordinary attention when every group reads the same input).
+    Mirrors Attention.qkv / __call__ / project_out (GQA with head-scope q/k norm, rope / NoPE,
+    q/k L2 norm, temperature tuning, chunked masks, sigmoid gate), groups folded into the batch."""
+    cfg = attn.cfg
+    hg = num_groups
+    _, b, t, _ = x_h.shape
+    hd = cfg.resolved_head_dim
+    nh, nkv = cfg.num_heads // hg, cfg.num_kv_heads // hg
+    pos = jnp.tile(positions, (hg, 1))
+    seg = None if segment_ids is None else jnp.tile(segment_ids, (hg, 1))
+    with jax.named_scope("attention_qkv"):
+        q = _group_proj(attn.q_proj, x_h, hg).reshape(hg * b, t, nh, hd)
+        k = _group_proj(attn.k_proj, x_h, hg).reshape(hg * b, t, nkv, hd)
+        v = _group_proj(attn.v_proj, x_h, hg).reshape(hg * b, t, nkv, hd)
+        if attn.q_norm is not None:  # head scope (check_foe rejects all_heads)
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        if attn.use_rope:
+            inv = jnp.asarray(attn.inv_freq)
+            q = apply_rope(q, pos, inv, attention_factor=attn.rope_factor, interleaved=cfg.rope_interleaved)
+            k = apply_rope(k, pos, inv, attention_factor=attn.rope_factor, interleaved=cfg.rope_interleaved)
+            if cfg.qk_l2_norm:
+                q, k = l2_norm(q, cfg.norm_eps), l2_norm(k, cfg.norm_eps)
+        elif cfg.attn_temperature_tuning:
+            q = (q * temperature_scale(pos, cfg.attn_temperature_floor, cfg.attn_temperature_scale)).astype(q.dtype)
+    with jax.named_scope("attention_core"):
+        o = attention_core(q, k, v, layer_mask(cfg, attn.layer_idx, pos, seg), attn.scale)
+    with jax.named_scope("attention_out"):
+        o = o.reshape(hg, b, t, -1)
+        if attn.gate_proj is not None:
+            o = o * jax.nn.sigmoid(_group_proj(attn.gate_proj, x_h, hg))
+        cd = attn.o_proj.compute_dtype
+        wo = attn.o_proj.w[...].astype(cd)
+        wo = wo.reshape(hg, wo.shape[0] // hg, wo.shape[1])
+        return jnp.einsum("hbte,hed->hbtd", o.astype(cd), wo)
+
+
+# --------------------------------------------------------------------------------------------------
+# one layer and the whole forward
+# --------------------------------------------------------------------------------------------------
+
+
+@struct.dataclass
+class FoEBlockOutput:
+    attn: jax.Array  # [b, s, d] sum_h a^h
+    attn_groups: jax.Array  # [H, b, s, d]
+    shared: Optional[jax.Array]  # [b, s, d]
+    routed: Optional[jax.Array]  # [b, s, d] sum_h m^h
+    routed_groups: Optional[jax.Array]  # [H, b, s, d]
+    aux_loss: jax.Array
+    z_loss: jax.Array
+    load: Optional[jax.Array]
+    dropped: jax.Array
+
+
+def foe_block(block: Block, x_h: jax.Array, full: jax.Array, positions, segment_ids, moe_input: str,
+              num_groups: int, backend) -> FoEBlockOutput:
+    """One FoE layer. x_h: [H, b, s, d] group attention inputs; full: [b, s, d] = R_{k-1}."""
+    with jax.named_scope("attention"):
+        a_h = group_attention(block.attn, block.attn_norm(x_h), positions, segment_ids, num_groups)
+        a_h = checkpoint_name(a_h, "attention_out")
+    with jax.named_scope("group_sum"):
+        a = group_sum(backend, a_h)
+    x_moe = full + a if moe_input == "full" else full
+    zero = jnp.zeros((), jnp.float32)
+    with jax.named_scope("moe" if block.is_moe else "mlp"):
+        h = block.ffn_norm(x_moe)
+        if block.moe is None:
+            with jax.named_scope("dense_mlp"):
+                s = checkpoint_name(block.mlp(h), "shared_out")
+            return FoEBlockOutput(attn=a, attn_groups=a_h, shared=s, routed=None, routed_groups=None, aux_loss=zero,
+                                  z_loss=zero, load=None, dropped=jnp.zeros((), jnp.int32))
+        moe = block.moe
+        with jax.named_scope("router"):
+            route = group_route(moe.router, h, num_groups)
+        m_h, dropped = group_routed(moe.routed_compute, h, route, moe.experts.weights(), moe.cfg, num_groups)
+        m_h = checkpoint_name(m_h, "routed_out")
+        with jax.named_scope("group_sum"):
+            m = group_sum(backend, m_h)
+        shared = None
+        if moe.shared is not None:
+            with jax.named_scope("shared_experts"):
+                shared = moe.shared(h)
+                if moe.shared_gate is not None:
+                    shared = shared * jax.nn.sigmoid(moe.shared_gate(h))
+                shared = checkpoint_name(shared, "shared_out")
+    return FoEBlockOutput(attn=a, attn_groups=a_h, shared=shared, routed=m, routed_groups=m_h,
+                          aux_loss=route.aux_loss, z_loss=route.z_loss, load=route.load, dropped=dropped)
+
+
+def _backend(model: Transformer):
+    for blk in model.layers:
+        if blk.moe is not None:
+            return blk.moe.routed_compute
+    return None
+
+
+def foe_forward(model: Transformer, tokens: jax.Array, positions: Optional[jax.Array] = None,
+                segment_ids: Optional[jax.Array] = None, *, farskip: Optional[FarSkipConfig] = None,
+                return_hidden: bool = False, return_trace: bool = False,
+                num_groups: Optional[int] = None) -> ModelOutput:
+    """The Transformer forward with FoE groups (same outputs as Transformer.__call__; trace entries
+    add `attn_groups` / `routed_groups` [H, b, s, d] and `attn_in` is [H, b, s, d]).
+    num_groups: default cfg.moe.num_groups (an explicit 1 runs this path as the ordinary model)."""
+    cfg = model.cfg
+    hg = check_foe(cfg, num_groups)
+    fs = farskip if farskip is not None else cfg.farskip
+    backend = _backend(model)
+    n = len(model.layers)
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    emb = model.embed(tokens)
+    streams = Streams.init(emb, fs.skip_distance)
+    sync = emb  # R_{k-1} minus every group's routed output of layer k-1 (= P_{k-1} + s_{k-1})
+    routed_h = None  # m^h_{k-1} [H, b, s, d]
+    aux, z, dropped, loads, hidden, trace = [], [], [], [], [], []
+    for i, block in enumerate(model.layers):
+        attn_kind, moe_kind = fs.layer_inputs(i, n)
+        with jax.named_scope(f"layer_{i}"):
+            if attn_kind == "full" and routed_h is not None:
+                x_attn = sync[None] + routed_h  # group h's own representation X^h_{k-1}
+            else:
+                x = streams.attn_input(attn_kind)
+                x_attn = jnp.broadcast_to(x[None], (hg, *x.shape))
+            fn = lambda b, xa, f, p, s: foe_block(b, xa, f, p, s, moe_kind, hg, backend)  # noqa: E731
+            if cfg.model.remat != "none":
+                fn = nnx.remat(fn, policy=REMAT_POLICIES[cfg.model.remat])
+            out = fn(block, x_attn, streams.full, positions, segment_ids)
+            if return_trace:
+                trace.append(dict(attn_in=x_attn, moe_in=streams.moe_input(moe_kind, out.attn), attn=out.attn,
+                                  attn_groups=out.attn_groups, shared=out.shared, routed=out.routed,
+                                  routed_groups=out.routed_groups, attn_kind=attn_kind, moe_kind=moe_kind))
+            sync = _add(streams.full + out.attn, out.shared)
+            routed_h = out.routed_groups
+            streams = streams.update(out.attn, out.shared, out.routed)
+        if block.is_moe:
+            aux.append(out.aux_loss)
+            z.append(out.z_loss)
+            loads.append(out.load)
+        dropped.append(out.dropped)
+        if return_hidden:
+            hidden.append(streams.full)
+    x = model.final_norm(streams.full)
+    logits = model.embed.attend(x) if model.lm_head is None else model.lm_head(x)
+    mean = lambda xs: jnp.mean(jnp.stack(xs)) if xs else jnp.zeros((), jnp.float32)  # noqa: E731
+    return ModelOutput(logits=logits.astype(jnp.float32), aux_loss=mean(aux), z_loss=mean(z),
+                       load=jnp.stack(loads) if loads else None, dropped=jnp.sum(jnp.stack(dropped)),
+                       hidden=tuple(hidden) if return_hidden else None,
+                       trace=tuple(trace) if return_trace else None)

@@ -1,0 +1,260 @@
+"""Federation of Experts (moe.num_groups = H): model/foe.py.
+
+- H = 1 through the FoE code path equals the ordinary model (same params, same logits, same routing);
+  the parameter tree does not depend on num_groups (any checkpoint loads with any H).
+- per-group routing never selects an expert outside the group of the choice slot, even when the
+  selection bias pushes every token towards another group's experts.
+- an independent oracle (per-group loop: group h's attention = the ordinary attention module with
+  every other group's o_proj rows zeroed, run on group h's own stream; routing/experts as numpy
+  loops per group and per token; streams rebuilt as sums from the definitions) matches the model
+  under every connectivity preset, skip distance 2, a partial layer set, H = 2 and H = 4.
+- configuration errors name the culprit; gradients under remat equal those without.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from farskip_jax.config import FarSkipConfig, load_config, replace
+from farskip_jax.errors import ConfigError
+from farskip_jax.model import Transformer
+from farskip_jax.model.foe import foe_forward, group_route
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _cfg(*extra):
+    return load_config(None, ["model.vocab_size=64", "model.d_model=32", "model.num_layers=3", "model.num_heads=4",
+                              "model.num_kv_heads=2", "model.mlp_hidden=64", "model.first_k_dense=1",
+                              "model.init_std=0.15", "moe.num_experts=8", "moe.top_k=4", "moe.expert_hidden=16",
+                              "moe.num_shared_experts=1", *extra])
+
+
+def _tokens(cfg, b=2, s=12, seed=1):
+    return jax.random.randint(jax.random.key(seed), (b, s), 0, cfg.model.vocab_size)
+
+
+# --------------------------------------------------------------------------------------------------
+# H = 1 is the ordinary model; parameters do not depend on H
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", ["standard", "farskip"])
+def test_one_group_equals_ordinary(preset):
+    cfg = _cfg()
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    tokens = _tokens(cfg)
+    fs = FarSkipConfig(preset=preset)
+    ref = model(tokens, farskip=fs)
+    out = foe_forward(model, tokens, farskip=fs, num_groups=1)
+    np.testing.assert_allclose(out.logits, ref.logits, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(out.load, ref.load)  # identical expert choices
+    np.testing.assert_allclose(out.aux_loss, ref.aux_loss, rtol=1e-6)
+    np.testing.assert_allclose(out.z_loss, ref.z_loss, rtol=1e-6)
+
+
+def test_params_independent_of_num_groups():
+    a = nnx.state(Transformer(_cfg(), rngs=nnx.Rngs(0)), nnx.Param)
+    b = nnx.state(Transformer(_cfg("moe.num_groups=2"), rngs=nnx.Rngs(0)), nnx.Param)
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert jax.tree.structure(a) == jax.tree.structure(b) and len(la) == len(lb)
+    for x, y in zip(la, lb):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_groups_change_the_model():
+    """H = 2 is a different function of the same weights (so the oracle test below can fail)."""
+    cfg = _cfg()
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    tokens = _tokens(cfg)
+    one = foe_forward(model, tokens, num_groups=1).logits
+    two = foe_forward(model, tokens, num_groups=2).logits
+    assert float(jnp.max(jnp.abs(one - two))) > 1e-2
+
+
+# --------------------------------------------------------------------------------------------------
+# routing stays inside the group
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("groups,bias", [(2, False), (4, False), (2, True), (4, True)])
+def test_routing_within_group(groups, bias):
+    cfg = _cfg(f"moe.num_groups={groups}", f"moe.selection_bias={str(bias).lower()}", "model.num_kv_heads=4")
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    router = model.layers[1].moe.router
+    e, k = cfg.moe.num_experts, cfg.moe.top_k
+    if bias:  # every token would prefer group 0's experts if selection crossed groups
+        router.bias[...] = jnp.where(jnp.arange(e) < e // groups, 10.0, 0.0)
+    x = jax.random.normal(jax.random.key(3), (3, 10, cfg.model.d_model))
+    r = group_route(router, x, groups)
+    idx = np.asarray(r.indices)
+    slot_group = np.arange(k) // (k // groups)
+    np.testing.assert_array_equal(idx // (e // groups), np.broadcast_to(slot_group, idx.shape))
+    for g in range(groups):  # distinct experts per group, weights normalised within the group
+        sl = idx[..., slot_group == g]
+        assert (np.sort(sl, -1)[..., 1:] != np.sort(sl, -1)[..., :-1]).all() if sl.shape[-1] > 1 else True
+        np.testing.assert_allclose(np.asarray(r.weights)[..., slot_group == g].sum(-1), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(float(r.load.sum()), 1.0, rtol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------
+# per-group loop oracle
+# --------------------------------------------------------------------------------------------------
+
+
+def _softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    p = np.exp(x)
+    return p / p.sum(-1, keepdims=True)
+
+
+def _silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def _oracle_routed(block, hin, groups):
+    """Numpy per-group, per-token, per-expert loop -> m [H, b, s, d]."""
+    b, s, d = hin.shape
+    x = np.asarray(hin, np.float64).reshape(-1, d)
+    moe = block.moe
+    e, k = moe.cfg.num_experts, moe.cfg.top_k
+    eg, kg = e // groups, k // groups
+    logits = x @ np.asarray(moe.router.w[...], np.float64)
+    wg, wu, wd = (np.asarray(w[...], np.float64) for w in (moe.experts.w_gate, moe.experts.w_up, moe.experts.w_down))
+    m = np.zeros((groups, x.shape[0], d))
+    for g in range(groups):
+        p = _softmax(logits[:, g * eg:(g + 1) * eg])
+        for t in range(x.shape[0]):
+            top = np.argsort(-p[t], kind="stable")[:kg]
+            ws = p[t, top] / p[t, top].sum()
+            for el, wt in zip(top, ws):
+                ex = g * eg + el
+                m[g, t] += wt * ((_silu(x[t] @ wg[ex]) * (x[t] @ wu[ex])) @ wd[ex])
+    return m.reshape(groups, b, s, d).astype(np.float32)
+
+
+def _oracle_logits(model, tokens, fs: FarSkipConfig, groups: int):
+    cfg = model.cfg
+    n, d = len(model.layers), fs.skip_distance
+    hpg = cfg.model.num_heads // groups * cfg.model.resolved_head_dim  # o_proj rows per group
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    emb = np.asarray(model.embed(tokens))
+    zero = np.zeros_like(emb)
+    A, S, M = [], [], []  # per layer: attention [b,s,d], shared / dense MLP [b,s,d], routed [H,b,s,d]
+
+    def stream(k, group=None, drop_routed=(), drop_shared=()):
+        """emb + sum_{j<k} (a_j + s_j + sum_h m^h_j), leaving out the named parts; group=g leaves out
+        the other groups' routed outputs of layer k-1 (group g's own representation)."""
+        x = emb.copy()
+        for j in range(k):
+            x = x + A[j] + (zero if j in drop_shared else S[j])
+            for h in range(groups):
+                if j in drop_routed or (group is not None and j == k - 1 and h != group):
+                    continue
+                x = x + M[j][h]
+        return x
+
+    for k, block in enumerate(model.layers):
+        attn_kind, moe_kind = fs.layer_inputs(k, n)
+        recent = set(range(max(k - d, 0), k))
+        a_k = zero
+        for g in range(groups):
+            if attn_kind == "full":
+                x = stream(k, group=g)
+            elif attn_kind == "partial":
+                x = stream(k, drop_routed=recent)
+            else:
+                x = stream(k, drop_routed=recent, drop_shared=recent)
+            attn_g = nnx.clone(block.attn)
+            w = np.array(attn_g.o_proj.w[...])
+            w[: g * hpg] = 0.0
+            w[(g + 1) * hpg:] = 0.0
+            attn_g.o_proj.w[...] = jnp.asarray(w)
+            a_k = a_k + np.asarray(attn_g(block.attn_norm(jnp.asarray(x)), positions, None))
+        A.append(a_k)
+        x_moe = stream(k) + a_k if moe_kind == "full" else stream(k)
+        hin = block.ffn_norm(jnp.asarray(x_moe))
+        if block.moe is None:
+            S.append(np.asarray(block.mlp(hin)))
+            M.append(np.zeros((groups, *emb.shape), np.float32))
+            continue
+        S.append(np.asarray(block.moe.shared(hin)) if block.moe.shared is not None else zero)
+        M.append(_oracle_routed(block, hin, groups))
+    x = model.final_norm(jnp.asarray(stream(n)))
+    return np.asarray(model.lm_head(x))
+
+
+ORACLE_CASES = [
+    dict(preset="standard"),
+    dict(preset="farskip"),
+    dict(preset="attn_only"),
+    dict(preset="mlp_only"),
+    dict(preset="farskip", attn_input="outdated", skip_distance=2, layers="first:2"),
+]
+
+
+@pytest.fixture(scope="module")
+def foe_model():
+    cfg = _cfg("moe.num_groups=2")
+    return Transformer(cfg, rngs=nnx.Rngs(0)), _tokens(cfg)
+
+
+@pytest.mark.parametrize("case", ORACLE_CASES, ids=lambda c: "-".join(f"{v}" for v in c.values()))
+def test_matches_per_group_oracle(foe_model, case):
+    model, tokens = foe_model
+    fs = FarSkipConfig(**case)
+    out = model(tokens, farskip=fs)
+    np.testing.assert_allclose(out.logits, _oracle_logits(model, tokens, fs, 2), **TOL)
+
+
+def test_matches_oracle_four_groups():
+    cfg = _cfg("moe.num_groups=4", "model.num_kv_heads=4", "model.num_layers=2")
+    model = Transformer(cfg, rngs=nnx.Rngs(2))
+    tokens = _tokens(cfg)
+    for preset in ("standard", "farskip"):
+        fs = FarSkipConfig(preset=preset)
+        np.testing.assert_allclose(model(tokens, farskip=fs).logits, _oracle_logits(model, tokens, fs, 4), **TOL)
+
+
+def test_farskip_attention_reads_the_synchronised_stream(foe_model):
+    """Converted layers' groups all read the same stream; standard layers read group-specific ones."""
+    model, tokens = foe_model
+    std = model(tokens, farskip=FarSkipConfig(preset="standard"), return_trace=True).trace
+    fsk = model(tokens, farskip=FarSkipConfig(preset="farskip"), return_trace=True).trace
+    assert float(jnp.max(jnp.abs(std[2]["attn_in"][0] - std[2]["attn_in"][1]))) > 1e-3  # after an MoE layer
+    np.testing.assert_array_equal(fsk[2]["attn_in"][0], fsk[2]["attn_in"][1])
+    np.testing.assert_allclose(std[2]["routed"], std[2]["routed_groups"].sum(0), **TOL)
+
+
+# --------------------------------------------------------------------------------------------------
+# errors, gradients
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra,culprit", [
+    (("moe.num_groups=4",), "num_kv_heads"),
+    (("moe.num_groups=2", "moe.top_k=3"), "top_k"),
+    (("moe.num_groups=2", "model.attention=mla"), "model.attention"),
+    (("moe.num_groups=2", "moe.n_group=2"), "n_group"),
+    (("moe.num_groups=2", "model.qk_norm=true", "model.qk_norm_scope=all_heads"), "qk_norm_scope"),
+])
+def test_config_errors(extra, culprit):
+    with pytest.raises(ConfigError, match=culprit):
+        Transformer(_cfg(*extra), rngs=nnx.Rngs(0))
+
+
+def test_gradients_with_remat_match():
+    cfg = _cfg("moe.num_groups=2")
+    tokens = _tokens(cfg)
+
+    def grads(remat):
+        model = Transformer(replace(cfg, **{"model.remat": remat}), rngs=nnx.Rngs(0))
+        return nnx.grad(lambda m: jnp.mean(m(tokens, farskip=FarSkipConfig(preset="farskip")).logits ** 2))(model)
+
+    g0, g1 = grads("none"), grads("minimal")
+    leaves0, leaves1 = jax.tree.leaves(g0), jax.tree.leaves(g1)
+    assert any(float(jnp.max(jnp.abs(x))) > 0 for x in leaves0)
+    for x, y in zip(leaves0, leaves1):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
