@@ -180,8 +180,8 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
         inside = (p >= lo) & (p < lo + n)
         rows = jnp.take(ops[s], jnp.where(inside, in_off[s, me] + p - lo, 0), axis=0)
         output = jnp.where(inside[:, None], rows, output)
-    # what the receiver expects must be what the senders send
-    return output + 0 * jnp.sum(recv_sizes - sizes[:, me])
+    # what this receiver expects must be what the senders send; a mismatch poisons the output
+    return jnp.where(jnp.all(recv_sizes == sizes[:, me]), output, jnp.nan)
 
 
 def test_ragged_offsets_with_emulated_exchange():
