@@ -16,11 +16,22 @@ import jax.numpy as jnp
 from farskip_jax.config import Config
 
 
+def attention_params(cfg: Config) -> int:
+    """Projection weights of one attention layer (GQA, or MLA with its low-rank q/kv)."""
+    m = cfg.model
+    if m.attention == "mla":
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        q = (m.d_model * m.q_lora_rank + m.q_lora_rank * m.num_heads * qk) if m.q_lora_rank else m.d_model * m.num_heads * qk
+        kv = m.d_model * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * m.num_heads * (m.qk_nope_head_dim + m.v_head_dim)
+        return q + kv + m.num_heads * m.v_head_dim * m.d_model
+    hd = m.resolved_head_dim
+    return m.d_model * hd * (m.num_heads + 2 * m.num_kv_heads) + m.num_heads * hd * m.d_model
+
+
 def active_matmul_params(cfg: Config) -> int:
     """Matmul parameters one token passes through (embedding lookup excluded, lm head included)."""
     m, e = cfg.model, cfg.moe
-    hd = m.resolved_head_dim
-    attn = m.d_model * hd * (m.num_heads + 2 * m.num_kv_heads) + m.num_heads * hd * m.d_model
+    attn = attention_params(cfg)
     total = m.d_model * m.vocab_size
     for i in range(m.num_layers):
         total += attn
@@ -41,8 +52,7 @@ def train_flops_per_token(cfg: Config, seq_len: int) -> float:
 def total_params(cfg: Config) -> int:
     """All parameters (every expert), for reporting model size."""
     m, e = cfg.model, cfg.moe
-    hd = m.resolved_head_dim
-    attn = m.d_model * hd * (m.num_heads + 2 * m.num_kv_heads) + m.num_heads * hd * m.d_model
+    attn = attention_params(cfg)
     total = m.d_model * m.vocab_size * (1 if m.tie_embeddings else 2)
     for i in range(m.num_layers):
         total += attn + 2 * m.d_model

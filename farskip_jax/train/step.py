@@ -163,3 +163,40 @@ def make_eval_step(graphdef, cfg: Config, farskip=None) -> Callable:
         return dict(ce_sum=aux["ce"] * aux["tokens"], tokens=aux["tokens"])
 
     return eval_step
+
+
+def abstract_train_state(cfg: Config, mesh, tx: optax.GradientTransformation, seed: int = 0):
+    """(graphdef, train state of ShapeDtypeStructs with their mesh shardings), allocating nothing.
+
+    For compile-only checks of real shapes: `jax.jit(step).lower(abstract_state, abstract_batch)`.
+    Params/bias/rest take the shardings of parallel.sharding.state_shardings; optimizer moments take
+    those of their parameter; counters and the RNG are replicated."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from farskip_jax.parallel.build import create_model
+    from farskip_jax.parallel.sharding import state_shardings
+
+    box = {}
+
+    def build():
+        graphdef, state = init_state(create_model(cfg, mesh, seed=seed), tx, seed)
+        box["graphdef"] = graphdef
+        return state
+
+    abstract = jax.eval_shape(build)
+    rep = NamedSharding(mesh, PartitionSpec())
+
+    def with_shardings(tree):
+        shard_leaves = jax.tree.leaves(state_shardings(tree, mesh))
+        leaves, treedef = jax.tree.flatten(tree)
+        return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+                                            for a, s in zip(leaves, shard_leaves)])
+
+    params = with_shardings(abstract["params"])
+    opt = optax.tree_map_params(tx, lambda a, p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=p.sharding),
+                                abstract["opt"], params,
+                                transform_non_params=lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep))
+    out = {k: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), v)
+           for k, v in abstract.items() if k not in ("params", "opt", "bias", "rest")}
+    out.update(params=params, opt=opt, bias=with_shardings(abstract["bias"]), rest=with_shardings(abstract["rest"]))
+    return box["graphdef"], out
