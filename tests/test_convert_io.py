@@ -184,3 +184,43 @@ def test_import_onto_mesh_shards_experts(mixtral):
     assert w.addressable_shards[0].data.shape[0] == 1  # each device holds 1 of the 4 experts
     out = jax.jit(lambda t: m(t).logits)(jnp.asarray(tokens))
     assert np.abs(np.asarray(out) - ref).max() <= 1e-4
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_export_from_scratch_with_family(family, tmp_path):
+    """A model with no source config.json (init_from_hf unset) exports by family model_type alone."""
+    from flax import nnx
+
+    from farskip_jax.config import Config, replace
+    from farskip_jax.convert.families import family_by_name
+    from farskip_jax.model import Transformer
+
+    fam = family_by_name(family)
+    hf = dict(model_type=family, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, intermediate_size=48, num_experts=4, n_routed_experts=4, num_experts_per_tok=2,
+              moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None,
+              qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, head_dim=8, initializer_range=0.2)
+    from farskip_jax.config import from_dict
+
+    cfg = from_dict(Config, fam.config_tree(hf))
+    cfg = replace(cfg, **{"model.init_std": 0.2})
+    model = Transformer(cfg, rngs=nnx.Rngs(3))
+    if family == "deepseek_v3":
+        b = model.layers[1].moe.router.bias
+        b.set_value(jax.random.normal(jax.random.key(1), b.get_value().shape) * 0.1)
+    with pytest.raises(CheckpointError, match="family"):
+        export_hf(model, cfg, str(tmp_path / "x"))
+    out = export_hf(model, cfg, str(tmp_path / "out"), family=family)
+    tokens = np.random.RandomState(0).randint(0, VOCAB, size=(2, 12))
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = back(torch.tensor(tokens)).logits.numpy()
+    assert np.abs(np.asarray(model(jnp.asarray(tokens)).logits) - ref).max() <= 1e-4
+
+
+def test_quantized_checkpoint_is_refused(mixtral, tmp_path):
+    root, *_ = mixtral
+    p = _copy(root / "single", tmp_path / "x")
+    _edit_config(p, quantization_config={"quant_method": "fp8"})
+    with pytest.raises(CheckpointError, match="quantized checkpoints \\(fp8\\)"):
+        import_hf(p)

@@ -43,6 +43,9 @@ ALWAYS_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 def hf_to_config(hf: dict, overrides: Overrides = None, *, source: Optional[str] = None) -> Config:
     """Our Config for an HF config.json dict; `overrides`: ["a.b=v", ...] or {"a.b": v}."""
+    if hf.get("quantization_config"):
+        q = hf["quantization_config"].get("quant_method", "?")
+        raise CheckpointError(f"quantized checkpoints ({q}) are not supported; dequantize to bf16/fp32 safetensors first")
     tree = family_for(hf).config_tree(hf)
     if source:
         tree["init_from_hf"] = source
