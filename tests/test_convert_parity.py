@@ -133,3 +133,26 @@ def test_parity_and_round_trip(saved, tokens, tmp_path):
     assert rt <= 1e-6
     _, model2 = import_hf(out_dir)
     assert np.array_equal(np.asarray(model2(jnp.asarray(tokens)).logits), out)
+
+
+def test_llama4_multimodal_checkpoint_imports_its_text_model(tmp_path, tokens):
+    """Llama-4 Scout/Maverick ship as Llama4ForConditionalGeneration: model_type llama4 + text_config,
+    tensors under language_model.; the vision tower is skipped and the text logits match."""
+    T = transformers
+    torch.manual_seed(0)
+    text = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=8, intermediate_size=48, intermediate_size_mlp=40, num_local_experts=4, num_experts_per_tok=1,
+                moe_layers=[1], initializer_range=0.2)
+    vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=28,
+                  patch_size=14, vision_output_dim=16, projector_input_dim=16, projector_output_dim=16)
+    hf = T.Llama4ForConditionalGeneration(T.Llama4Config(text_config=text, vision_config=vision)).eval()
+    hf.save_pretrained(tmp_path / "scout")
+    cfg, model = import_hf(str(tmp_path / "scout"))
+    ref = hf_logits(hf.language_model, tokens)  # (HF's multimodal forward needs images in 5.24)
+    diff = float(np.abs(np.asarray(model(jnp.asarray(tokens)).logits) - ref).max())
+    print(f"\nllama4 multimodal (text part): max diff {diff:.2e}")
+    assert np.abs(ref).max() > 0.5 and diff <= TOL
+    out = export_hf(model, cfg, str(tmp_path / "text"))  # exports the language model alone
+    back = T.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(back).__name__ == "Llama4ForCausalLM"
+    assert np.abs(hf_logits(back, tokens) - ref).max() <= 1e-6

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from farskip_jax.config import Config
-from farskip_jax.convert.families import family_by_name, family_for, farskip_native
+from farskip_jax.convert.families import family_by_name, family_for, farskip_native, text_part
 from farskip_jax.convert.reader import TOKENIZER_FILES
 from farskip_jax.convert.safetensors_io import write_file
 from farskip_jax.errors import CheckpointError
@@ -78,6 +78,8 @@ def export_hf(model: Transformer, cfg: Config, out_dir: str, *, base_config: Opt
         with open(os.path.join(src, "config.json")) as f:  # the folder the model was imported from
             base_config = json.load(f)
         tokenizer_dir = tokenizer_dir or src
+    if base_config is not None:
+        base_config = text_part(base_config)[0]  # a multimodal source exports its language model
     hf_cfg, fam = hf_config_for(cfg, base_config, family)
     hf_cfg["dtype"] = dtype
     specs = fam.specs(cfg)

@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from farskip_jax.config import Config, apply_overrides, from_dict
-from farskip_jax.convert.families import family_for
+from farskip_jax.convert.families import family_for, text_part
 from farskip_jax.convert.reader import HFCheckpoint
 from farskip_jax.convert.spec import TensorSpec
 from farskip_jax.errors import CheckpointError
@@ -39,6 +39,13 @@ from farskip_jax.parallel.sharding import state_shardings
 
 Overrides = Union[None, Iterable[str], dict]
 ALWAYS_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def open_checkpoint(path: str) -> HFCheckpoint:
+    """HFCheckpoint of `path`; for a multimodal checkpoint, the view of its language model."""
+    ckpt = HFCheckpoint(path)
+    hf, prefix = text_part(ckpt.config)
+    return ckpt.view(prefix, hf) if prefix else ckpt
 
 
 def hf_to_config(hf: dict, overrides: Overrides = None, *, source: Optional[str] = None) -> Config:
@@ -144,7 +151,7 @@ def import_hf(path: str, mesh=None, overrides: Overrides = None, *, dtype: Optio
 
     dtype: "float32" | "bfloat16" parameter dtype (default: the config's, float32); progress: True
     prints one line per tensor to stderr, or a callable(i, n, spec)."""
-    ckpt = HFCheckpoint(path)
+    ckpt = open_checkpoint(path)
     ov = dict(overrides) if isinstance(overrides, dict) else list(overrides or [])
     if dtype is not None:
         if isinstance(ov, dict):

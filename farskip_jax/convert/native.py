@@ -23,8 +23,7 @@ from flax import nnx
 
 from farskip_jax.config import Config, dump_config, load_config
 from farskip_jax.convert.families import family_for
-from farskip_jax.convert.loader import abstract_model, hf_to_config, target_shardings, validate
-from farskip_jax.convert.reader import HFCheckpoint
+from farskip_jax.convert.loader import abstract_model, hf_to_config, open_checkpoint, target_shardings, validate
 from farskip_jax.convert.safetensors_io import read_header, MappedTensor, write_file
 from farskip_jax.errors import CheckpointError
 from farskip_jax.model.transformer import Transformer
@@ -51,7 +50,7 @@ def write_native_from_hf(hf_dir: str, out_dir: str, overrides=None, *, dtype: Op
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and not overwrite:
         raise CheckpointError(f"{out_dir} already exists; pass --overwrite or choose a new folder")
-    ckpt = HFCheckpoint(hf_dir)
+    ckpt = open_checkpoint(hf_dir)
     ov = list(overrides or []) + ([f"model.param_dtype={dtype}"] if dtype else [])
     cfg = hf_to_config(ckpt.config, ov, source=ckpt.path)
     fam = family_for(ckpt.config)

@@ -82,6 +82,14 @@ class HFCheckpoint:
         t = MappedTensor(self._info(name))
         return t[tuple(idx) if idx is not None else ...]
 
+    def view(self, prefix: str, config: dict) -> "HFCheckpoint":
+        """The tensors under `prefix` (renamed without it) with `config` as config.json: the text model
+        of a multimodal checkpoint. Tensors outside the prefix (vision tower, projector) are dropped."""
+        sub = object.__new__(HFCheckpoint)
+        sub.path, sub.config = self.path, config
+        sub._infos = {n[len(prefix):]: i for n, i in self._infos.items() if n.startswith(prefix)}
+        return sub
+
     def extra_files(self) -> list[str]:
         """Tokenizer/generation files present in the folder (copied along on import)."""
         return [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(self.path, f))]

@@ -16,14 +16,19 @@ def family_for(hf: dict) -> ModuleType:
     if farskip_native.is_farskip_native(hf):
         return farskip_native
     mt = hf.get("model_type")
-    if mt == "llama4" and "text_config" in hf:
-        raise CheckpointError("this is a multimodal Llama-4 checkpoint; import its text model (model_type llama4_text)")
     for fam in FAMILIES:
         if mt in fam.MODEL_TYPES:
             return fam
     arch = hf.get("architectures")
     raise CheckpointError(f"unsupported model_type {mt!r} (architectures {arch}); supported model types: {SUPPORTED} "
                           "(plus any DeepSeek-V3 layout with \"farskip\": true)")
+
+
+def text_part(hf: dict) -> tuple[dict, str]:
+    """(config of the language model, prefix of its tensor names): the family's `text_part` for
+    multimodal checkpoints (Llama-4 Scout/Maverick), else (hf, "")."""
+    fn = getattr(family_for(hf), "text_part", None)
+    return fn(hf) if fn else (hf, "")
 
 
 def family_by_name(model_type: str) -> ModuleType:

@@ -7,12 +7,23 @@ from __future__ import annotations
 from farskip_jax.config import Config
 from farskip_jax.convert.families.common import Names, base_model_tree, common_hf, layer_specs
 
-MODEL_TYPES = ("llama4_text",)
+MODEL_TYPES = ("llama4_text", "llama4")
 ARCHITECTURE = "Llama4ForCausalLM"
 NAMES = Names(dense_mlp="feed_forward", moe="feed_forward", router="router", shared="shared_expert")
 
 
+def text_part(hf: dict) -> tuple[dict, str]:
+    """(text config, tensor-name prefix) of a multimodal Llama-4 checkpoint (Scout/Maverick:
+    model_type llama4 with text_config, tensors under language_model.); (hf, "") for a text one."""
+    if "text_config" not in hf:
+        return hf, ""
+    text = dict(hf["text_config"], model_type="llama4_text", architectures=[ARCHITECTURE])
+    text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", False))
+    return text, "language_model."
+
+
 def config_tree(hf: dict) -> dict:
+    hf = text_part(hf)[0]
     model = base_model_tree(hf, default_theta=500000.0)
     n = hf["num_hidden_layers"]
     step = hf.get("interleave_moe_layer_step", 1)
