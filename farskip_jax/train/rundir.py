@@ -1,7 +1,7 @@
 """Run folders: `<run_dir>/config.yaml` marks which run owns the folder.
 
 A folder is reused (resumed) only by the same experiment: its saved config must equal the new one
-except for the keys in RESUMABLE_KEYS (run length and logging cadence). Anything else raises
+except for the keys in RESUMABLE_KEYS (run length and logging cadence) and the mesh section. Anything else raises
 ConfigError unless `train.overwrite=true`, which deletes the folder first.
 """
 
@@ -53,7 +53,9 @@ def prepare_run_dir(cfg: Config, *, is_primary: bool = True) -> tuple[str, bool]
                               "choose another train.run_dir or set train.overwrite=true to delete it")
         with open(cfg_path) as f:
             old = config_from_dict(yaml.safe_load(f))
-        diff = [k for k in config_diff(old, cfg) if k not in RESUMABLE_KEYS]
+        # the mesh may change between runs (orbax restores onto any sharding; the data order does not
+        # depend on the process count in the default shard_by=rows)
+        diff = [k for k in config_diff(old, cfg) if k not in RESUMABLE_KEYS and not k.startswith("mesh.")]
         if diff:
             raise ConfigError(f"train.run_dir={run_dir} belongs to another run (config differs at {diff}); "
                               "choose another train.run_dir, or set train.overwrite=true to delete it")
