@@ -1,0 +1,73 @@
+"""Execute every notebook under notebooks/ with its tiny parameters and fail on any cell error.
+
+The first code cell of each notebook reads FARSKIP_NB_TINY=1 (a few training steps, a 2-layer model,
+fewer variants) and FARSKIP_NB_OUT (where runs go: a temporary folder here, so nothing under runs/ is
+touched). The kernel is this interpreter (`sys.executable -m ipykernel_launcher`, through a temporary
+kernelspec), so the test works in a fresh venv after `pip install -e ".[dev,hf]"`. Budget: <= 3 min on
+a quiet 2-core machine for all notebooks together.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import pathlib
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+
+NB_DIR = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = sorted(NB_DIR.glob("*.ipynb"))
+KERNEL = "farskip-nbtest"
+
+
+@pytest.fixture(scope="module")
+def kernel_env(tmp_path_factory):
+    """A kernelspec running this interpreter, found through JUPYTER_PATH; the kernel's environment
+    without conftest's 8 forced host devices (the notebooks train on one CPU device)."""
+    root = tmp_path_factory.mktemp("jupyter")
+    spec = root / "kernels" / KERNEL
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "farskip test kernel", "language": "python"}))
+    old = os.environ.get("JUPYTER_PATH")
+    os.environ["JUPYTER_PATH"] = str(root) + (os.pathsep + old if old else "")
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env["FARSKIP_NB_TINY"] = "1"
+    env["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
+    yield env
+    if old is None:
+        os.environ.pop("JUPYTER_PATH", None)
+    else:
+        os.environ["JUPYTER_PATH"] = old
+
+
+def test_notebooks_exist():
+    names = {p.stem for p in NOTEBOOKS}
+    assert {"ablation_partial_vs_outdated", "conversion_sweep", "overlap_schedule"} <= names, names
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_executes_tiny(path, kernel_env, tmp_path):
+    nb = nbformat.read(str(path), as_version=4)
+    env = dict(kernel_env, FARSKIP_NB_OUT=str(tmp_path / "runs"))
+    client = nbclient.NotebookClient(nb, kernel_name=KERNEL, timeout=900,
+                                     resources={"metadata": {"path": str(NB_DIR)}})
+    client.execute(env=env)  # raises CellExecutionError (with the traceback) on the first failing cell
+    codes = [c for c in nb.cells if c.cell_type == "code"]
+    assert codes and all(c.get("execution_count") for c in codes), "not every code cell ran"
+    errors = [o for c in codes for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors, errors
+    # every notebook shows at least one figure
+    assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
+               for c in codes for o in c.get("outputs", [])), f"{path.name}: no figure displayed"
+    # the tiny flag reached the kernel (the first code cell defines TINY from the environment)
+    assert "FARSKIP_NB_TINY" in codes[0].source
