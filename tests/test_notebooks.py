@@ -71,3 +71,48 @@ def test_notebook_executes_tiny(path, kernel_env, tmp_path):
                for c in codes for o in c.get("outputs", [])), f"{path.name}: no figure displayed"
     # the tiny flag reached the kernel (the first code cell defines TINY from the environment)
     assert "FARSKIP_NB_TINY" in codes[0].source
+
+
+# ---- the notebooks' helpers (farskip_jax.experiments), fast checks ------------------------------------
+
+
+def test_variants_map_to_the_intended_connectivity():
+    from farskip_jax.config import load_config
+    from farskip_jax.errors import ConfigError
+    from farskip_jax.experiments.ablation import variants_by_name
+
+    base = load_config(str(NB_DIR.parent / "configs" / "tiny.yaml"))
+    L = base.model.num_layers
+    want = {"standard": ("full", "full", 1), "farskip": ("partial", "outdated", 1),
+            "all_outdated": ("outdated", "outdated", 1), "attn_only": ("partial", "full", 1),
+            "mlp_only": ("full", "outdated", 1), "skip2": ("partial", "outdated", 2),
+            "foe_farskip": ("partial", "outdated", 1)}
+    for v in variants_by_name(list(want)):
+        fs = v.apply(base).farskip
+        a, m, d = want[v.name]
+        assert [fs.layer_inputs(i, L) for i in range(L)] == [(a, m)] * L, v.name
+        assert fs.skip_distance == d
+    assert variants_by_name(["foe_farskip"])[0].apply(base).moe.num_groups == 2
+    with pytest.raises(ConfigError, match="farskp"):
+        variants_by_name(["farskp"])
+
+
+def test_summarize_and_table():
+    import numpy as np
+
+    from farskip_jax.experiments.ablation import RunRecord, summarize
+    from farskip_jax.experiments.plots import ablation_table
+
+    def rec(v, seed, loss):
+        return RunRecord(v, seed, "", [10, 20], [loss + 1, loss], loss, loss, 1.0, "done", 1.0)
+
+    rows = summarize([rec("farskip", 0, 2.2), rec("standard", 0, 2.0), rec("farskip", 1, 2.4), rec("standard", 1, 2.1)])
+    assert [r["variant"] for r in rows] == ["farskip", "standard"]
+    f, s = rows
+    assert f["seeds"] == 2 and f["mean"] == pytest.approx(2.3) and f["std"] == pytest.approx(np.std([2.2, 2.4]))
+    assert (f["min"], f["max"]) == (2.2, 2.4)
+    assert f["vs_ref"] == pytest.approx(2.3 / 2.05 - 1) and s["vs_ref"] == pytest.approx(0.0)
+    ov = {"farskip": dict(exposed_frac=0.25, hidden_frac=0.75, bound_frac=1.0, step_time_us=1500.0)}
+    md = ablation_table(rows, ov).splitlines()
+    assert len(md) == 4 and "25.0%" in md[2] and "+12.20%" in md[2] and "1.500 ms" in md[2]
+    assert md[3].endswith("| – | – | – |")  # no overlap entry for standard
