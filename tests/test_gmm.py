@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from farskip_jax.config import MoEConfig
+from farskip_jax.model import experts as experts_mod
 from farskip_jax.model import gmm as gmm_mod
 from farskip_jax.model.experts import ExpertWeights, inverse_permutation, local_routed_compute
 from farskip_jax.model.gmm import gmm, resolve_backend
@@ -139,7 +140,7 @@ def _route(b, s, e, k, seed):
 
 @pytest.mark.parametrize("backend", ["tiled", "einsum", "ragged_dot"])
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
-def test_local_routed_compute_matches_token_loop(backend, capacity_factor):
+def test_local_routed_compute_matches_token_loop(backend, capacity_factor, monkeypatch):
     b, s, d, e, k, h = 2, 12, 8, 5, 2, 6
     rng = np.random.default_rng(3)
     x = rng.standard_normal((b, s, d)).astype(np.float32)
@@ -151,6 +152,10 @@ def test_local_routed_compute_matches_token_loop(backend, capacity_factor):
     route = RouteResult(indices=jnp.asarray(idx), weights=jnp.asarray(wts), aux_loss=jnp.zeros(()),
                         z_loss=jnp.zeros(()), load=jnp.zeros((e,)))
     out = jax.jit(local_routed_compute, static_argnums=(3,))(jnp.asarray(x), route, ExpertWeights(*ew), cfg)
+    if backend == "tiled":  # the fused SwiGLU walk gives the same values
+        monkeypatch.setattr(experts_mod, "FUSED_SWIGLU", not experts_mod.FUSED_SWIGLU)
+        alt = jax.jit(local_routed_compute, static_argnums=(3,))(jnp.asarray(x), route, ExpertWeights(*ew), cfg)
+        assert _rel(alt.y, out.y) < 1e-5 and int(alt.dropped) == int(out.dropped)
     ref, dropped = _routed_oracle(x, idx, wts, ew, cap)
     assert _rel(out.y, ref) < 1e-5
     assert int(out.dropped) == dropped
@@ -160,8 +165,11 @@ def test_local_routed_compute_matches_token_loop(backend, capacity_factor):
         assert dropped == 0
 
 
-def test_local_routed_compute_gradients_match_dense_oracle():
-    """Gradients (input, expert weights, routing weights) vs autodiff of a dense all-experts oracle."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_local_routed_compute_gradients_match_dense_oracle(fused, monkeypatch):
+    """Gradients (input, expert weights, routing weights) vs autodiff of a dense all-experts oracle,
+    for the tiled backend's three-gmm path and its fused SwiGLU walk (gmm.grouped_swiglu)."""
+    monkeypatch.setattr(experts_mod, "FUSED_SWIGLU", fused)
     b, s, d, e, k, h = 2, 10, 8, 4, 2, 6
     rng = np.random.default_rng(5)
     x = rng.standard_normal((b, s, d)).astype(np.float32)

@@ -27,7 +27,8 @@ from farskip_jax.model.layers import normal_init
 from farskip_jax.model.router import RouteResult
 
 
-FUSED_SWIGLU = True  # tiled backend: one fused walk for gate/up/down (False: three gmm walks)
+FUSED_SWIGLU = False  # tiled backend: True = one fused walk for gate/up/down (faster at d_model 256,
+# slower at d_model 1024 / 64 experts in benchmarks/moe_layer.py); False = three gmm walks
 
 
 @struct.dataclass
