@@ -40,10 +40,9 @@ _SCHEDULING = [
 
 PRESETS: dict[str, list[tuple[str, str, str]]] = {
     "none": [],
+    # (`--xla_cpu_multi_thread_eigen=false`, against oversubscription by 8 virtual devices on 2 cores,
+    # was tried with benchmarks/ep_throughput.py and showed no difference beyond run-to-run noise)
     "cpu": [
-        ("xla_cpu_multi_thread_eigen", "false",
-         "the host's virtual devices already run in parallel threads; letting each op also fan out on "
-         "Eigen's pool oversubscribes the cores (8 virtual devices on 2 cores in CI)"),
         ("xla_cpu_enable_fast_math", "false",
          "IEEE semantics, so EP-vs-single-device parity tests can use tight fp32 tolerances"),
     ],
