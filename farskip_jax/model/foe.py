@@ -297,6 +297,8 @@ def foe_forward(model: Transformer, tokens: jax.Array, positions: Optional[jax.A
             else:
                 x = streams.attn_input(attn_kind)
                 x_attn = jnp.broadcast_to(x[None], (hg, *x.shape))
+            if hasattr(backend, "constrain_groups"):  # parallel/foe.py: group h's stream on its devices
+                x_attn = backend.constrain_groups(x_attn)
             fn = lambda b, xa, f, p, s: foe_block(b, xa, f, p, s, moe_kind, hg, backend)  # noqa: E731
             if cfg.model.remat != "none":
                 fn = nnx.remat(fn, policy=REMAT_POLICIES[cfg.model.remat])
