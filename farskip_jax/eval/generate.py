@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from farskip_jax.config import FarSkipConfig
+from farskip_jax.errors import ConfigError
 from farskip_jax.model.attention import attention_core, attention_mask
 from farskip_jax.model.connectivity import Streams
 
@@ -55,6 +56,9 @@ def decode_step(model, tokens: jax.Array, start: jax.Array, cache: tuple, farski
 
     The cache slots [start, start + t) are written; slots < start must hold earlier tokens."""
     m = model.cfg.model
+    if model.cfg.moe.num_groups > 1:
+        raise ConfigError("KV-cache generation does not support Federation of Experts (moe.num_groups > 1) yet; "
+                          "score with eval/tasks.py or recompute full forwards instead")
     b, t = tokens.shape
     n = len(model.layers)
     positions = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))

@@ -1,0 +1,146 @@
+"""Evaluate a farskip_jax model: loss/perplexity, KL + top-1 agreement to a teacher, JSONL tasks,
+generation, the first-N/last-N conversion sweep, or lm-eval-harness tasks.
+
+    python eval.py --run runs/tiny --mode loss                                   # val loss / ppl
+    python eval.py --run runs/tiny --mode compare farskip.preset=farskip         # converted vs standard
+    python eval.py --run runs/distill_tiny --which best --mode compare --teacher-run runs/tiny
+    python eval.py --run runs/distill_tiny --which best --mode tasks --tasks data/task.jsonl
+    python eval.py --run runs/tiny --mode generate --prompt "def main(" eval.max_new_tokens=64
+    python eval.py --run runs/tiny --mode sweep --out runs/tiny/sweep              # CSV + PNG
+    python eval.py --hf path/to/hf_folder --mode lm_eval --lm-eval-tasks hellaswag --limit 100
+
+Source: --run (a pretraining or distillation run folder; --which latest|best|STEP) or --hf (an HF
+folder, imported). Dotted overrides change the loaded config (farskip.*, data.*, eval.*, train.*).
+Prints one JSON object with the results (also written to --out/results.json when --out is given).
+Exit codes: 0 ok, 2 configuration / data / checkpoint error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+MODES = ("loss", "compare", "tasks", "generate", "sweep", "lm_eval")
+
+
+def _overrides(items) -> dict:
+    import yaml
+
+    from farskip_jax.errors import ConfigError
+
+    out = {}
+    for it in items:
+        if "=" not in it:
+            raise ConfigError(f"override {it!r} must look like section.key=value")
+        k, _, v = it.partition("=")
+        out[k.strip()] = yaml.safe_load(v) if v != "" else ""
+    return out
+
+
+def run(a) -> dict:
+    import dataclasses
+
+    from farskip_jax.config import replace
+    from farskip_jax.data.tokenizer import load_tokenizer
+    from farskip_jax.errors import ConfigError
+    from farskip_jax.eval.loading import load_hf, load_run
+    from farskip_jax.eval.metrics import (STANDARD, evaluate_loss, evaluate_pair, make_compare_fn, make_loss_fn,
+                                          val_batches)
+
+    ov = _overrides(a.overrides)
+    if bool(a.run) == bool(a.hf):
+        raise ConfigError("pass exactly one of --run RUN_DIR or --hf HF_FOLDER")
+    if a.run:
+        which = int(a.which) if a.which.isdigit() else a.which
+        cfg, graphdef, st = load_run(a.run, which, config_overrides=ov or None)
+    else:
+        cfg, graphdef, st = load_hf(a.hf)
+        if ov:
+            cfg = replace(cfg, **ov)
+    tok = load_tokenizer(a.tokenizer or cfg.data.tokenizer)
+    res: dict = {"mode": a.mode, "source": a.run or a.hf, "farskip": dataclasses.asdict(cfg.farskip)}
+    n_batches = a.batches or cfg.eval.batches
+    if a.mode == "loss":
+        r = evaluate_loss(make_loss_fn(graphdef, cfg.farskip), st, val_batches(cfg, n_batches, tokenizer=tok))
+        import math
+
+        res.update(val_loss=r, ppl=math.exp(min(r, 700.0)))
+    elif a.mode == "compare":
+        teacher = st
+        if a.teacher_run:
+            _, _, teacher = load_run(a.teacher_run, "latest")
+        r = evaluate_pair(make_compare_fn(graphdef, cfg.farskip, STANDARD), st, teacher,
+                          val_batches(cfg, n_batches, tokenizer=tok))
+        res.update(dataclasses.asdict(r))
+    elif a.mode == "tasks":
+        from farskip_jax.eval.tasks import score_tasks
+
+        paths = a.tasks or list(cfg.eval.tasks)
+        if not paths:
+            raise ConfigError("--mode tasks needs --tasks file.jsonl ... (or eval.tasks in the config)")
+        res["tasks"] = score_tasks(graphdef, st, paths, tok, cfg.farskip, max_len=cfg.model.max_seq_len)
+    elif a.mode == "generate":
+        import numpy as np
+        from flax import nnx
+
+        from farskip_jax.eval.generate import generate
+
+        model = nnx.merge(graphdef, st["params"], st["bias"], st["rest"])
+        head = [tok.bos_id] if getattr(tok, "bos_id", None) is not None else []
+        ids = np.asarray([head + [int(t) for t in tok.encode(a.prompt)]], np.int32)
+        g = generate(model, ids, cfg.eval.max_new_tokens, farskip=cfg.farskip, temperature=cfg.eval.temperature,
+                     top_p=cfg.eval.top_p, seed=a.seed, eos_id=getattr(tok, "eos_id", None))
+        res.update(prompt=a.prompt, completion=tok.decode(g.tokens[0, ids.shape[1]:]))
+    elif a.mode == "sweep":
+        from farskip_jax.eval.sweep import conversion_sweep, plot_sweep, write_csv
+
+        out = a.out or os.path.join(a.run or ".", "sweep")
+        rows = conversion_sweep(graphdef, st, cfg, val_batches(cfg, n_batches, tokenizer=tok), stream=sys.stderr)
+        res.update(rows=rows, csv=write_csv(rows, os.path.join(out, "sweep.csv")),
+                   png=plot_sweep(rows, os.path.join(out, "sweep.png")))
+    elif a.mode == "lm_eval":
+        from farskip_jax.eval.lm_eval_adapter import FarSkipLM, run_lm_eval
+
+        core = FarSkipLM(graphdef, st, tok, farskip=cfg.farskip, max_len=cfg.model.max_seq_len)
+        r = run_lm_eval(core, a.lm_eval_tasks, num_fewshot=a.num_fewshot, limit=a.limit)
+        res["lm_eval"] = r.get("results", r)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "results.json"), "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", help="run folder (train.run_dir of a pretraining or distillation run)")
+    p.add_argument("--hf", help="HF checkpoint folder (imported with convert.import_hf)")
+    p.add_argument("--which", default="latest", help="latest | best (distillation runs) | a step number")
+    p.add_argument("--mode", choices=MODES, default="loss")
+    p.add_argument("--teacher-run", help="compare: teacher weights from this run (default: the same weights)")
+    p.add_argument("--tasks", nargs="*", help="tasks: JSONL files {context, choices, label}")
+    p.add_argument("--prompt", default="", help="generate: the prompt text")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batches", type=int, default=0, help="validation batches (default eval.batches)")
+    p.add_argument("--tokenizer", help="tokenizer (default data.tokenizer of the config)")
+    p.add_argument("--out", help="folder for results.json (and the sweep's CSV/PNG)")
+    p.add_argument("--lm-eval-tasks", nargs="*", default=[], help="lm_eval: task names")
+    p.add_argument("--num-fewshot", type=int, default=None)
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. farskip.preset=farskip data.source=text")
+    a = p.parse_args(argv)
+    from farskip_jax.errors import FarSkipError
+
+    try:
+        res = run(a)
+    except FarSkipError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(res, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
