@@ -89,6 +89,7 @@ class Schedule:
     by_id: dict[int, HloOp] = field(default_factory=dict)
     pairs: list[CollectivePair] = field(default_factory=list)
     module_name: str = ""
+    peak_memory: int = 0  # bytes, the scheduler's own estimate (0 when the dump has none)
 
     @property
     def makespan(self) -> float:
@@ -200,10 +201,12 @@ def load_schedule(text: str) -> Schedule:
     comps = {first(c, "id"): c for c in module.get("computations", [])}
     entry_id = first(module, "entry_computation_id")
     times = {}
+    peak = 0
     for cs in tree.get("computation_schedules", []):
         if first(cs, "computation_id") != entry_id:
             continue
         for pos, ins in enumerate(cs.get("instructions", [])):
+            peak = max(peak, int(first(ins, "peak_memory_after", 0)))
             times[first(ins, "id")] = (pos, float(first(ins, "start_timestamp_cycles", 0.0)),
                                        float(first(ins, "end_timestamp_cycles", 0.0)))
     entry = comps[entry_id]
@@ -265,4 +268,4 @@ def load_schedule(text: str) -> Schedule:
                     group = _group_size(sub)
         pairs.append(CollectivePair(start=s, done=o, collective=s.collective, bytes=s.in_bytes,
                                     operand_shapes=opnd_shapes, dims=dims, group_size=group))
-    return Schedule(ops=ops, by_id=by_id, pairs=pairs, module_name=first(module, "name", ""))
+    return Schedule(ops=ops, by_id=by_id, pairs=pairs, module_name=first(module, "name", ""), peak_memory=peak)

@@ -141,6 +141,7 @@ def to_json(results: Sequence[ProgramResult]) -> dict:
     out = {}
     for r in results:
         entry = {"compile_s": r.compile_s, "step_time_us": r.report.step_time,
+                 "scheduler_peak_memory_bytes": r.report.peak_memory,
                  "totals": {d: r.report.totals(d) for d in ("fwd", "bwd", "all")},
                  "collectives": [dataclasses.asdict(s) for s in r.report.stats]}
         if r.modelled is not None:

@@ -53,6 +53,7 @@ class OverlapReport:
     compute_time: float  # us, sum of compute op durations
     other_collective_time: float  # us of non-all-to-all collectives (e.g. gradient all-reduce)
     bound: dict[str, float]  # direction ("fwd", "bwd", "all") -> structural max hideable us
+    peak_memory: int = 0  # bytes, LHS's estimate of the schedule's peak (memory pressure stops overlap)
 
     def totals(self, direction: Optional[str] = None) -> dict[str, float]:
         sel = [s for s in self.stats if direction in (None, "all", s.direction)]
@@ -111,7 +112,8 @@ def analyze(schedule: Schedule, durations: Optional[Sequence[float]] = None, lab
         bound = dict(zip(subsets.keys(), vals))
     other = sum(max(p.done.start - p.start.end, 0.0) for i, p in enumerate(pairs) if p.collective not in kinds)
     return OverlapReport(label=label, stats=stats, step_time=schedule.makespan,
-                         compute_time=sum(o.duration for o in compute), other_collective_time=other, bound=bound)
+                         compute_time=sum(o.duration for o in compute), other_collective_time=other, bound=bound,
+                         peak_memory=schedule.peak_memory)
 
 
 def _top_inside(s: CollectiveStat, n: int = 3) -> str:
@@ -153,6 +155,7 @@ def format_side_by_side(reports: Sequence[OverlapReport]) -> str:
         row(f"{d}: with nothing inside", lambda r: r.totals(d)["empty"], "{:>16d}")
     row("compute time (us)", lambda r: r.compute_time)
     row("other collectives (us)", lambda r: r.other_collective_time)
+    row("scheduler peak memory (GiB)", lambda r: r.peak_memory / 2**30, "{:>16.2f}")
     row("modelled step time (us)", lambda r: r.step_time)
     base = reports[0].step_time
     row(f"speedup vs {reports[0].label}", lambda r: base / r.step_time if r.step_time else 0.0, "{:>15.3f}x")
