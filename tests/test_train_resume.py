@@ -19,7 +19,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 16
-OVERRIDES = ["model.num_layers=2", "model.d_model=64", "moe.expert_hidden=64", "model.mlp_hidden=128",
+OVERRIDES = ["model.num_layers=1", "model.d_model=64", "moe.expert_hidden=64", "model.mlp_hidden=128",
              f"train.steps={STEPS}", "train.batch_size=8", "train.seq_len=64", "train.warmup_steps=4",
              "train.eval_every=0", "train.log_every=1", "train.checkpoint_every=3", "train.keep_checkpoints=2",
              "train.tensorboard=false", "moe.selection_bias=true", "train.peak_flops=1e11"]

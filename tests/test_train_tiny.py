@@ -15,7 +15,7 @@ def test_train_py_tiny_loss_decreases(tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs/tiny.yaml"),
            "train.steps=60", "train.warmup_steps=10", "train.eval_every=30", "train.log_every=10",
-           "model.num_layers=2", f"train.run_dir={run}", "train.tensorboard=false"]
+           "model.num_layers=2", f"train.run_dir={run}"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "val loss" in p.stdout and "tok/s" in p.stdout and "eta" in p.stdout
@@ -31,3 +31,4 @@ def test_train_py_tiny_loss_decreases(tmp_path):
     for k in ("grad_norm", "lr", "tokens_per_s", "mfu", "load_min", "load_max", "load_entropy", "dropped"):
         assert k in train[-1], k
     assert os.path.isdir(run / "checkpoints" / "60")
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(run / "tensorboard"))
