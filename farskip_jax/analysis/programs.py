@@ -67,7 +67,7 @@ def train_program(cfg: Config, mesh: Mesh, batch: int, seq: int, lr: float = 1e-
     """jit(step)(params, rest, tokens) -> (new params, loss): CE + aux/z loss, grad, SGD update."""
     graphdef, state = abstract_model(cfg, mesh)
     fs = cfg.farskip
-    params, rest = nnx.split_state(state, nnx.Param, ...) if hasattr(nnx, "split_state") else state.split(nnx.Param, ...)
+    params, rest = nnx.split_state(state, nnx.Param, ...)
 
     def loss_fn(params, rest, tokens):
         out = nnx.merge(graphdef, params, rest)(tokens, farskip=fs)
