@@ -186,3 +186,15 @@ def test_target_lines_verdicts():
     empty = analyze(_sched(SPEC, [("s", "d")]), durations=[30.0])
     empty.stats[0].hidden = 0.0  # the first dispatch may be empty
     assert any(l.startswith("PASS farskip: 0 all-to-alls") for l in target_lines({"farskip": empty}))
+
+
+def test_timeline_picture(tmp_path):
+    from farskip_jax.analysis.timeline import plot_layer_timelines
+
+    s = _sched(SPEC, [("s", "d")])
+    rep = analyze(s, durations=[30.0], label="farskip")
+    path = tmp_path / "t.png"
+    plot_layer_timelines([("standard", s, rep), ("farskip", s, rep)], layer=0, direction="fwd", path=str(path))
+    assert path.stat().st_size > 1000
+    with pytest.raises(ValueError):
+        plot_layer_timelines([("x", s, rep)], layer=5)

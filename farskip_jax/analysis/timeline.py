@@ -21,10 +21,12 @@ COLORS = {"attention": "#4C72B0", "moe": "#DD8452", "shared": "#55A868", "other"
 
 
 def _layer_span(rep: OverlapReport, layer: int, direction: str) -> tuple[float, float]:
-    """From the first all-to-all start to the last done of `layer` in `direction`."""
+    """From the first start to the last done of the token all-to-alls of `layer` in `direction`."""
     sel = [s for s in rep.stats if s.layer == layer and s.direction == direction]
     if not sel:
         raise ValueError(f"no all-to-all of layer {layer} ({direction}) in report {rep.label!r}")
+    big = max(s.bytes for s in sel)
+    sel = [s for s in sel if s.bytes >= 0.1 * big]  # the token exchanges, not small metadata ones
     return min(s.t_start for s in sel), max(max(s.t_done, s.t_start + s.duration) for s in sel)
 
 
