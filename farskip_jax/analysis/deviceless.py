@@ -72,8 +72,9 @@ def gpu_devices(target: str = "h100_sxm", num_devices: int = 8, platform: Option
     from jax.experimental import topologies
 
     platform = platform or TARGETS.get(target, "cuda")
+    text = target_config_text(target)
     try:
-        topo = topologies.get_topology_desc(platform=platform, target_config=target_config_text(target),
+        topo = topologies.get_topology_desc(platform=platform, target_config=text,
                                             topology=f"1x1x{num_devices}")
     except Exception as e:  # plugin missing or proto not understood by this jaxlib
         raise BackendError(

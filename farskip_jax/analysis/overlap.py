@@ -181,6 +181,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             k, _, v = kv.partition("=")
             flags[k.lstrip("-")] = _parse_value(v)
         progs = [p.strip() for p in a.programs.split(",") if p.strip()]
+        from farskip_jax.analysis.cost_model import HARDWARE
+
+        if a.hardware and a.hardware not in HARDWARE:
+            raise FarSkipError(f"--hardware {a.hardware!r} is unknown; choose one of {sorted(HARDWARE)}")
         bad = [p for p in progs if p not in PROGRAMS]
         if bad:
             raise FarSkipError(f"--programs: unknown {bad}; choose from {list(PROGRAMS)}")
