@@ -54,6 +54,14 @@ def test_distill_end_to_end(teacher_run, tmp_path):
     r = evaluate_pair(make_compare_fn(graphdef, cfg.farskip), st, teacher, val_batches(cfg, 2))
     logged = next(e for e in evals if e["step"] == best_step)
     np.testing.assert_allclose(r.kl, logged["kl"], rtol=1e-4)
+    # the same through the eval.py command line
+    import eval as eval_entry
+
+    rc = eval_entry.main(["--run", run, "--which", "best", "--mode", "compare", "--teacher-run", teacher_run,
+                          "--batches", "2", "--out", str(tmp_path / "ev")])
+    assert rc == 0
+    with open(tmp_path / "ev" / "results.json") as f:
+        np.testing.assert_allclose(json.load(f)["kl"], logged["kl"], rtol=1e-4)
     with open(os.path.join(export, "config.json")) as f:
         hf = json.load(f)
     assert hf["model_type"] == "qwen2_moe" and hf["farskip_jax"]["preset"] == "farskip"
