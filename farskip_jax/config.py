@@ -452,7 +452,9 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
                 errors.append(e)
         raise ConfigError(f"{path}={value!r} has the wrong type; expected {_type_name(tp)}")
     if origin is Literal:
-        if value in args:
+        if isinstance(value, bool) and ("on" if value else "off") in args:
+            value = "on" if value else "off"  # YAML 1.1 reads bare on/off as booleans
+        if value in args and type(value) is type(next(a for a in args if a == value)):
             return value
         raise ConfigError(
             f"{path}={value!r} is not allowed; choose one of {list(args)}" + _suggest(str(value), [str(a) for a in args])

@@ -90,3 +90,9 @@ def test_replace_dotted():
     assert cfg.model.num_layers == 2 and cfg.farskip.preset == "mlp_only"
     with pytest.raises(ConfigError):
         replace(cfg, **{"moe.top_k": 100})
+
+
+def test_yaml_on_off_strings():
+    cfg = load_config(None, ["mesh.distributed=on"])
+    assert cfg.mesh.distributed == "on"
+    assert load_config(None, ["mesh.distributed=off"]).mesh.distributed == "off"
