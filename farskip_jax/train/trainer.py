@@ -99,9 +99,31 @@ def _parallel_api():
     return api
 
 
+def shape_from_hf(cfg: Config) -> Config:
+    """cfg with the model/moe shape of the HF checkpoint `cfg.init_from_hf` (runtime keys such as
+    compute_dtype, remat, dispatch and loss weights stay the user's)."""
+    from farskip_jax.convert.loader import hf_to_config, open_checkpoint
+    from farskip_jax.train.distill import RUNTIME_MODEL_KEYS, RUNTIME_MOE_KEYS, _merge_shape
+
+    ov = {f"model.{k}": getattr(cfg.model, k) for k in RUNTIME_MODEL_KEYS}
+    ov.update({f"moe.{k}": getattr(cfg.moe, k) for k in RUNTIME_MOE_KEYS})
+    src = hf_to_config(open_checkpoint(cfg.init_from_hf).config, ov, source=cfg.init_from_hf)
+    return _merge_shape(cfg, src)
+
+
 def build_model_and_mesh(cfg: Config, api: dict):
-    """The model (params placed on the mesh when parallel/ provides it) and the mesh (or None)."""
+    """The model (params placed on the mesh when parallel/ provides it) and the mesh (or None).
+    With `init_from_hf` the weights are streamed from that HF folder (convert.import_hf)."""
     mesh = api["make_mesh"](cfg.mesh) if "make_mesh" in api else None
+    if cfg.init_from_hf:
+        from farskip_jax.config import to_dict
+        from farskip_jax.convert.loader import import_hf
+        from farskip_jax.parallel.ep import routed_compute_for
+
+        routed = routed_compute_for(cfg.moe.dispatch, mesh) if mesh is not None else None
+        _, model = import_hf(cfg.init_from_hf, mesh=mesh, routed_compute=routed,
+                             overrides={"model": to_dict(cfg.model), "moe": to_dict(cfg.moe)})
+        return model, mesh
     if "create_model" in api:
         model = api["create_model"](cfg, mesh, seed=cfg.train.seed)
     else:
@@ -151,6 +173,8 @@ def train(cfg: Config, *, stream=None) -> TrainResult:
     api = _parallel_api()
     if "maybe_initialize" in api:
         api["maybe_initialize"](cfg.mesh)
+    if cfg.init_from_hf:  # continue pretraining an imported checkpoint: its shape, the user's run settings
+        cfg = shape_from_hf(cfg)
     pi, pc = jax.process_index(), jax.process_count()
     primary = pi == 0
     tok = load_tokenizer(cfg.data.tokenizer)
