@@ -15,11 +15,10 @@ import re
 import sys
 import pathlib
 
+import ipykernel  # noqa: F401  (dev extra: nbclient, nbformat, ipykernel; a missing one fails loudly)
+import nbclient
+import nbformat
 import pytest
-
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
-pytest.importorskip("ipykernel")
 
 NB_DIR = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = sorted(NB_DIR.glob("*.ipynb"))
