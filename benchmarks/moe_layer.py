@@ -17,7 +17,6 @@ ratio is variant / dense. `tiled@cf1.25` is the dropping variant (capacity facto
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import statistics
 import sys

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from farskip_jax.config import DataConfig
-from farskip_jax.data.pipeline import make_dataset, make_iterator
+from farskip_jax.data.pipeline import make_iterator
 from farskip_jax.data.prepare import main as prepare_main
 from farskip_jax.data.sources import build_source, split_of, stdlib_files
 from farskip_jax.data.tokenizer import ByteTokenizer, load_tokenizer
@@ -172,7 +172,6 @@ def test_prepare_arrayrecord_roundtrip(text_dir, tmp_path, capsys):
 
 def test_packed_attention_never_crosses_documents(text_dir):
     """Logits of a packed row == logits of each document piece run alone (same positions)."""
-    import jax
     import jax.numpy as jnp
     from flax import nnx
 

@@ -3,8 +3,6 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-import pytest
 from flax import nnx
 
 from farskip_jax.config import Config, DistillConfig, FarSkipConfig, ModelConfig, MoEConfig, TrainConfig

@@ -1,6 +1,5 @@
 """Mesh sizing, logical-axis rules and batch placement (no compilation of the model)."""
 
-import jax
 import numpy as np
 import pytest
 from flax import nnx

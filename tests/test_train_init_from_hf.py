@@ -1,6 +1,5 @@
 """Pretraining can start from an HF checkpoint folder (`init_from_hf`): shape and weights come from it."""
 
-import os
 
 import jax
 import numpy as np

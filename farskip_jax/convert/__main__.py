@@ -12,7 +12,6 @@ Errors of the project (bad folder, missing tensor, shape mismatch, ...) print on
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time

@@ -75,8 +75,8 @@ def plot_sweep(rows: list[dict], path: str, title: str = "FarSkip conversion wit
         if not rs:
             continue
         xs = [r["layers"] for r in rs]
-        axes[0].plot(xs, [r["val_loss"] for r in rs], style, label=f"first N" if direction == "first" else "last N")
-        axes[1].plot(xs, [100 * r["top1"] for r in rs], style, label=f"first N" if direction == "first" else "last N")
+        axes[0].plot(xs, [r["val_loss"] for r in rs], style, label="first N" if direction == "first" else "last N")
+        axes[1].plot(xs, [100 * r["top1"] for r in rs], style, label="first N" if direction == "first" else "last N")
     if rows:
         axes[0].axhline(rows[0]["teacher_loss"], color="gray", lw=0.8, ls=":", label="unconverted")
     axes[0].set(xlabel="converted layers N", ylabel="validation loss (nats/token)")

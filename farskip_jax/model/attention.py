@@ -64,7 +64,28 @@ def layer_mask(cfg: ModelConfig, layer_idx: int, positions: jax.Array, segment_i
                           chunk_size=cfg.attention_chunk_size if chunked else None)
 
 
-class Attention(nnx.Module):
+class AttentionBase(nnx.Module):
+    """The three named parts shared by every attention variant. Subclasses provide `qkv(x, positions)`,
+    `cfg`, `layer_idx`, `scale`, `o_proj` and `gate_proj` (None when ungated)."""
+
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array] = None) -> jax.Array:
+        with jax.named_scope("attention_qkv"):
+            q, k, v = self.qkv(x, positions)
+        with jax.named_scope("attention_core"):
+            mask = layer_mask(self.cfg, self.layer_idx, positions, segment_ids)
+            o = attention_core(q, k, v, mask, self.scale)
+        with jax.named_scope("attention_out"):
+            return self.project_out(o, x)
+
+    def project_out(self, o: jax.Array, x: jax.Array) -> jax.Array:
+        """o: [b, t, h, dv] core output, x: [b, t, d] attention input -> [b, t, d] (gate + o_proj; KV-cache decode reuses it)."""
+        o = o.reshape(o.shape[0], o.shape[1], -1)
+        if self.gate_proj is not None:
+            o = o * jax.nn.sigmoid(self.gate_proj(x))
+        return self.o_proj(o)
+
+
+class Attention(AttentionBase):
     """GQA attention. Heads: num_heads queries share num_kv_heads key/value heads.
 
     Optional pieces (ModelConfig): q/k RMSNorm per head or over all heads, NoPE layers, q/k L2 norm
@@ -116,18 +137,3 @@ class Attention(nnx.Module):
             q = (q * temperature_scale(positions, cfg.attn_temperature_floor, cfg.attn_temperature_scale)).astype(q.dtype)
         return q, k, v
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array] = None) -> jax.Array:
-        with jax.named_scope("attention_qkv"):
-            q, k, v = self.qkv(x, positions)
-        with jax.named_scope("attention_core"):
-            mask = layer_mask(self.cfg, self.layer_idx, positions, segment_ids)
-            o = attention_core(q, k, v, mask, self.scale)
-        with jax.named_scope("attention_out"):
-            return self.project_out(o, x)
-
-    def project_out(self, o: jax.Array, x: jax.Array) -> jax.Array:
-        """o: [b, t, h, dv] core output, x: [b, t, d] attention input -> [b, t, d] (gate + o_proj; KV-cache decode reuses it)."""
-        o = o.reshape(o.shape[0], o.shape[1], -1)
-        if self.gate_proj is not None:
-            o = o * jax.nn.sigmoid(self.gate_proj(x))
-        return self.o_proj(o)

@@ -13,21 +13,20 @@ Linear layers with flat output dims (the HF layout transposed). Same named scope
 
 from __future__ import annotations
 
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from farskip_jax.config import ModelConfig
-from farskip_jax.model.attention import attention_core, layer_mask
+from farskip_jax.model.attention import AttentionBase
 from farskip_jax.model.layers import Linear, RMSNorm, dtype_of
 from farskip_jax.model.rope import _yarn_get_mscale, apply_rope, rope_frequencies
 
 LATENT_NORM_EPS = 1e-6  # HF DeepSeek builds q_a/kv_a layernorms with the default eps, not rms_norm_eps
 
 
-class MLAttention(nnx.Module):
+class MLAttention(AttentionBase):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer_idx: int = 0):
         self.cfg = cfg
         self.layer_idx = layer_idx
@@ -74,18 +73,3 @@ class MLAttention(nnx.Module):
         k = jnp.concatenate([k_nope, k_rope.astype(k_nope.dtype)], axis=-1)
         return q, k, v
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array] = None) -> jax.Array:
-        with jax.named_scope("attention_qkv"):
-            q, k, v = self.qkv(x, positions)
-        with jax.named_scope("attention_core"):
-            mask = layer_mask(self.cfg, self.layer_idx, positions, segment_ids)
-            o = attention_core(q, k, v, mask, self.scale)
-        with jax.named_scope("attention_out"):
-            return self.project_out(o, x)
-
-    def project_out(self, o: jax.Array, x: jax.Array) -> jax.Array:
-        """o: [b, t, h, dv] core output, x: [b, t, d] attention input -> [b, t, d] (gate + o_proj; KV-cache decode reuses it)."""
-        o = o.reshape(o.shape[0], o.shape[1], -1)
-        if self.gate_proj is not None:
-            o = o * jax.nn.sigmoid(self.gate_proj(x))
-        return self.o_proj(o)
