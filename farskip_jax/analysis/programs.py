@@ -14,7 +14,7 @@ train/step.py); the optimizer's elementwise update does not change what overlaps
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
