@@ -11,6 +11,7 @@
   CPU fails with the promised message.
 """
 
+import os
 import functools
 
 import jax
@@ -232,6 +233,8 @@ def test_ragged_compiles_for_gpu_deviceless():
     try:
         devices = deviceless.gpu_devices("h100_sxm", 8)
     except BackendError as e:
+        if os.environ.get("CI"):  # CI installs the compile-only plugin: this must run there
+            raise
         pytest.skip(str(e))
     cfg = mw.tiny_config(ep=8, dispatch="ragged", num_layers=1, gmm="ragged_dot", preset="farskip")
     fn, args = forward_program(cfg, analysis_mesh(cfg, devices), batch=8, seq=16)

@@ -3,10 +3,9 @@
 
 import jax
 import numpy as np
-import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch  # the hf extra: CI installs it, these tests never skip
+import transformers
 
 from farskip_jax.config import load_config  # noqa: E402
 from farskip_jax.convert import import_hf  # noqa: E402

@@ -125,6 +125,12 @@ class Attention(AttentionBase):
         q = q.reshape(b, t, cfg.num_heads, hd)
         k = k.reshape(b, t, cfg.num_kv_heads, hd)
         v = v.reshape(b, t, cfg.num_kv_heads, hd)
+        q, k = self.position_qk(q, k, positions)
+        return q, k, v
+
+    def position_qk(self, q: jax.Array, k: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Per-head q/k norm, rope (or NoPE temperature tuning), L2 q/k norm. q, k: [b, t, heads, hd]."""
+        cfg = self.cfg
         if self.q_norm is not None and cfg.qk_norm_scope == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
@@ -135,5 +141,5 @@ class Attention(AttentionBase):
                 q, k = l2_norm(q, cfg.norm_eps), l2_norm(k, cfg.norm_eps)
         elif cfg.attn_temperature_tuning:
             q = (q * temperature_scale(positions, cfg.attn_temperature_floor, cfg.attn_temperature_scale)).astype(q.dtype)
-        return q, k, v
+        return q, k
 

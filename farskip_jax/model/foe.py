@@ -57,8 +57,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from farskip_jax.config import Config, FarSkipConfig
 from farskip_jax.errors import ConfigError
-from farskip_jax.model.attention import Attention, attention_core, l2_norm, layer_mask, temperature_scale
-from farskip_jax.model.rope import apply_rope
+from farskip_jax.model.attention import Attention, attention_core, layer_mask
 from farskip_jax.model.connectivity import Streams, _add
 from farskip_jax.model.experts import ExpertWeights
 from farskip_jax.model.router import RouteResult, Router
@@ -188,16 +187,7 @@ def group_attention(attn: Attention, x_h: jax.Array, positions: jax.Array, segme
         q = _group_proj(attn.q_proj, x_h, hg).reshape(hg * b, t, nh, hd)
         k = _group_proj(attn.k_proj, x_h, hg).reshape(hg * b, t, nkv, hd)
         v = _group_proj(attn.v_proj, x_h, hg).reshape(hg * b, t, nkv, hd)
-        if attn.q_norm is not None:  # head scope (check_foe rejects all_heads)
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        if attn.use_rope:
-            inv = jnp.asarray(attn.inv_freq)
-            q = apply_rope(q, pos, inv, attention_factor=attn.rope_factor, interleaved=cfg.rope_interleaved)
-            k = apply_rope(k, pos, inv, attention_factor=attn.rope_factor, interleaved=cfg.rope_interleaved)
-            if cfg.qk_l2_norm:
-                q, k = l2_norm(q, cfg.norm_eps), l2_norm(k, cfg.norm_eps)
-        elif cfg.attn_temperature_tuning:
-            q = (q * temperature_scale(pos, cfg.attn_temperature_floor, cfg.attn_temperature_scale)).astype(q.dtype)
+        q, k = attn.position_qk(q, k, pos)  # head-scope q/k norm (check_foe rejects all_heads), rope, ...
     with jax.named_scope("attention_core"):
         o = attention_core(q, k, v, layer_mask(cfg, attn.layer_idx, pos, seg), attn.scale)
     with jax.named_scope("attention_out"):
@@ -252,13 +242,9 @@ def foe_block(block: Block, x_h: jax.Array, full: jax.Array, positions, segment_
         m_h = checkpoint_name(m_h, "routed_out")
         with jax.named_scope("group_sum"):
             m = group_sum(backend, m_h)
-        shared = None
-        if moe.shared is not None:
-            with jax.named_scope("shared_experts"):
-                shared = moe.shared(h)
-                if moe.shared_gate is not None:
-                    shared = shared * jax.nn.sigmoid(moe.shared_gate(h))
-                shared = checkpoint_name(shared, "shared_out")
+        shared = moe.shared_out(h)
+        if shared is not None:
+            shared = checkpoint_name(shared, "shared_out")
     return FoEBlockOutput(attn=a, attn_groups=a_h, shared=shared, routed=m, routed_groups=m_h,
                           aux_loss=route.aux_loss, z_loss=route.z_loss, load=route.load, dropped=dropped)
 
@@ -288,7 +274,7 @@ def foe_forward(model: Transformer, tokens: jax.Array, positions: Optional[jax.A
     streams = Streams.init(emb, fs.skip_distance)
     sync = emb  # R_{k-1} minus every group's routed output of layer k-1 (= P_{k-1} + s_{k-1})
     routed_h = None  # m^h_{k-1} [H, b, s, d]
-    aux, z, dropped, loads, hidden, trace = [], [], [], [], [], []
+    outs, hidden, trace = [], [], []
     for i, block in enumerate(model.layers):
         attn_kind, moe_kind = fs.layer_inputs(i, n)
         with jax.named_scope(f"layer_{i}"):
@@ -310,17 +296,7 @@ def foe_forward(model: Transformer, tokens: jax.Array, positions: Optional[jax.A
             sync = _add(streams.full + out.attn, out.shared)
             routed_h = out.routed_groups
             streams = streams.update(out.attn, out.shared, out.routed)
-        if block.is_moe:
-            aux.append(out.aux_loss)
-            z.append(out.z_loss)
-            loads.append(out.load)
-        dropped.append(out.dropped)
+        outs.append((block.is_moe, out))
         if return_hidden:
             hidden.append(streams.full)
-    x = model.final_norm(streams.full)
-    logits = model.embed.attend(x) if model.lm_head is None else model.lm_head(x)
-    mean = lambda xs: jnp.mean(jnp.stack(xs)) if xs else jnp.zeros((), jnp.float32)  # noqa: E731
-    return ModelOutput(logits=logits.astype(jnp.float32), aux_loss=mean(aux), z_loss=mean(z),
-                       load=jnp.stack(loads) if loads else None, dropped=jnp.sum(jnp.stack(dropped)),
-                       hidden=tuple(hidden) if return_hidden else None,
-                       trace=tuple(trace) if return_trace else None)
+    return model.output(streams.full, outs, hidden if return_hidden else None, trace if return_trace else None)

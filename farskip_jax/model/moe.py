@@ -60,11 +60,13 @@ class MoEBlock(nnx.Module):
             x_routed = (x * route.weights.astype(x.dtype)).astype(x.dtype)
             route = route.replace(weights=jnp.ones_like(route.weights))
         out = self.routed_compute(x_routed, route, self.experts.weights(), self.cfg)
-        shared = None
-        if self.shared is not None:
-            with jax.named_scope("shared_experts"):
-                shared = self.shared(x)
-                if self.shared_gate is not None:
-                    shared = shared * jax.nn.sigmoid(self.shared_gate(x))
-        return MoEOutput(shared=shared, routed=out.y.astype(x.dtype), aux_loss=route.aux_loss,
+        return MoEOutput(shared=self.shared_out(x), routed=out.y.astype(x.dtype), aux_loss=route.aux_loss,
                          z_loss=route.z_loss, load=route.load, dropped=out.dropped)
+
+    def shared_out(self, x: jax.Array) -> Optional[jax.Array]:
+        """Shared-expert output [b, s, d] (Qwen2-MoE: times its sigmoid gate), or None without shared experts."""
+        if self.shared is None:
+            return None
+        with jax.named_scope("shared_experts"):
+            out = self.shared(x)
+            return out * jax.nn.sigmoid(self.shared_gate(x)) if self.shared_gate is not None else out

@@ -135,7 +135,7 @@ class Transformer(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         h = self.embed(tokens)
         streams = Streams.init(h, fs.skip_distance)
-        aux, z, dropped, loads, hidden, trace = [], [], [], [], [], []
+        outs, hidden, trace = [], [], []
         for i, block in enumerate(self.layers):
             attn_kind, moe_kind = fs.layer_inputs(i, n)
             with jax.named_scope(f"layer_{i}"):
@@ -145,17 +145,21 @@ class Transformer(nnx.Module):
                     trace.append(dict(attn_in=x_attn, moe_in=streams.moe_input(moe_kind, out.attn), attn=out.attn,
                                       shared=out.shared, routed=out.routed, attn_kind=attn_kind, moe_kind=moe_kind))
                 streams = streams.update(out.attn, out.shared, out.routed)
-            if block.is_moe:
-                aux.append(out.aux_loss)
-                z.append(out.z_loss)
-                loads.append(out.load)
-            dropped.append(out.dropped)
+            outs.append((block.is_moe, out))
             if return_hidden:
                 hidden.append(streams.full)
-        x = self.final_norm(streams.full)
+        return self.output(streams.full, outs, hidden if return_hidden else None, trace if return_trace else None)
+
+    def output(self, full: jax.Array, outs: list, hidden: Optional[list], trace: Optional[list]) -> ModelOutput:
+        """Final norm of the FULL stream, logits, and the router statistics of `outs` [(is_moe, BlockOutput)]:
+        aux/z losses averaged over MoE layers, load stacked [n_moe, E], dropped summed over layers."""
+        x = self.final_norm(full)
         logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
-        mean = lambda xs: jnp.mean(jnp.stack(xs)) if xs else jnp.zeros((), jnp.float32)
-        return ModelOutput(logits=logits.astype(jnp.float32), aux_loss=mean(aux), z_loss=mean(z),
-                           load=jnp.stack(loads) if loads else None, dropped=jnp.sum(jnp.stack(dropped)),
-                           hidden=tuple(hidden) if return_hidden else None,
-                           trace=tuple(trace) if return_trace else None)
+        moe = [o for is_moe, o in outs if is_moe]
+        mean = lambda xs: jnp.mean(jnp.stack(xs)) if xs else jnp.zeros((), jnp.float32)  # noqa: E731
+        return ModelOutput(logits=logits.astype(jnp.float32), aux_loss=mean([o.aux_loss for o in moe]),
+                           z_loss=mean([o.z_loss for o in moe]),
+                           load=jnp.stack([o.load for o in moe]) if moe else None,
+                           dropped=jnp.sum(jnp.stack([o.dropped for _, o in outs])),
+                           hidden=tuple(hidden) if hidden is not None else None,
+                           trace=tuple(trace) if trace is not None else None)
