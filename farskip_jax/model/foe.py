@@ -17,6 +17,10 @@ s_k the shared-expert (or dense-MLP) output, a^h_k / m^h_k group h's attention /
     m^h_k     = MoE_h(norm(P_k)),  s_k = Shared(norm(P_k))               every group reads P_k
     R_k       = P_k + s_k + sum_h m^h_k                   the full stream (goes to the final norm)
 
+Collectives: P_k is ONE cross-group sum per layer, of sum_h (m^h_{k-1} + a^h_k) (the routed sum of
+layer k-1 is deferred into it), whenever layers k .. k+skip_distance-1 are standard; next to a FarSkip
+layer the routed and attention sums are taken separately (its streams need sum_h m^h alone).
+
 In DESIGN.md's vocabulary: the MoE reads `full` (R_{k-1} + a_k), and the `full` attention input of
 group h is R_{k-1} minus the OTHER groups' routed outputs of layer k-1. Under FarSkip connectivity a
 converted layer's attention reads `partial` / `outdated` (these lack every group's routed output of
@@ -219,13 +223,18 @@ class FoEBlockOutput:
 
 
 def foe_block(block: Block, x_h: jax.Array, full: jax.Array, positions, segment_ids, moe_input: str,
-              num_groups: int, backend) -> FoEBlockOutput:
-    """One FoE layer. x_h: [H, b, s, d] group attention inputs; full: [b, s, d] = R_{k-1}."""
+              num_groups: int, backend, pending_h: Optional[jax.Array] = None,
+              defer_routed: bool = False) -> FoEBlockOutput:
+    """One FoE layer. x_h: [H, b, s, d] group attention inputs; full: [b, s, d] = R_{k-1}.
+
+    pending_h: [H, b, s, d] routed outputs of layer k-1 whose cross-group sum was deferred: they join
+    this layer's attention sum (one all-reduce: `attn` is then sum_h (a^h + m^h_{k-1})) and `full`
+    must lack them. defer_routed: leave this layer's routed sum to the next layer (`routed` None)."""
     with jax.named_scope("attention"):
         a_h = group_attention(block.attn, block.attn_norm(x_h), positions, segment_ids, num_groups)
         a_h = checkpoint_name(a_h, "attention_out")
     with jax.named_scope("group_sum"):
-        a = group_sum(backend, a_h)
+        a = group_sum(backend, a_h if pending_h is None else a_h + pending_h)
     x_moe = full + a if moe_input == "full" else full
     zero = jnp.zeros((), jnp.float32)
     with jax.named_scope("moe" if block.is_moe else "mlp"):
@@ -240,8 +249,10 @@ def foe_block(block: Block, x_h: jax.Array, full: jax.Array, positions, segment_
             route = group_route(moe.router, h, num_groups)
         m_h, dropped = group_routed(moe.routed_compute, h, route, moe.experts.weights(), moe.cfg, num_groups)
         m_h = checkpoint_name(m_h, "routed_out")
-        with jax.named_scope("group_sum"):
-            m = group_sum(backend, m_h)
+        m = None
+        if not defer_routed:
+            with jax.named_scope("group_sum"):
+                m = group_sum(backend, m_h)
         shared = moe.shared_out(h)
         if shared is not None:
             shared = checkpoint_name(shared, "shared_out")
@@ -274,9 +285,17 @@ def foe_forward(model: Transformer, tokens: jax.Array, positions: Optional[jax.A
     streams = Streams.init(emb, fs.skip_distance)
     sync = emb  # R_{k-1} minus every group's routed output of layer k-1 (= P_{k-1} + s_{k-1})
     routed_h = None  # m^h_{k-1} [H, b, s, d]
+    kinds = [fs.layer_inputs(i, n) for i in range(n)]
+    # One cross-group all-reduce per layer (the paper's sum): layer k's routed sum is deferred into
+    # layer k+1's attention sum when no layer reads a stream that lacks it separately (layers
+    # k+1 .. k+skip_distance all standard). FarSkip layers keep the two sums apart.
+    defer = [not return_trace and i + 1 < n and all(kinds[j] == ("full", "full")
+                                                    for j in range(i + 1, min(i + fs.skip_distance, n - 1) + 1))
+             for i in range(n)]
     outs, hidden, trace = [], [], []
     for i, block in enumerate(model.layers):
-        attn_kind, moe_kind = fs.layer_inputs(i, n)
+        attn_kind, moe_kind = kinds[i]
+        pending = routed_h if i > 0 and defer[i - 1] else None
         with jax.named_scope(f"layer_{i}"):
             if attn_kind == "full" and routed_h is not None:
                 x_attn = sync[None] + routed_h  # group h's own representation X^h_{k-1}
@@ -285,10 +304,11 @@ def foe_forward(model: Transformer, tokens: jax.Array, positions: Optional[jax.A
                 x_attn = jnp.broadcast_to(x[None], (hg, *x.shape))
             if hasattr(backend, "constrain_groups"):  # parallel/foe.py: group h's stream on its devices
                 x_attn = backend.constrain_groups(x_attn)
-            fn = lambda b, xa, f, p, s: foe_block(b, xa, f, p, s, moe_kind, hg, backend)  # noqa: E731
+            fn = lambda b, xa, f, p, s, pe: foe_block(b, xa, f, p, s, moe_kind, hg, backend, pe,  # noqa: E731
+                                                      defer[i])
             if cfg.model.remat != "none":
                 fn = nnx.remat(fn, policy=REMAT_POLICIES[cfg.model.remat])
-            out = fn(block, x_attn, streams.full, positions, segment_ids)
+            out = fn(block, x_attn, streams.full, positions, segment_ids, pending)
             if return_trace:
                 trace.append(dict(attn_in=x_attn, moe_in=streams.moe_input(moe_kind, out.attn), attn=out.attn,
                                   attn_groups=out.attn_groups, shared=out.shared, routed=out.routed,

@@ -1,6 +1,6 @@
 """Build a model whose parameters live on the mesh, with the MoE exchange of `cfg.moe.dispatch`.
 
-    mesh = make_mesh(cfg.mesh)
+    mesh = model_mesh(cfg)                     # make_mesh(cfg.mesh), or the FoE mesh (below)
     model = create_model(cfg, mesh, seed=0)
     tokens = shard_batch(tokens_np, mesh)
     logits = nnx.jit(lambda m, t: m(t).logits)(model, tokens)
@@ -8,11 +8,17 @@
 Parameters are initialised inside one jit whose outputs already carry their shardings (no device
 ever holds the whole model). The values depend only on `seed`, not on the mesh (partitionable
 threefry), so a model built on 8 devices equals the one built on 1.
+
+Federation of Experts (moe.num_groups = H > 1) with expert parallelism (mesh.expert > 1) runs on the
+5-axis FoE mesh of parallel/foe.py (expert axis split into group x expert, so each group's
+all-to-all stays on its own devices): `model_mesh(cfg)` returns it, and `create_model` given a plain
+mesh builds the model on the FoE mesh over the same devices (a batch placed on the plain mesh is then
+resharded by XLA inside jit; place it with `shard_batch(batch, model_mesh(cfg))` to avoid that).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import jax
 from flax import nnx
@@ -22,13 +28,27 @@ from farskip_jax.config import Config
 from farskip_jax.errors import BackendError, ConfigError
 from farskip_jax.model import Transformer
 from farskip_jax.parallel.ep import RAGGED_ON_CPU, routed_compute_for
+from farskip_jax.parallel.foe import GROUP_AXIS, FoECompute, create_foe_model, foe_mesh_from
 from farskip_jax.parallel.mesh import make_mesh, mesh_platform
 from farskip_jax.parallel.sharding import state_shardings
 
 
+def is_foe_parallel(cfg: Config, mesh: Mesh) -> bool:
+    """True when cfg is a Federation of Experts (num_groups > 1) and the mesh has expert parallelism."""
+    ep = mesh.shape.get("expert", 1) * mesh.shape.get(GROUP_AXIS, 1)
+    return cfg.moe.num_groups > 1 and bool(cfg.moe.num_experts) and ep > 1
+
+
+def model_mesh(cfg: Config, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+    """The mesh a model of cfg runs on: make_mesh(cfg.mesh), split into the FoE mesh (data, fsdp,
+    group, expert, tensor) when is_foe_parallel."""
+    mesh = make_mesh(cfg.mesh, devices)
+    return foe_mesh_from(mesh, cfg.moe.num_groups) if is_foe_parallel(cfg, mesh) else mesh
+
+
 def check_mesh(cfg: Config, mesh: Mesh) -> None:
     """Fail early on a config that cannot run on this mesh."""
-    ep = mesh.shape.get("expert", 1)
+    ep = mesh.shape.get("expert", 1) * mesh.shape.get(GROUP_AXIS, 1)
     if cfg.moe.num_experts and ep > 1:
         if cfg.moe.num_experts % ep:
             raise ConfigError(f"moe.num_experts={cfg.moe.num_experts} is not divisible by the mesh's expert axis ({ep})")
@@ -38,12 +58,25 @@ def check_mesh(cfg: Config, mesh: Mesh) -> None:
         raise BackendError(RAGGED_ON_CPU)
 
 
+def routed_compute_on(cfg: Config, mesh: Optional[Mesh]):
+    """The RoutedComputeFn of cfg.moe.dispatch on `mesh` (FoECompute on a FoE mesh)."""
+    if mesh is not None and GROUP_AXIS in mesh.shape:
+        return FoECompute(mesh, cfg.moe.dispatch)
+    return routed_compute_for(cfg.moe.dispatch, mesh)
+
+
 def create_model(cfg: Config, mesh: Optional[Mesh] = None, seed: int = 0) -> Transformer:
     """A `Transformer` with sharded parameters and the routed-expert backend of cfg.moe.dispatch.
 
-    mesh: default `make_mesh(cfg.mesh)` over all devices."""
-    mesh = make_mesh(cfg.mesh) if mesh is None else mesh
+    mesh: default `model_mesh(cfg)` over all devices. FoE with expert parallelism: built on the FoE
+    mesh (from this mesh's devices when a plain mesh is given)."""
+    mesh = model_mesh(cfg) if mesh is None else mesh
     check_mesh(cfg, mesh)
+    if is_foe_parallel(cfg, mesh):
+        return create_foe_model(cfg, foe_mesh_from(mesh, cfg.moe.num_groups), seed=seed)
+    if GROUP_AXIS in mesh.shape:
+        raise ConfigError("a FoE mesh (with a 'group' axis) needs moe.num_groups > 1 and mesh.expert > 1; "
+                          "build the mesh with parallel.build.model_mesh(cfg)")
     rc = routed_compute_for(cfg.moe.dispatch, mesh)
 
     def init() -> Transformer:

@@ -47,7 +47,7 @@ from farskip_jax.errors import ConfigError
 from farskip_jax.model.experts import ExpertWeights, RoutedOutput
 from farskip_jax.model.router import RouteResult
 from farskip_jax.parallel.ep import routed_compute_for
-from farskip_jax.parallel.mesh import BATCH_AXES, resolve_mesh_shape
+from farskip_jax.parallel.mesh import BATCH_AXES, make_mesh
 from farskip_jax.parallel.sharding import RULES, logical_to_spec
 
 GROUP_AXIS = "group"
@@ -56,17 +56,24 @@ FOE_RULES = {**RULES, "expert": (GROUP_AXIS, "expert")}
 FOE_EXPERT_RULES = {**FOE_RULES, "mlp": None}
 
 
-def make_foe_mesh(mcfg: Optional[MeshConfig], num_groups: int, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
-    """The 5-axis FoE mesh: cfg.mesh with its expert axis split into (group, expert)."""
-    mcfg = mcfg or MeshConfig()
-    devices = list(jax.devices() if devices is None else devices)
-    sizes = resolve_mesh_shape(mcfg, len(devices))
-    ep = sizes["expert"]
+def foe_mesh_from(mesh: Mesh, num_groups: int) -> Mesh:
+    """The FoE mesh over the devices of a plain 4-axis mesh (parallel/mesh.py), in the same order: its
+    expert axis (size ep) split into group (G_m = min(H, ep), outer) x expert (ep / G_m, inner)."""
+    if GROUP_AXIS in mesh.shape:
+        return mesh
+    ep = mesh.shape["expert"]
     gm = min(num_groups, ep)
     if ep % gm or num_groups % gm:
-        raise ConfigError(f"moe.num_groups={num_groups} and mesh.expert={ep} must divide one another")
-    shape = (sizes["data"], sizes["fsdp"], gm, ep // gm, sizes["tensor"])
-    return jax.make_mesh(shape, FOE_MESH_AXES, axis_types=(AxisType.Auto,) * 5, devices=devices)
+        raise ConfigError(f"moe.num_groups={num_groups} and mesh.expert={ep} must divide one another "
+                          f"(e.g. mesh.expert={num_groups} or a multiple of it)")
+    d, f, t = mesh.shape["data"], mesh.shape["fsdp"], mesh.shape["tensor"]
+    devs = mesh.devices.reshape(d, f, gm, ep // gm, t)
+    return Mesh(devs, FOE_MESH_AXES, axis_types=(AxisType.Auto,) * 5)
+
+
+def make_foe_mesh(mcfg: Optional[MeshConfig], num_groups: int, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+    """The 5-axis FoE mesh: cfg.mesh (make_mesh's device order) with its expert axis split into (group, expert)."""
+    return foe_mesh_from(make_mesh(mcfg, devices), num_groups)
 
 
 def foe_state_shardings(state, mesh: Mesh):

@@ -73,9 +73,11 @@ def _parallel_api():
     """(create_model, make_mesh, shard_batch, maybe_initialize) from farskip_jax.parallel when present."""
     api = {}
     try:
-        from farskip_jax.parallel.build import create_model
+        from farskip_jax.parallel.build import create_model, model_mesh, routed_compute_on
 
         api["create_model"] = create_model
+        api["model_mesh"] = model_mesh  # the FoE mesh (group x expert) for num_groups > 1 with EP
+        api["routed_compute_on"] = routed_compute_on
     except ImportError:
         pass
     try:
@@ -114,13 +116,15 @@ def shape_from_hf(cfg: Config) -> Config:
 def build_model_and_mesh(cfg: Config, api: dict):
     """The model (params placed on the mesh when parallel/ provides it) and the mesh (or None).
     With `init_from_hf` the weights are streamed from that HF folder (convert.import_hf)."""
-    mesh = api["make_mesh"](cfg.mesh) if "make_mesh" in api else None
+    if "model_mesh" in api:
+        mesh = api["model_mesh"](cfg)
+    else:
+        mesh = api["make_mesh"](cfg.mesh) if "make_mesh" in api else None
     if cfg.init_from_hf:
         from farskip_jax.config import to_dict
         from farskip_jax.convert.loader import import_hf
-        from farskip_jax.parallel.ep import routed_compute_for
 
-        routed = routed_compute_for(cfg.moe.dispatch, mesh) if mesh is not None else None
+        routed = api["routed_compute_on"](cfg, mesh) if mesh is not None else None
         _, model = import_hf(cfg.init_from_hf, mesh=mesh, routed_compute=routed,
                              overrides={"model": to_dict(cfg.model), "moe": to_dict(cfg.moe)})
         return model, mesh
