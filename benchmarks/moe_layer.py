@@ -31,6 +31,7 @@ import numpy as np  # noqa: E402
 
 from farskip_jax.config import MoEConfig  # noqa: E402
 from farskip_jax.model.experts import ExpertWeights, local_routed_compute  # noqa: E402
+from farskip_jax.model.layers import matmul_2d  # noqa: E402
 from farskip_jax.model.router import RouteResult  # noqa: E402
 
 SHAPES = {
@@ -41,7 +42,7 @@ SHAPES = {
 
 def make_moe_step(cfg: MoEConfig):
     def loss(params, x, ct):
-        logits = jnp.einsum("bsd,de->bse", x, params["router"])
+        logits = matmul_2d(x, params["router"])
         probs = jax.nn.softmax(logits, -1)
         w, idx = jax.lax.top_k(probs, cfg.top_k)
         w = w / w.sum(-1, keepdims=True)
@@ -56,8 +57,8 @@ def make_moe_step(cfg: MoEConfig):
 
 def make_dense_step():
     def loss(params, x, ct):
-        h = jax.nn.silu(x @ params["w_gate"]) * (x @ params["w_up"])
-        return jnp.sum((h @ params["w_down"]) * ct)
+        h = jax.nn.silu(matmul_2d(x, params["w_gate"])) * matmul_2d(x, params["w_up"])
+        return jnp.sum(matmul_2d(h, params["w_down"]) * ct)
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 

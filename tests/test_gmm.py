@@ -151,9 +151,10 @@ def test_local_routed_compute_matches_token_loop(backend, capacity_factor, monke
     cap = None if capacity_factor is None else int(np.ceil(capacity_factor * b * s * k / e))
     route = RouteResult(indices=jnp.asarray(idx), weights=jnp.asarray(wts), aux_loss=jnp.zeros(()),
                         z_loss=jnp.zeros(()), load=jnp.zeros((e,)))
+    monkeypatch.setattr(experts_mod, "FUSED_SWIGLU", False)  # tiled: three gmm walks ...
     out = jax.jit(local_routed_compute, static_argnums=(3,))(jnp.asarray(x), route, ExpertWeights(*ew), cfg)
-    if backend == "tiled":  # the fused SwiGLU walk gives the same values
-        monkeypatch.setattr(experts_mod, "FUSED_SWIGLU", not experts_mod.FUSED_SWIGLU)
+    if backend == "tiled":  # ... and the fused SwiGLU walk give the same values
+        monkeypatch.setattr(experts_mod, "FUSED_SWIGLU", True)
         alt = jax.jit(local_routed_compute, static_argnums=(3,))(jnp.asarray(x), route, ExpertWeights(*ew), cfg)
         assert _rel(alt.y, out.y) < 1e-5 and int(alt.dropped) == int(out.dropped)
     ref, dropped = _routed_oracle(x, idx, wts, ew, cap)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from farskip_jax.config import MoEConfig
-from farskip_jax.model.layers import normal_init
+from farskip_jax.model.layers import matmul_2d, normal_init
 
 
 class RouterBias(nnx.Variable):
@@ -62,7 +62,7 @@ class Router(nnx.Module):
 
     def __call__(self, x: jax.Array) -> RouteResult:
         cfg = self.cfg
-        logits = jnp.einsum("bsd,de->bse", x.astype(jnp.float32), self.w[...])
+        logits = matmul_2d(x.astype(jnp.float32), self.w[...])
         scores = jax.nn.softmax(logits, -1) if cfg.scoring == "softmax" else jax.nn.sigmoid(logits)
         sel = scores + self.bias[...] if self.bias is not None else scores
         idx = select_experts(scores, jax.lax.stop_gradient(sel), cfg)

