@@ -31,6 +31,7 @@ import transformers  # noqa: E402
 
 from farskip_jax.config import replace  # noqa: E402
 from farskip_jax.convert import import_hf  # noqa: E402
+from farskip_jax.train.flops import measure_matmul_peak, train_flops_per_token  # noqa: E402
 from farskip_jax.train.optimizer import make_optimizer  # noqa: E402
 from farskip_jax.train.step import init_state, make_train_step  # noqa: E402
 
@@ -56,7 +57,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--hf-impl", default="eager,grouped_mm", help="transformers experts implementations to time")
+    ap.add_argument("--qwen3-30b-proportions", action="store_true",
+                    help="Qwen3-30B-A3B's expert proportions at d_model 256: 128 experts, top-8, expert hidden 96")
     args = ap.parse_args(argv)
+    if args.qwen3_30b_proportions:
+        args.experts, args.top_k, args.expert_hidden = 128, 8, 96
     torch.manual_seed(0)
     print(f"jax {jax.__version__} / torch {torch.__version__} (threads {torch.get_num_threads()}) / "
           f"transformers {transformers.__version__}, {os.cpu_count()} CPUs", flush=True)
@@ -137,10 +142,36 @@ def main(argv=None) -> int:
     tok = b * s
     ours_tps = tok / statistics.median(times["ours"])
     print(f"ours          {ours_tps:9.0f} tokens/s")
+    tps_of = {}
     for name in hf_steps:
-        tps = tok / statistics.median(times[name])
+        tps_of[name] = tps = tok / statistics.median(times[name])
         print(f"{name:13s} {tps:9.0f} tokens/s   ours/HF = {ours_tps / tps:.2f}x")
+    roofline(cfg, s, ours_tps, tps_of)
     return 0
+
+
+def torch_matmul_peak(n: int = 1024, seconds: float = 1.0) -> float:
+    """Best observed fp32 FLOPs/s of an [n, n] @ [n, n] torch matmul (the CPU's practical peak for torch)."""
+    a, w = torch.randn(n, n), torch.randn(n, n) / n ** 0.5
+    best, t_end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        a = a @ w
+        best = max(best, 2 * n ** 3 / (time.perf_counter() - t0))
+    return best
+
+
+def roofline(cfg, seq_len: int, ours_tps: float, hf_tps: dict) -> None:
+    """What tokens/s the step's useful FLOPs allow at this CPU's measured fp32 matmul peak, and the
+    largest ours/HF ratio that leaves possible (a ratio target above it cannot be met in fp32)."""
+    fpt = train_flops_per_token(cfg, seq_len)
+    peak = max(measure_matmul_peak(jnp.float32), torch_matmul_peak())
+    ceiling = peak / fpt
+    print(f"roofline: {fpt / 1e6:.1f} MFLOP per trained token (6 x active matmul params + attention); "
+          f"fp32 matmul peak of this CPU {peak / 1e9:.0f} GFLOP/s (best of XLA and torch) -> at most "
+          f"{ceiling:.0f} tokens/s")
+    print(f"  ours at {ours_tps / ceiling:.0%} of that ceiling" + "".join(
+        f"; {n} at {t / ceiling:.0%} (ours/{n} can be at most {ceiling / t:.2f}x)" for n, t in hf_tps.items()))
 
 
 if __name__ == "__main__":
