@@ -82,6 +82,10 @@ class ModelConfig:
     param_dtype: DType = "float32"
     compute_dtype: DType = "float32"
     remat: Literal["none", "full", "dots", "minimal"] = "none"
+    # attention core: naive = one [t, s] score matrix; blockwise = flash-style online softmax over
+    # `attention_block`-token query/key blocks with the blocks above the causal diagonal skipped
+    attention_impl: Literal["naive", "blockwise"] = "naive"
+    attention_block: int = 512
     # --- pieces of imported families (convert/); the defaults keep the plain GQA model ---
     qk_norm_scope: Literal["head", "all_heads"] = "head"  # q/k RMSNorm per head or over all heads (OLMoE)
     qk_l2_norm: bool = False  # weightless L2 (RMS) norm of q/k after rope, rope layers only (Llama-4)
@@ -120,6 +124,7 @@ class ModelConfig:
         bad = [i for i in self.nope_layers + (self.chunked_layers or ()) if not 0 <= i < self.num_layers]
         _check(not bad, f"model.nope_layers/chunked_layers have layer indices outside [0, {self.num_layers}): {bad}")
         _check(self.attention_chunk_size is None or self.attention_chunk_size >= 1, "model.attention_chunk_size must be >= 1")
+        _check(self.attention_block >= 1, f"model.attention_block must be >= 1, got {self.attention_block}")
         if self.attention == "mla":
             _check(self.qk_rope_head_dim % 2 == 0, f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even")
             _check(self.kv_lora_rank >= 1 and (self.q_lora_rank is None or self.q_lora_rank >= 1),

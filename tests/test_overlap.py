@@ -201,3 +201,66 @@ def test_timeline_picture(tmp_path):
     assert path.stat().st_size > 1000
     with pytest.raises(ValueError):
         plot_layer_timelines([("x", s, rep)], layer=5)
+
+
+# ---------------------------------------------------------------- ceiling, no-overlap baseline, bandwidth sweep
+
+TOY_HW = Hardware("toy", peak_flops=1e12, hbm_bw=1e9, a2a_bw=8e9 * 7 / 8, coll_bw=1e9, coll_latency_us=1.0,
+                  launch_us=0.0, matmul_eff=1.0, mem_eff=1.0)
+# standard-like: attn feeds the collective, nothing can hide it
+STD_SPEC = [
+    ("x", "compute", (), 0.0, 10.0, "jit(f)/layer_0/moe/router/dot"),
+    ("attn", "compute", ("x",), 10.0, 30.0, "jit(f)/layer_0/attention/attention_core/dot"),
+    ("s", "start", ("attn",), 30.0, 31.0, "jit(f)/layer_0/moe/dispatch/all_to_all"),
+    ("d", "done", ("s",), 41.0, 42.0, "jit(f)/layer_0/moe/dispatch/all_to_all"),
+    ("y", "compute", ("d",), 42.0, 50.0, "jit(f)/layer_0/moe/expert_compute/dot"),
+]
+
+
+def test_cost_model_serialized_all_to_all_is_fully_exposed():
+    from farskip_jax.analysis.report import ALL_TO_ALLS
+
+    sched, durs = simulate(_sched(SPEC, [("s", "d")]), TOY_HW, group_size=8, serialize=ALL_TO_ALLS)
+    rep = analyze(sched, durs)
+    # x 0..2, the transfer 2..4 blocks the stream, attn 4..6, y 6..8
+    assert rep.stats[0].hidden == 0.0 and rep.stats[0].exposed == pytest.approx(2.0)
+    assert rep.step_time == pytest.approx(8.0)
+    over, d2 = simulate(_sched(SPEC, [("s", "d")]), TOY_HW, group_size=8)
+    assert analyze(over, d2).step_time == pytest.approx(6.0)
+    # a done that has to wait records the wait as its [start, end]
+    slow = Hardware(**{**TOY_HW.__dict__, "a2a_bw": TOY_HW.a2a_bw / 3})  # 1 + 3 us transfer
+    sw, _ = simulate(_sched(SPEC, [("s", "d")]), slow, group_size=8)
+    d = next(o for o in sw.ops if o.name == "d")
+    assert (d.start, d.end) == (pytest.approx(4.0), pytest.approx(6.0))
+
+
+def test_ceiling_and_no_overlap_lines():
+    from farskip_jax.analysis.overlap import no_overlap_step, target_lines
+
+    std = analyze(_sched(STD_SPEC, [("s", "d")]), durations=[30.0], label="standard")
+    fs = analyze(_sched(SPEC, [("s", "d")]), durations=[30.0], label="farskip")
+    assert std.totals("all")["exposed"] == pytest.approx(30.0)  # window 10 us, no compute inside
+    assert std.ceiling_step() == pytest.approx(20.0) and std.ceiling_speedup() == pytest.approx(2.5)
+    assert no_overlap_step(fs) == pytest.approx(50.0 + 20.0)  # XLA model: step + what it hid
+    lines = target_lines({"standard": std, "farskip": fs})
+    sp = next(l for l in lines if "speedup farskip/standard" in l)
+    assert "1.000x" in sp and "ceiling" in sp and "2.500x" in sp
+    assert any(l.startswith("INFO vs standard WITHOUT overlap") for l in lines)
+
+
+def test_bandwidth_sweep_and_implied_bandwidth():
+    from farskip_jax.analysis.sensitivity import bandwidth_sweep, format_sweep, implied_bandwidth, sweep_point
+
+    std, fs = _sched(STD_SPEC, [("s", "d")]), _sched(SPEC, [("s", "d")])
+    rows = bandwidth_sweep(std, fs, TOY_HW, [1e9, 7e9, 1e12])
+    for r in rows:
+        assert r.no_overlap_us >= r.standard_us - 1e-9 and r.speedup_vs_no_overlap >= r.speedup - 1e-9
+        assert 0 < r.a2a_share < 1 and r.ceiling >= 1.0
+    assert rows[-1].speedup_vs_no_overlap == pytest.approx(1.0, abs=0.2)  # fast fabric: nothing to gain
+    assert "a2a share" in format_sweep(rows, {7.0: "mark"}) and "mark" in format_sweep(rows, {7.0: "mark"})
+    # transfer T = 1 + 7000 / bw us; no overlap 6 + T; farskip 6 (T <= 2, hidden) or 4 + T (T > 2):
+    # 1.2x at T = 6 (bw 1.4 GB/s, too slow to hide) and at T = 1.2 (bw 35 GB/s, too fast to matter)
+    lo_bw, hi_bw = implied_bandwidth(std, fs, TOY_HW, 1.2, lo=1e8, hi=1e12)
+    assert lo_bw == pytest.approx(1.4e9, rel=1e-3) and hi_bw == pytest.approx(35e9, rel=1e-3)
+    assert sweep_point(std, fs, TOY_HW, lo_bw).speedup_vs_no_overlap == pytest.approx(1.2, rel=1e-3)
+    assert implied_bandwidth(std, fs, TOY_HW, 100.0, lo=1e8, hi=1e12) == []  # never reached

@@ -14,7 +14,11 @@ Model (assumptions, all parameters of `Hardware`):
   all-gather and reduce-scatter, 2 * payload * (n-1)/n for all-reduce (ring);
 - a done blocks the compute stream until its collective has finished; communication kernels do not
   slow the compute kernels down (no SM / HBM contention: an optimistic assumption, see docs);
-- ragged all-to-all moves its whole send buffer (an upper bound: the real rows are data dependent).
+- ragged all-to-all moves its whole send buffer (an upper bound: the real rows are data dependent);
+- `serialize=("all-to-all", ...)` runs those collectives synchronously instead (the compute stream
+  waits at the start until the transfer is over): the "no overlap" baseline of the paper's Megatron
+  runs, where every all-to-all microsecond is exposed.
+A done op's [start, end] is the time the compute stream waits at it (zero when the transfer is over).
 The order is the one LHS picked for the compiled target (H100 spec when no ROCm compiler is
 present), so this answers "how does this schedule fare on MI300X", not "what would LHS do there".
 """
@@ -62,8 +66,10 @@ def collective_time_us(kind: str, payload: float, group: int, hw: Hardware) -> f
     return hw.coll_latency_us + 1e6 * factor * payload * frac / hw.coll_bw
 
 
-def simulate(schedule: Schedule, hw: Hardware, group_size: int = 8) -> tuple[Schedule, list[float]]:
-    """Re-time `schedule` on `hw` with the two-stream model.
+def simulate(schedule: Schedule, hw: Hardware, group_size: int = 8,
+             serialize: tuple[str, ...] = ()) -> tuple[Schedule, list[float]]:
+    """Re-time `schedule` on `hw` with the two-stream model; collectives whose kind is in `serialize`
+    block the compute stream from their start to their end (no overlap).
 
     Returns (the re-timed copy, modelled duration of every entry of `.pairs`)."""
     sched = copy.deepcopy(schedule)
@@ -84,9 +90,17 @@ def simulate(schedule: Schedule, hw: Hardware, group_size: int = 8) -> tuple[Sch
             begin = max(t, comm_free)
             finish[i] = comm_free = begin + durations[i]
             o.start = o.end = t
+            if p.collective in serialize:  # synchronous: nothing runs under it, its window is empty
+                o.start, o.end = t, finish[i]
+                t = finish[i]
         elif o.kind == "done" and o.id in pair_of_done:
-            t = max(t, finish[pair_of_done[o.id]])
-            o.start = o.end = t
+            i = pair_of_done[o.id]
+            if sched.pairs[i].collective in serialize:
+                o.start = o.end = finish[i]
+                continue
+            o.start = t
+            t = max(t, finish[i])
+            o.end = t
         else:
             o.start = o.end = t
     return sched, durations

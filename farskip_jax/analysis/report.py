@@ -54,6 +54,16 @@ class OverlapReport:
     other_collective_time: float  # us of non-all-to-all collectives (e.g. gradient all-reduce)
     bound: dict[str, float]  # direction ("fwd", "bwd", "all") -> structural max hideable us
     peak_memory: int = 0  # bytes, LHS's estimate of the schedule's peak (memory pressure stops overlap)
+    other_exposed: float = 0.0  # us the compute stream waits at dones of the other collectives
+
+    def ceiling_step(self) -> float:
+        """Step time if every all-to-all microsecond of this schedule were hidden (us)."""
+        return self.step_time - self.totals("all")["exposed"]
+
+    def ceiling_speedup(self) -> float:
+        """step / (step - exposed all-to-all): the most any overlap of the all-to-alls can gain."""
+        c = self.ceiling_step()
+        return self.step_time / c if c > 0 else float("inf")
 
     def totals(self, direction: Optional[str] = None) -> dict[str, float]:
         sel = [s for s in self.stats if direction in (None, "all", s.direction)]
@@ -111,9 +121,10 @@ def analyze(schedule: Schedule, durations: Optional[Sequence[float]] = None, lab
                                   indep=indep)
         bound = dict(zip(subsets.keys(), vals))
     other = sum(max(p.done.start - p.start.end, 0.0) for i, p in enumerate(pairs) if p.collective not in kinds)
+    other_exposed = sum(max(p.done.end - p.done.start, 0.0) for p in pairs if p.collective not in kinds)
     return OverlapReport(label=label, stats=stats, step_time=schedule.makespan,
                          compute_time=sum(o.duration for o in compute), other_collective_time=other, bound=bound,
-                         peak_memory=schedule.peak_memory)
+                         peak_memory=schedule.peak_memory, other_exposed=other_exposed)
 
 
 def _top_inside(s: CollectiveStat, n: int = 3) -> str:
@@ -155,8 +166,12 @@ def format_side_by_side(reports: Sequence[OverlapReport]) -> str:
         row(f"{d}: with nothing inside", lambda r: r.totals(d)["empty"], "{:>16d}")
     row("compute time (us)", lambda r: r.compute_time)
     row("other collectives (us)", lambda r: r.other_collective_time)
+    row("other collectives: waited (us)", lambda r: r.other_exposed)
     row("scheduler peak memory (GiB)", lambda r: r.peak_memory / 2**30, "{:>16.2f}")
     row("modelled step time (us)", lambda r: r.step_time)
     base = reports[0].step_time
     row(f"speedup vs {reports[0].label}", lambda r: base / r.step_time if r.step_time else 0.0, "{:>15.3f}x")
+    row("step, every all-to-all hidden (us)", lambda r: r.ceiling_step())
+    row(f"ceiling speedup vs {reports[0].label}", lambda r: base / r.ceiling_step() if r.ceiling_step() > 0 else 0.0,
+        "{:>15.3f}x")
     return "\n".join(rows)
