@@ -23,21 +23,26 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from farskip_jax.config import Config
 from farskip_jax.model import Transformer
-from farskip_jax.parallel.ep import routed_compute_for
-from farskip_jax.parallel.mesh import BATCH_AXES, make_mesh
+from farskip_jax.parallel.mesh import BATCH_AXES
 from farskip_jax.parallel.sharding import state_shardings
 
 
 def analysis_mesh(cfg: Config, devices: Sequence) -> Mesh:
-    """The mesh of cfg.mesh over the given (compile-only) devices."""
-    return make_mesh(cfg.mesh, devices=list(devices))
+    """The mesh of cfg.mesh over the given (compile-only) devices; the FoE mesh (group x expert,
+    parallel/foe.py) for moe.num_groups > 1 with expert parallelism, as in training."""
+    from farskip_jax.parallel.build import model_mesh
+
+    return model_mesh(cfg, devices=list(devices))
 
 
 def abstract_model(cfg: Config, mesh: Mesh):
     """(graphdef, state) with every leaf a ShapeDtypeStruct carrying its NamedSharding."""
-    rc = routed_compute_for(cfg.moe.dispatch, mesh)
+    from farskip_jax.parallel.build import routed_compute_on
+    from farskip_jax.parallel.foe import GROUP_AXIS, foe_state_shardings
+
+    rc = routed_compute_on(cfg, mesh)  # FoECompute on a FoE mesh
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), routed_compute=rc)))
-    shardings = state_shardings(state, mesh)
+    shardings = foe_state_shardings(state, mesh) if GROUP_AXIS in mesh.shape else state_shardings(state, mesh)
     is_var = lambda x: isinstance(x, nnx.Variable)
 
     def one(v, s):
