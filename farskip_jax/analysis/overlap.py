@@ -95,7 +95,7 @@ def run_overlap(cfg, presets: Sequence[str] = ("standard", "farskip"), programs:
                 sched_hw, durs_hw = simulate(compiled.schedule, HARDWARE[hardware], ep)
                 modelled = analyze(sched_hw, durs_hw, label=f"{preset}@{hardware}")
                 sched_s, durs_s = simulate(compiled.schedule, HARDWARE[hardware], ep, serialize=ALL_TO_ALLS)
-                serial = analyze(sched_s, durs_s, label=f"{preset}-no-overlap@{hardware}", with_bound=False)
+                serial = analyze(sched_s, durs_s, label=f"{preset}-no-overlap@{hardware}")
             results.append(ProgramResult(preset, prog, rep, modelled, compiled.schedule, dt, serial,
                                          hlo_text=compiled.hlo_text, mesh=mesh))
             log(f"[overlap]   done in {time.time() - t0:.1f}s")
