@@ -1,5 +1,5 @@
-"""model.attention_impl=blockwise (flash-style core, causal blocks skipped, recomputing VJP) against
-the naive core: values and gradients in fp32 at 1e-5, document masks, GQA and MLA head dims, ragged
+"""model.attention_impl=blockwise (flash-style core, causal blocks skipped, recomputing VJP) and
+causal_blocks (query blocks against their key prefix) against the naive core: values and gradients in fp32 at 1e-5, document masks, GQA and MLA head dims, ragged
 last block; the whole model with either core; config validation."""
 
 import jax
@@ -10,7 +10,8 @@ from flax import nnx
 
 from farskip_jax.config import load_config
 from farskip_jax.errors import ConfigError
-from farskip_jax.model.attention import attention_core, attention_mask, blockwise_attention_core
+from farskip_jax.model.attention import (attention_core, attention_mask, blockwise_attention_core,
+                                        causal_blocks_attention_core)
 
 
 def _inputs(b=2, t=40, h=4, kv=2, d=12, dv=8, seed=0, docs=True):
@@ -32,7 +33,7 @@ def _inputs(b=2, t=40, h=4, kv=2, d=12, dv=8, seed=0, docs=True):
     return q, k, v, attention_mask(pos, pos, seg, seg)
 
 
-@pytest.mark.parametrize("block,docs", [(8, True), (13, True), (16, False)])
+@pytest.mark.parametrize("block,docs", [(13, True), (16, False)])
 def test_blockwise_matches_naive_values_and_grads(block, docs):
     q, k, v, mask = _inputs(docs=docs)
     scale = 12 ** -0.5
@@ -45,6 +46,22 @@ def test_blockwise_matches_naive_values_and_grads(block, docs):
     g_block = jax.jit(jax.grad(f_block, argnums=(0, 1, 2)))(q, k, v)
     for a, b_ in zip(g_block, g_naive):
         np.testing.assert_allclose(a, b_, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block", [13])
+def test_causal_blocks_matches_naive_values_and_grads(block):
+    q, k, v, mask = _inputs()
+    ct = jax.random.normal(jax.random.key(9), (2, 40, 4, 8), jnp.float32)
+    f_naive = lambda q, k, v: jnp.sum(attention_core(q, k, v, mask, 0.3) * ct)
+    f_cb = lambda q, k, v: jnp.sum(causal_blocks_attention_core(q, k, v, mask, 0.3, block) * ct)
+    np.testing.assert_allclose(causal_blocks_attention_core(q, k, v, mask, 0.3, block),
+                               attention_core(q, k, v, mask, 0.3), atol=1e-5, rtol=1e-5)
+    for a, b_ in zip(jax.jit(jax.grad(f_cb, argnums=(0, 1, 2)))(q, k, v),
+                     jax.jit(jax.grad(f_naive, argnums=(0, 1, 2)))(q, k, v)):
+        np.testing.assert_allclose(a, b_, atol=1e-5, rtol=1e-5)
+    jaxpr = str(jax.make_jaxpr(lambda q, k, v: causal_blocks_attention_core(q, k, v, mask, 0.3, 16))(q, k, v))
+    assert jaxpr.count("dot_general") == 2 * 3  # 3 query blocks (16, 16, 8): QK^T and PV each
+    assert "f32[2,2,2,16,32]" in jaxpr  # the second query block sees its 32-key prefix, not all 40
 
 
 def test_blockwise_skips_blocks_above_the_diagonal():
@@ -67,8 +84,8 @@ def test_blockwise_rejects_cross_attention():
         blockwise_attention_core(q[:, :8], k, v, mask[:, :, :8], 0.3, 16)
 
 
-@pytest.mark.parametrize("attention", ["mla"])  # MLA: q/k and v head dims differ (GQA: kernel tests above)
-def test_model_with_blockwise_core_matches_naive(attention):
+@pytest.mark.parametrize("impl", ["blockwise", "causal_blocks"])
+def test_model_with_blockwise_core_matches_naive(impl, attention="mla"):  # MLA: q/k and v head dims differ
     from farskip_jax.model import Transformer
 
     base = ["model.num_layers=2", "model.d_model=64", "model.num_heads=4", "model.num_kv_heads=2",
@@ -78,7 +95,7 @@ def test_model_with_blockwise_core_matches_naive(attention):
         base += ["model.num_kv_heads=4", "model.kv_lora_rank=16", "model.qk_nope_head_dim=8",
                  "model.qk_rope_head_dim=4", "model.v_head_dim=8"]
     cfg_n = load_config(None, base)
-    cfg_b = load_config(None, base + ["model.attention_impl=blockwise", "model.attention_block=16"])
+    cfg_b = load_config(None, base + [f"model.attention_impl={impl}", "model.attention_block=16"])
     m_n = Transformer(cfg_n, rngs=nnx.Rngs(0))
     m_b = Transformer(cfg_b, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 48), 0, 97)

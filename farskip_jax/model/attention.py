@@ -3,8 +3,9 @@
 Split in named parts so the compiled schedule can be read per part (DESIGN.md section 4):
 `attention_qkv` (projections + rope), `attention_core` (softmax(QK^T)V), `attention_out` (output
 projection). x: [batch, seq, d_model]; positions, segment_ids: [batch, seq].
-The core is `model.attention_impl`: `naive` (one [t, s] score matrix) or `blockwise` (flash-style
-online softmax over `model.attention_block`-token blocks, causal blocks skipped, recomputing VJP).
+The core is `model.attention_impl`: `naive` (one [t, s] score matrix), `blockwise` (flash-style
+online softmax over `model.attention_block`-token blocks, causal blocks skipped, recomputing VJP) or
+`causal_blocks` (each query block against its key prefix: exact softmax, plain autodiff).
 """
 
 from __future__ import annotations
@@ -151,11 +152,28 @@ def blockwise_attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax
     return _flash(q, k, v, mask, float(scale), int(block))
 
 
+def causal_blocks_attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float,
+                                 block: int = 512) -> jax.Array:
+    """attention_core per query block of `block` tokens against its key prefix only: query block
+    [q0, q1) attends to keys [0, q1) in one exact softmax (attention_core itself), so the score blocks
+    wholly after the query block are never computed (~(n+1)/2n of the naive work for n blocks) while
+    memory traffic per score and autodiff stay those of the naive core. Same contract and shapes as
+    blockwise_attention_core (self-attention, mask causal by index)."""
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"causal_blocks attention needs self-attention (q len {q.shape[1]} != k len {k.shape[1]})")
+    outs = [attention_core(q[:, q0:q1], k[:, :q1], v[:, :q1], mask[:, :, q0:q1, :q1], scale)
+            for q0, q1 in _spans(q.shape[1], block)]
+    return jnp.concatenate(outs, axis=1)
+
+
 def core_attention(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
                    scale: float) -> jax.Array:
-    """The attention core selected by `model.attention_impl` (naive | blockwise); shapes as attention_core."""
+    """The attention core selected by `model.attention_impl` (naive | blockwise | causal_blocks); shapes
+    as attention_core. Sequences of one block or less always take the naive core (the same computation)."""
     if cfg.attention_impl == "blockwise" and q.shape[1] > cfg.attention_block:
         return blockwise_attention_core(q, k, v, mask, scale, cfg.attention_block)
+    if cfg.attention_impl == "causal_blocks" and q.shape[1] > cfg.attention_block:
+        return causal_blocks_attention_core(q, k, v, mask, scale, cfg.attention_block)
     return attention_core(q, k, v, mask, scale)
 
 
