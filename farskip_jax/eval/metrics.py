@@ -34,6 +34,9 @@ class PairResult:
     kl: float  # forward KL(teacher || student), T = 1
     top1: float  # fraction of tokens where argmax agrees
     tokens: int
+    teacher_maxp: float = float("nan")  # mean over tokens of the teacher's largest next-token probability
+    confident: float = float("nan")  # fraction of tokens where that probability is >= `confidence`
+    top1_confident: float = float("nan")  # top-1 agreement restricted to those tokens (an extra view, not top1)
 
 
 def forward(graphdef, st: dict, batch: dict, farskip: Optional[FarSkipConfig], return_hidden: bool = False):
@@ -60,15 +63,21 @@ def make_loss_fn(graphdef, farskip: Optional[FarSkipConfig]) -> Callable:
     return jax.jit(fn)
 
 
-def make_compare_fn(graphdef, student_fs: Optional[FarSkipConfig], teacher_fs: FarSkipConfig = STANDARD) -> Callable:
-    """jitted fn(student_state, teacher_state, batch) -> sums of student/teacher CE, KL, top-1, tokens."""
+def make_compare_fn(graphdef, student_fs: Optional[FarSkipConfig], teacher_fs: FarSkipConfig = STANDARD,
+                    confidence: float = 0.5) -> Callable:
+    """jitted fn(student_state, teacher_state, batch) -> sums of student/teacher CE, KL, top-1, tokens,
+    and of the teacher's max probability / confident tokens (max probability >= `confidence`)."""
 
     def fn(s_st, t_st, batch):
         t = forward(graphdef, t_st, batch, teacher_fs).logits
         s = forward(graphdef, s_st, batch, student_fs).logits
         m = batch["loss_mask"]
+        agree = top1_agreement(t, s)
+        maxp = jnp.max(jax.nn.softmax(t.astype(jnp.float32), axis=-1), axis=-1)
+        conf = (maxp >= confidence).astype(jnp.float32) * m
         return dict(ce_s=ce_sum(s, batch["targets"], m), ce_t=ce_sum(t, batch["targets"], m),
-                    kl=jnp.sum(forward_kl(t, s) * m), top1=jnp.sum(top1_agreement(t, s) * m), tokens=jnp.sum(m))
+                    kl=jnp.sum(forward_kl(t, s) * m), top1=jnp.sum(agree * m), tokens=jnp.sum(m),
+                    maxp=jnp.sum(maxp * m), conf=jnp.sum(conf), top1_conf=jnp.sum(agree * conf))
 
     return jax.jit(fn)
 
@@ -92,7 +101,9 @@ def evaluate_pair(fn: Callable, s_st: dict, t_st: dict, batches: list) -> PairRe
     n = max(tot["tokens"], 1.0)
     loss = tot["ce_s"] / n
     return PairResult(val_loss=loss, ppl=math.exp(min(loss, 700.0)), teacher_loss=tot["ce_t"] / n,
-                      kl=tot["kl"] / n, top1=tot["top1"] / n, tokens=int(tot["tokens"]))
+                      kl=tot["kl"] / n, top1=tot["top1"] / n, tokens=int(tot["tokens"]),
+                      teacher_maxp=tot["maxp"] / n, confident=tot["conf"] / n,
+                      top1_confident=tot["top1_conf"] / tot["conf"] if tot["conf"] > 0 else float("nan"))
 
 
 def put_batch(batch: dict, mesh=None) -> dict:

@@ -16,6 +16,9 @@ is compared with the teacher on fixed validation batches (KL, top-1 agreement, l
 best student is kept in `<run_dir>/best/checkpoints`. Weights come from `init_from_hf` (HF folder)
 or `distill.init_from_run` (a run folder). Step 0 is evaluated before any update, so the table
 "teacher / converted before training / after FCSD" comes from one run's metrics.jsonl.
+As in pretraining, SIGTERM/SIGINT (status "preempted") and `train.time_limit_s` save a checkpoint at
+the step boundary and return; re-running the same config resumes (student, optimizer, data
+iterator, early-stopping history). `train.grad_accum` splits each batch into micro-batches.
 
     result = distill(cfg)        # DistillResult; also `python train.py --config configs/distill_tiny.yaml`
 """
@@ -47,6 +50,7 @@ from farskip_jax.train.logger import RunLogger, format_eta
 from farskip_jax.train.optimizer import make_optimizer
 from farskip_jax.train.rundir import prepare_run_dir
 from farskip_jax.train.step import init_state, load_stats, token_ce, update_router_bias
+from farskip_jax.train.trainer import _StopFlag, place_state
 
 # model-shape sections come from the checkpoint; these runtime keys keep the user's values
 RUNTIME_MODEL_KEYS = ("compute_dtype", "remat", "max_seq_len")
@@ -56,7 +60,7 @@ RUNTIME_MOE_KEYS = ("dispatch", "gmm", "gmm_tile", "capacity_factor", "aux_loss_
 
 @dataclasses.dataclass
 class DistillResult:
-    status: str  # done | early_stop | token_budget | diverged
+    status: str  # done | early_stop | token_budget | diverged | preempted (SIGTERM) | time_limit
     step: int
     best_step: Optional[int]
     best_metric: Optional[float]
@@ -97,16 +101,49 @@ def make_distill_loss_fn(graphdef, cfg: Config) -> Callable:
     return loss_fn
 
 
+def _accumulated_grads(grad_fn, params, bias, rest, teacher, batch, accum: int):
+    """(loss, aux), grads of `batch` cut into `accum` micro-batches along the batch axis (lax.scan).
+
+    Each micro-batch is weighted by its number of loss tokens, so the KL / CE / hidden terms equal
+    the full-batch token means whatever the padding; MoE aux/z losses are per-micro-batch statistics
+    (weighted the same way). `aux["tokens"]` is the total over micro-batches."""
+    micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
+
+    def body(carry, mb):
+        (l, a), g = grad_fn(params, bias, rest, teacher, mb)
+        w = a["tokens"].astype(jnp.float32)
+        gsum, lsum, asum = carry
+        return (jax.tree.map(lambda s, x: s + w * x, gsum, g), lsum + w * l,
+                jax.tree.map(lambda s, x: s + w * x, asum, a)), None
+
+    a0 = jax.eval_shape(lambda: grad_fn(params, bias, rest, teacher, jax.tree.map(lambda x: x[0], micro))[0][1])
+    init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32),
+            jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), a0))
+    (gsum, lsum, asum), _ = jax.lax.scan(body, init, micro)
+    total = jnp.sum(micro["loss_mask"].astype(jnp.float32))
+    inv = 1.0 / jnp.maximum(total, 1.0)
+    grads = jax.tree.map(lambda g: g * inv, gsum)
+    aux = jax.tree.map(lambda v: v * inv, asum)
+    aux["tokens"] = total
+    return (lsum * inv, aux), grads
+
+
 def make_distill_step(graphdef, cfg: Config, tx: optax.GradientTransformation, schedule: optax.Schedule) -> Callable:
     """Un-jitted step(state, teacher, batch) -> (state, metrics). `state` is a train state of
     train/step.py (the student); `teacher` is never differentiated nor updated. A non-finite loss
-    or gradient leaves the student untouched (as in pretraining)."""
+    or gradient leaves the student untouched (as in pretraining). With `train.grad_accum` = A > 1
+    the batch [A * m, seq] runs as A micro-batches of m rows (activation memory of m rows), with
+    gradients combined as token-weighted means (= the full-batch gradient)."""
     grad_fn = jax.value_and_grad(make_distill_loss_fn(graphdef, cfg), has_aux=True)
     use_bias = bool(cfg.moe.num_experts) and cfg.moe.selection_bias
+    accum = cfg.train.grad_accum
 
     def step(state, teacher, batch):
         params, bias, rest = state["params"], state["bias"], state["rest"]
-        (loss, aux), grads = grad_fn(params, bias, rest, teacher, batch)
+        if accum == 1:
+            (loss, aux), grads = grad_fn(params, bias, rest, teacher, batch)
+        else:
+            (loss, aux), grads = _accumulated_grads(grad_fn, params, bias, rest, teacher, batch, accum)
         gnorm = optax.global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
         updates, new_opt = tx.update(grads, state["opt"], params)
@@ -198,8 +235,6 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     t, d = cfg.train, cfg.distill
     if t.mode != "distill":
         raise ConfigError(f"train.mode={t.mode!r}: distill() runs train.mode=distill")
-    if t.grad_accum != 1:
-        raise ConfigError("train.grad_accum > 1 is not supported by distillation yet; lower train.batch_size instead")
     if d.metric == "task" and not cfg.eval.tasks:
         raise ConfigError("distill.metric=task needs eval.tasks: [path/to/task.jsonl, ...]")
     if d.export_hf and not cfg.init_from_hf and not d.export_family:
@@ -215,6 +250,7 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     tx, schedule = make_optimizer(t)
     model = nnx.merge(graphdef, src["params"], src["bias"], src["rest"])
     graphdef, state = init_state(model, tx, t.seed)
+    state = place_state(state, mesh)  # counters/optimizer leaves on the mesh too: a restored state must match
     teacher = cast_state(state, dtype_of(d.teacher_dtype))  # a copy: the student's buffers are donated
     del model, src
     step_fn = jax.jit(make_distill_step(graphdef, cfg, tx, schedule), donate_argnums=0)
@@ -249,7 +285,8 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
         r = evaluate_pair(cmp_fn, state, teacher, val)
         m = _metric_value(cfg, r, task_score)
         rec = dict(val_loss=r.val_loss, ppl=r.ppl, teacher_loss=r.teacher_loss, kl=r.kl, top1=r.top1,
-                   metric=m, tokens_used=at * tokens_per_step)
+                   top1_confident=r.top1_confident, teacher_maxp=r.teacher_maxp, metric=m,
+                   tokens_used=at * tokens_per_step)
         evals.append(dict(step=at, **rec))
         log.write("eval", at, rec)
         log.print(f"step {at:>6d} | val loss {r.val_loss:.4f} (teacher {r.teacher_loss:.4f}) | KL {r.kl:.5f} | "
@@ -270,32 +307,42 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     max_steps = t.steps
     if d.max_tokens is not None:
         max_steps = min(max_steps, d.max_tokens // tokens_per_step)
-    while step < max_steps:
-        batch = put_batch({k: np.asarray(v) for k, v in next(train_it).items()}, mesh)
-        state, m = step_fn(state, teacher, batch)
-        m = jax.device_get(m)
-        step += 1
-        rec = {k: float(v) for k, v in m.items() if np.ndim(v) == 0}
-        losses.append(rec["loss"])
-        log.write("train", step, rec)
-        if not bool(m["finite"]) and int(m["nonfinite_streak"]) >= t.max_nonfinite:
-            status = "diverged"
-            log.print(f"stopping: {t.max_nonfinite} non-finite steps in a row")
-            break
-        if step % t.log_every == 0 or step == 1 or step == max_steps:
-            el = time.perf_counter() - t0
-            eta = el / (step - start_step) * (max_steps - step)
-            log.print(f"step {step:>6d}/{max_steps} | loss {rec['loss']:.5f} | kl {rec['kl']:.5f} | ce {rec['ce']:.4f} | "
-                      f"gnorm {rec['grad_norm']:.3f} | lr {rec['lr']:.2e} | "
-                      f"{tokens_per_step * (step - start_step) / max(el, 1e-9):,.0f} tok/s | eta {format_eta(eta)}")
-        if step % d.eval_every == 0 or step == max_steps:
-            dec = run_eval(step)
-            if dec.stop:
-                status = "early_stop"
-                log.print(f"early stop at step {step}: {dec.reason}")
+    with _StopFlag() as stop:  # SIGTERM / SIGINT: checkpoint at the next step boundary and return
+        while step < max_steps:
+            batch = put_batch({k: np.asarray(v) for k, v in next(train_it).items()}, mesh)
+            state, m = step_fn(state, teacher, batch)
+            m = jax.device_get(m)
+            step += 1
+            rec = {k: float(v) for k, v in m.items() if np.ndim(v) == 0}
+            losses.append(rec["loss"])
+            log.write("train", step, rec)
+            if not bool(m["finite"]) and int(m["nonfinite_streak"]) >= t.max_nonfinite:
+                status = "diverged"
+                log.print(f"stopping: {t.max_nonfinite} non-finite steps in a row")
                 break
-        if t.checkpoint_every and step % t.checkpoint_every == 0:
-            ckpt.save(step, state, train_it.get_state())
+            el = time.perf_counter() - t0
+            if step % t.log_every == 0 or step == 1 or step == max_steps:
+                eta = el / (step - start_step) * (max_steps - step)
+                log.print(f"step {step:>6d}/{max_steps} | loss {rec['loss']:.5f} | kl {rec['kl']:.5f} | "
+                          f"ce {rec['ce']:.4f} | gnorm {rec['grad_norm']:.3f} | lr {rec['lr']:.2e} | "
+                          f"{tokens_per_step * (step - start_step) / max(el, 1e-9):,.0f} tok/s | eta {format_eta(eta)}")
+            if step % d.eval_every == 0 or step == max_steps:
+                dec = run_eval(step)
+                if dec.stop:
+                    status = "early_stop"
+                    log.print(f"early stop at step {step}: {dec.reason}")
+                    break
+            if t.checkpoint_every and step % t.checkpoint_every == 0:
+                ckpt.save(step, state, train_it.get_state())
+            if stop.signal is not None:
+                status = "preempted"
+                log.print(f"signal {stop.signal} received: saving checkpoint at step {step} and exiting "
+                          "(re-running resumes)")
+                break
+            if t.time_limit_s is not None and el > t.time_limit_s:
+                status = "time_limit"
+                log.print(f"train.time_limit_s={t.time_limit_s} reached at step {step}: saving and exiting")
+                break
     if status == "done" and max_steps < t.steps:
         status = "token_budget"
     if status != "diverged" and ckpt.latest_step() != step:
@@ -304,7 +351,7 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     best.close()
     log.print(f"{status} at step {step}: best {d.metric} {es.best} at step {es.best_step} "
               f"({step * tokens_per_step:,} training tokens)")
-    if d.export_hf:
+    if d.export_hf and status not in ("preempted", "time_limit", "diverged"):
         from farskip_jax.eval.loading import restore_train_state
 
         _, best_state = restore_train_state(cfg, os.path.join(run_dir, "best"), "best", mesh)
