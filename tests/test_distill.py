@@ -148,13 +148,13 @@ def test_grad_accum_equals_the_full_batch_step():
         np.testing.assert_allclose(m2[k], m1[k], rtol=2e-5, err_msg=k)
     assert m1["tokens"] == 28.0 and m1["grad_norm"] > 0
     # the accumulated gradient itself, leaf by leaf (Adam's first update hides gradient scale)
-    from farskip_jax.train.distill import _accumulated_grads
+    from farskip_jax.train.step import accumulate_grads
 
     loss_fn = make_distill_loss_fn(graphdef, base)
     gfn = jax.value_and_grad(loss_fn, has_aux=True)
     args = (state0["params"], state0["bias"], state0["rest"], teacher)
     (_, _), g_full = jax.jit(gfn)(*args, batch)
-    (_, _), g_acc = jax.jit(lambda *a: _accumulated_grads(gfn, *a, batch, 2))(*args)
+    (_, _), g_acc = jax.jit(lambda *a: accumulate_grads(lambda mb: gfn(*a, mb), batch, 2))(*args)
     for x, y in zip(jax.tree.leaves(g_full), jax.tree.leaves(g_acc)):
         np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-4, atol=1e-7)
     # an unweighted mean of the two micro-batch means (what a naive accumulation does) is different

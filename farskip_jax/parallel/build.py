@@ -28,7 +28,7 @@ from farskip_jax.config import Config
 from farskip_jax.errors import BackendError, ConfigError
 from farskip_jax.model import Transformer
 from farskip_jax.parallel.ep import RAGGED_ON_CPU, routed_compute_for
-from farskip_jax.parallel.foe import GROUP_AXIS, FoECompute, create_foe_model, foe_mesh_from
+from farskip_jax.parallel.foe import GROUP_AXIS, FoECompute, foe_mesh_from, foe_state_shardings
 from farskip_jax.parallel.mesh import make_mesh, mesh_platform
 from farskip_jax.parallel.sharding import state_shardings
 
@@ -73,16 +73,17 @@ def create_model(cfg: Config, mesh: Optional[Mesh] = None, seed: int = 0) -> Tra
     mesh = model_mesh(cfg) if mesh is None else mesh
     check_mesh(cfg, mesh)
     if is_foe_parallel(cfg, mesh):
-        return create_foe_model(cfg, foe_mesh_from(mesh, cfg.moe.num_groups), seed=seed)
-    if GROUP_AXIS in mesh.shape:
-        raise ConfigError("a FoE mesh (with a 'group' axis) needs moe.num_groups > 1 and mesh.expert > 1; "
+        mesh = foe_mesh_from(mesh, cfg.moe.num_groups)  # unchanged when it already is one
+    if GROUP_AXIS in mesh.shape and cfg.moe.num_groups < 2:
+        raise ConfigError("a FoE mesh (with a 'group' axis) needs moe.num_groups > 1; "
                           "build the mesh with parallel.build.model_mesh(cfg)")
-    rc = routed_compute_for(cfg.moe.dispatch, mesh)
+    rc = routed_compute_on(cfg, mesh)
+    shardings_of = foe_state_shardings if GROUP_AXIS in mesh.shape else state_shardings
 
     def init() -> Transformer:
         return Transformer(cfg, rngs=nnx.Rngs(seed), routed_compute=rc)
 
     graphdef, abstract = nnx.split(nnx.eval_shape(init))
-    shardings = state_shardings(abstract, mesh)
+    shardings = shardings_of(abstract, mesh)
     state = jax.jit(lambda: nnx.split(init())[1], out_shardings=shardings)()
     return nnx.merge(graphdef, state)

@@ -162,19 +162,11 @@ class FoECompute:
 
 def create_foe_model(cfg: Config, mesh: Optional[Mesh] = None, seed: int = 0):
     """A FoE `Transformer` with parameters placed on the FoE mesh (values depend only on seed)."""
-    from farskip_jax.model import Transformer
-
     if cfg.moe.num_groups < 2:
         raise ConfigError("create_foe_model needs moe.num_groups >= 2; use parallel.create_model for num_groups=1")
     mesh = make_foe_mesh(cfg.mesh, cfg.moe.num_groups) if mesh is None else mesh
     if GROUP_AXIS not in mesh.shape:
         raise ConfigError("create_foe_model needs a mesh from make_foe_mesh (with a 'group' axis)")
-    dispatch = cfg.moe.dispatch if mesh.shape["expert"] > 1 or cfg.moe.dispatch != "local" else "local"
-    rc = FoECompute(mesh, dispatch)
+    from farskip_jax.parallel.build import create_model  # build imports this module
 
-    def init():
-        return Transformer(cfg, rngs=nnx.Rngs(seed), routed_compute=rc)
-
-    graphdef, abstract = nnx.split(nnx.eval_shape(init))
-    state = jax.jit(lambda: nnx.split(init())[1], out_shardings=foe_state_shardings(abstract, mesh))()
-    return nnx.merge(graphdef, state)
+    return create_model(cfg, mesh, seed=seed)

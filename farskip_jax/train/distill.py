@@ -44,12 +44,13 @@ from farskip_jax.errors import ConfigError
 from farskip_jax.eval.divergence import hidden_l2, masked_mean, token_divergence
 from farskip_jax.eval.metrics import STANDARD, cast_state, evaluate_pair, forward, make_compare_fn, put_batch, val_batches
 from farskip_jax.model.layers import dtype_of
+from farskip_jax.parallel.build import model_mesh
 from farskip_jax.train.checkpoint import Checkpointer
 from farskip_jax.train.early_stopping import EarlyStopper
 from farskip_jax.train.logger import RunLogger, format_eta
 from farskip_jax.train.optimizer import make_optimizer
 from farskip_jax.train.rundir import prepare_run_dir
-from farskip_jax.train.step import init_state, load_stats, token_ce, update_router_bias
+from farskip_jax.train.step import accumulate_grads, init_state, load_stats, token_ce, update_state
 from farskip_jax.train.trainer import _StopFlag, place_state
 
 # model-shape sections come from the checkpoint; these runtime keys keep the user's values
@@ -101,33 +102,6 @@ def make_distill_loss_fn(graphdef, cfg: Config) -> Callable:
     return loss_fn
 
 
-def _accumulated_grads(grad_fn, params, bias, rest, teacher, batch, accum: int):
-    """(loss, aux), grads of `batch` cut into `accum` micro-batches along the batch axis (lax.scan).
-
-    Each micro-batch is weighted by its number of loss tokens, so the KL / CE / hidden terms equal
-    the full-batch token means whatever the padding; MoE aux/z losses are per-micro-batch statistics
-    (weighted the same way). `aux["tokens"]` is the total over micro-batches."""
-    micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
-
-    def body(carry, mb):
-        (l, a), g = grad_fn(params, bias, rest, teacher, mb)
-        w = a["tokens"].astype(jnp.float32)
-        gsum, lsum, asum = carry
-        return (jax.tree.map(lambda s, x: s + w * x, gsum, g), lsum + w * l,
-                jax.tree.map(lambda s, x: s + w * x, asum, a)), None
-
-    a0 = jax.eval_shape(lambda: grad_fn(params, bias, rest, teacher, jax.tree.map(lambda x: x[0], micro))[0][1])
-    init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32),
-            jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), a0))
-    (gsum, lsum, asum), _ = jax.lax.scan(body, init, micro)
-    total = jnp.sum(micro["loss_mask"].astype(jnp.float32))
-    inv = 1.0 / jnp.maximum(total, 1.0)
-    grads = jax.tree.map(lambda g: g * inv, gsum)
-    aux = jax.tree.map(lambda v: v * inv, asum)
-    aux["tokens"] = total
-    return (lsum * inv, aux), grads
-
-
 def make_distill_step(graphdef, cfg: Config, tx: optax.GradientTransformation, schedule: optax.Schedule) -> Callable:
     """Un-jitted step(state, teacher, batch) -> (state, metrics). `state` is a train state of
     train/step.py (the student); `teacher` is never differentiated nor updated. A non-finite loss
@@ -135,29 +109,14 @@ def make_distill_step(graphdef, cfg: Config, tx: optax.GradientTransformation, s
     the batch [A * m, seq] runs as A micro-batches of m rows (activation memory of m rows), with
     gradients combined as token-weighted means (= the full-batch gradient)."""
     grad_fn = jax.value_and_grad(make_distill_loss_fn(graphdef, cfg), has_aux=True)
-    use_bias = bool(cfg.moe.num_experts) and cfg.moe.selection_bias
     accum = cfg.train.grad_accum
 
     def step(state, teacher, batch):
         params, bias, rest = state["params"], state["bias"], state["rest"]
-        if accum == 1:
-            (loss, aux), grads = grad_fn(params, bias, rest, teacher, batch)
-        else:
-            (loss, aux), grads = _accumulated_grads(grad_fn, params, bias, rest, teacher, batch, accum)
-        gnorm = optax.global_norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-        updates, new_opt = tx.update(grads, state["opt"], params)
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-        new_bias = bias
-        if use_bias and aux["load"].shape[0] > 0:
-            new_bias = keep(update_router_bias(graphdef, params, bias, rest, aux["load"], cfg.moe.bias_update_rate), bias)
-        streak = jnp.where(finite, 0, state["nonfinite_streak"] + 1).astype(jnp.int32)
-        new_state = dict(params=keep(optax.apply_updates(params, updates), params), bias=new_bias, rest=rest,
-                         opt=keep(new_opt, state["opt"]), step=state["step"] + 1, rng=state["rng"],
-                         nonfinite_total=state["nonfinite_total"] + (~finite).astype(jnp.int32), nonfinite_streak=streak)
+        (loss, aux), grads = accumulate_grads(lambda mb: grad_fn(params, bias, rest, teacher, mb), batch, accum)
+        new_state, upd = update_state(graphdef, cfg, tx, state, loss, grads, aux["load"])
         metrics = dict(loss=loss, kl=aux["kl"], ce=aux["ce"], hidden=aux["hidden"], aux_loss=aux["aux_loss"],
-                       grad_norm=gnorm, lr=schedule(state["step"]), tokens=aux["tokens"], finite=finite,
-                       nonfinite_streak=streak,
+                       lr=schedule(state["step"]), tokens=aux["tokens"], **upd,
                        **load_stats(aux["load"] if aux["load"].shape[0] > 0 else None))
         return new_state, metrics
 
@@ -230,8 +189,6 @@ def _metric_value(cfg: Config, r, task_score: Optional[Callable]) -> float:
 
 def distill(cfg: Config, *, stream=None) -> DistillResult:
     """Run (or resume) FCSD as described by `cfg` (train.mode must be 'distill')."""
-    from farskip_jax.parallel.mesh import make_mesh
-
     t, d = cfg.train, cfg.distill
     if t.mode != "distill":
         raise ConfigError(f"train.mode={t.mode!r}: distill() runs train.mode=distill")
@@ -240,7 +197,7 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     if d.export_hf and not cfg.init_from_hf and not d.export_family:
         raise ConfigError("distill.export_hf needs distill.export_family (an HF model_type such as qwen2_moe) when "
                           "the weights do not come from init_from_hf")
-    mesh = make_mesh(cfg.mesh)
+    mesh = model_mesh(cfg)  # the FoE group x expert mesh when num_groups > 1 with EP
     cfg, graphdef, src = load_source(cfg, mesh)
     tok = load_tokenizer(cfg.data.tokenizer)
     run_dir, resumed = prepare_run_dir(cfg)

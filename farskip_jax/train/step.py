@@ -135,6 +135,54 @@ def apply_if_finite(tx: optax.GradientTransformation, finite: jax.Array, grads, 
     return jax.lax.cond(finite, update, lambda g, o, p: (p, o), grads, opt_state, params)
 
 
+def accumulate_grads(grad_fn: Callable, batch: dict, accum: int, sum_keys: tuple[str, ...] = ("tokens",)):
+    """((loss, aux), grads) of `grad_fn(batch)` computed as `accum` micro-batches along the batch axis
+    (lax.scan; activation memory of one micro-batch).
+
+    Each micro-batch is weighted by its loss-token count aux["tokens"], so loss, gradients and the
+    other aux entries are full-batch token means whatever the padding; entries named in `sum_keys`
+    (counts) are summed instead. grad_fn(batch) -> ((loss, aux dict), grads)."""
+    if accum == 1:
+        return grad_fn(batch)
+    micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
+
+    def body(carry, mb):
+        (l, a), g = grad_fn(mb)
+        w = a["tokens"].astype(jnp.float32)
+        gsum, lsum, asum = carry
+        a = {k: v if k in sum_keys else w * v for k, v in a.items()}
+        return (jax.tree.map(lambda s, x: s + w * x, gsum, g), lsum + w * l, jax.tree.map(jnp.add, asum, a)), None
+
+    (_, a0), g0 = jax.eval_shape(lambda: grad_fn(jax.tree.map(lambda x: x[0], micro)))
+    zeros = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)  # noqa: E731
+    (gsum, lsum, asum), _ = jax.lax.scan(body, (zeros(g0), jnp.zeros((), jnp.float32), zeros(a0)), micro)
+    inv = 1.0 / jnp.maximum(asum["tokens"], 1.0)
+    grads = jax.tree.map(lambda g, ref: (g * inv).astype(ref.dtype), gsum, g0)
+    aux = {k: v if k in sum_keys else v * inv for k, v in asum.items()}
+    return (lsum * inv, aux), grads
+
+
+def update_state(graphdef, cfg: Config, tx: optax.GradientTransformation, state: dict, loss, grads, load):
+    """The train state after one step: optimizer update and router-bias update (skipped when the loss
+    or the gradient norm is not finite), step and non-finite counters.
+
+    load: [n_moe, E] expert load of the step. -> (new_state, dict(grad_norm, finite, nonfinite_total,
+    nonfinite_streak)) for the metrics."""
+    params, bias, rest = state["params"], state["bias"], state["rest"]
+    gnorm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+    new_params, new_opt = apply_if_finite(tx, finite, grads, state["opt"], params)
+    new_bias = bias
+    if cfg.moe.num_experts and cfg.moe.selection_bias and load.shape[0] > 0:
+        moved = update_router_bias(graphdef, params, bias, rest, load, cfg.moe.bias_update_rate)
+        new_bias = jax.tree.map(lambda n, o: jnp.where(finite, n, o), moved, bias)
+    streak = jnp.where(finite, 0, state["nonfinite_streak"] + 1).astype(jnp.int32)
+    total = state["nonfinite_total"] + (~finite).astype(jnp.int32)
+    new_state = dict(params=new_params, bias=new_bias, rest=rest, opt=new_opt, step=state["step"] + 1,
+                     rng=state["rng"], nonfinite_total=total, nonfinite_streak=streak)
+    return new_state, dict(grad_norm=gnorm, finite=finite, nonfinite_total=total, nonfinite_streak=streak)
+
+
 def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation, schedule: optax.Schedule,
                     farskip=None) -> Callable:
     """Un-jitted step(state, batch) -> (state, metrics); wrap with jax.jit (see trainer)."""
@@ -143,47 +191,17 @@ def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation, sch
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     accum = t.grad_accum
     inject = tuple(t.inject_nan_at)
-    use_bias = bool(cfg.moe.num_experts) and cfg.moe.selection_bias
 
     def step(state, batch):
         params, bias, rest = state["params"], state["bias"], state["rest"]
-        if accum == 1:
-            (loss, aux), grads = grad_fn(params, bias, rest, batch)
-        else:
-            micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
-
-            def body(carry, mb):
-                (l, a), g = grad_fn(params, bias, rest, mb)
-                gsum, lsum, asum = carry
-                return (jax.tree.map(jnp.add, gsum, g), lsum + l, jax.tree.map(jnp.add, asum, a)), None
-
-            zeros_g = jax.tree.map(jnp.zeros_like, params)
-            (_, a0) = jax.eval_shape(lambda: loss_fn(params, bias, rest, jax.tree.map(lambda x: x[0], micro)))
-            zeros_a = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), a0)
-            (gsum, lsum, asum), _ = jax.lax.scan(body, (zeros_g, jnp.zeros((), jnp.float32), zeros_a), micro)
-            grads = jax.tree.map(lambda g: g / accum, gsum)
-            loss = lsum / accum
-            aux = jax.tree.map(lambda v: v / accum, asum)
-            aux["tokens"] = aux["tokens"] * accum
-            aux["dropped"] = aux["dropped"] * accum
+        (loss, aux), grads = accumulate_grads(lambda mb: grad_fn(params, bias, rest, mb), batch, accum,
+                                              sum_keys=("tokens", "dropped"))
         if inject:
             poison = jnp.any(state["step"] + 1 == jnp.asarray(inject, jnp.int32))  # 1-based, as logged
             loss = jnp.where(poison, jnp.nan, loss)
-        gnorm = optax.global_norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-        new_params, new_opt = apply_if_finite(tx, finite, grads, state["opt"], params)
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-        new_bias = bias
-        if use_bias and aux["load"].shape[0] > 0:
-            new_bias = keep(update_router_bias(graphdef, params, bias, rest, aux["load"], cfg.moe.bias_update_rate), bias)
-        streak = jnp.where(finite, 0, state["nonfinite_streak"] + 1).astype(jnp.int32)
-        new_state = dict(
-            params=new_params, bias=new_bias, rest=rest, opt=new_opt,
-            step=state["step"] + 1, rng=state["rng"],
-            nonfinite_total=state["nonfinite_total"] + (~finite).astype(jnp.int32), nonfinite_streak=streak)
-        metrics = dict(loss=loss, ce=aux["ce"], aux_loss=aux["aux_loss"], z_loss=aux["z_loss"], grad_norm=gnorm,
-                       lr=schedule(state["step"]), tokens=aux["tokens"], dropped=aux["dropped"],
-                       finite=finite, nonfinite_total=new_state["nonfinite_total"], nonfinite_streak=streak,
+        new_state, upd = update_state(graphdef, cfg, tx, state, loss, grads, aux["load"])
+        metrics = dict(loss=loss, ce=aux["ce"], aux_loss=aux["aux_loss"], z_loss=aux["z_loss"],
+                       lr=schedule(state["step"]), tokens=aux["tokens"], dropped=aux["dropped"], **upd,
                        **load_stats(aux["load"] if aux["load"].shape[0] > 0 else None))
         return new_state, metrics
 

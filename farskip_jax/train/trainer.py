@@ -20,13 +20,15 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from farskip_jax.config import Config, dump_config
 from farskip_jax.data.pipeline import make_dataset
 from farskip_jax.data.tokenizer import load_tokenizer
 from farskip_jax.errors import ConfigError
+from farskip_jax.parallel.build import create_model, model_mesh, routed_compute_on
+from farskip_jax.parallel.distributed import maybe_initialize
+from farskip_jax.parallel.sharding import shard_batch
 from farskip_jax.train.checkpoint import Checkpointer
 from farskip_jax.train.flops import measure_matmul_peak, total_params, train_flops_per_token
 from farskip_jax.train.logger import RunLogger
@@ -69,38 +71,6 @@ class _StopFlag:
             signal.signal(s, h)
 
 
-def _parallel_api():
-    """(create_model, make_mesh, shard_batch, maybe_initialize) from farskip_jax.parallel when present."""
-    api = {}
-    try:
-        from farskip_jax.parallel.build import create_model, model_mesh, routed_compute_on
-
-        api["create_model"] = create_model
-        api["model_mesh"] = model_mesh  # the FoE mesh (group x expert) for num_groups > 1 with EP
-        api["routed_compute_on"] = routed_compute_on
-    except ImportError:
-        pass
-    try:
-        from farskip_jax.parallel.mesh import make_mesh
-
-        api["make_mesh"] = make_mesh
-    except ImportError:
-        pass
-    try:
-        from farskip_jax.parallel.sharding import shard_batch
-
-        api["shard_batch"] = shard_batch
-    except ImportError:
-        pass
-    try:
-        from farskip_jax.parallel.distributed import maybe_initialize
-
-        api["maybe_initialize"] = maybe_initialize
-    except ImportError:
-        pass
-    return api
-
-
 def shape_from_hf(cfg: Config) -> Config:
     """cfg with the model/moe shape of the HF checkpoint `cfg.init_from_hf` (runtime keys such as
     compute_dtype, remat, dispatch and loss weights stay the user's)."""
@@ -113,28 +83,19 @@ def shape_from_hf(cfg: Config) -> Config:
     return _merge_shape(cfg, src)
 
 
-def build_model_and_mesh(cfg: Config, api: dict):
-    """The model (params placed on the mesh when parallel/ provides it) and the mesh (or None).
-    With `init_from_hf` the weights are streamed from that HF folder (convert.import_hf)."""
-    if "model_mesh" in api:
-        mesh = api["model_mesh"](cfg)
-    else:
-        mesh = api["make_mesh"](cfg.mesh) if "make_mesh" in api else None
+def build_model_and_mesh(cfg: Config):
+    """The model with its parameters placed on the mesh, and the mesh (parallel.model_mesh: the FoE
+    group x expert mesh for num_groups > 1 with EP). With `init_from_hf` the weights are streamed from
+    that HF folder (convert.import_hf)."""
+    mesh = model_mesh(cfg)
     if cfg.init_from_hf:
         from farskip_jax.config import to_dict
         from farskip_jax.convert.loader import import_hf
 
-        routed = api["routed_compute_on"](cfg, mesh) if mesh is not None else None
-        _, model = import_hf(cfg.init_from_hf, mesh=mesh, routed_compute=routed,
+        _, model = import_hf(cfg.init_from_hf, mesh=mesh, routed_compute=routed_compute_on(cfg, mesh),
                              overrides={"model": to_dict(cfg.model), "moe": to_dict(cfg.moe)})
         return model, mesh
-    if "create_model" in api:
-        model = api["create_model"](cfg, mesh, seed=cfg.train.seed)
-    else:
-        from farskip_jax.model.transformer import Transformer
-
-        model = Transformer(cfg, rngs=nnx.Rngs(cfg.train.seed))
-    return model, mesh
+    return create_model(cfg, mesh, seed=cfg.train.seed), mesh
 
 
 def place_state(state, mesh):
@@ -153,17 +114,11 @@ def place_state(state, mesh):
     return jax.tree.map(put, state)
 
 
-def _put_batch(batch: dict, mesh, api: dict) -> dict:
-    if mesh is not None and "shard_batch" in api:
-        return api["shard_batch"](batch, mesh)
-    return {k: jnp.asarray(v) for k, v in batch.items()}
-
-
-def evaluate(eval_fn, state, cfg: Config, mesh, api, val_ds) -> float:
+def evaluate(eval_fn, state, cfg: Config, mesh, val_ds) -> float:
     it = iter(val_ds)
     ce_sum, tokens = 0.0, 0.0
     for _ in range(cfg.train.eval_batches):
-        out = eval_fn(state, _put_batch(next(it), mesh, api))
+        out = eval_fn(state, shard_batch(next(it), mesh))
         ce_sum += float(out["ce_sum"])
         tokens += float(out["tokens"])
     return ce_sum / max(tokens, 1.0)
@@ -174,9 +129,7 @@ def train(cfg: Config, *, stream=None) -> TrainResult:
     t = cfg.train
     if t.mode != "pretrain":
         raise ConfigError(f"train.mode={t.mode!r}: this loop runs pretraining; distillation has its own entry point")
-    api = _parallel_api()
-    if "maybe_initialize" in api:
-        api["maybe_initialize"](cfg.mesh)
+    maybe_initialize(cfg.mesh)
     if cfg.init_from_hf:  # continue pretraining an imported checkpoint: its shape, the user's run settings
         cfg = shape_from_hf(cfg)
     pi, pc = jax.process_index(), jax.process_count()
@@ -194,7 +147,7 @@ def train(cfg: Config, *, stream=None) -> TrainResult:
     log = RunLogger(run_dir, tensorboard=t.tensorboard, enabled=primary, stream=stream)
     log.print("resolved config:\n" + dump_config(cfg))
 
-    model, mesh = build_model_and_mesh(cfg, api)
+    model, mesh = build_model_and_mesh(cfg)
     tx, schedule = make_optimizer(t)
     graphdef, state = init_state(model, tx, t.seed)
     del model
@@ -234,7 +187,7 @@ def train(cfg: Config, *, stream=None) -> TrainResult:
     status = "done"
     with _StopFlag() as stop:
         while step < t.steps:
-            batch = _put_batch(next(train_it), mesh, api)
+            batch = shard_batch(next(train_it), mesh)
             state, m = step_fn(state, batch)
             m = jax.device_get(m)
             step += 1
@@ -266,7 +219,7 @@ def train(cfg: Config, *, stream=None) -> TrainResult:
                               f"({ckpt.latest_step()}) is left intact")
                     break
             if t.eval_every and step % t.eval_every == 0 and step < t.steps:
-                val_loss = evaluate(eval_fn, state, cfg, mesh, api, val_ds)
+                val_loss = evaluate(eval_fn, state, cfg, mesh, val_ds)
                 log.print(f"step {step:>6d} | val loss {val_loss:.4f}")
                 log.write("eval", step, {"val_loss": val_loss})
             if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.steps and rec["finite"]:
@@ -283,7 +236,7 @@ def train(cfg: Config, *, stream=None) -> TrainResult:
         if ckpt.latest_step() != step:
             ckpt.save(step, state, train_it.get_state())
         if status == "done":
-            val_loss = evaluate(eval_fn, state, cfg, mesh, api, val_ds)
+            val_loss = evaluate(eval_fn, state, cfg, mesh, val_ds)
             log.print(f"step {step:>6d} | val loss {val_loss:.4f}")
             log.write("eval", step, {"val_loss": val_loss})
     ckpt.close()
