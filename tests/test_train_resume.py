@@ -48,8 +48,8 @@ def _train_records(run_dir):
     return by_step
 
 
-def _run(run_dir, env):
-    p = subprocess.run(_cmd(run_dir), capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+def _run(run_dir, env, *extra):
+    p = subprocess.run(_cmd(run_dir) + list(extra), capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p.stdout
 
@@ -118,6 +118,23 @@ def test_resume_after_sigkill_and_sigterm_is_bitwise_exact(tmp_path):
     for k in pa:
         np.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
 
+    # resuming with another train.steps re-stretches the cosine schedule: one warning line says so
+    # (train.steps below the resume step: nothing left to train, only the final eval; compiles cached)
+    out = _run(broken, env, f"train.steps={STEPS - 4}")
+    warn = [line for line in out.splitlines() if line.startswith("WARNING: train.steps changed")]
+    assert len(warn) == 1, out[-2000:]
+    assert f"from {STEPS} (saved run) to {STEPS - 4}" in warn[0] and f"resume step {STEPS}" in warn[0], warn
+
+
+def test_schedule_change_warning_names_both_totals_and_the_lr_jump():
+    from farskip_jax.config import TrainConfig
+    from farskip_jax.train.trainer import schedule_change_warning
+
+    t = TrainConfig(steps=200, warmup_steps=10, lr=1e-3, min_lr_ratio=0.1)
+    msg = schedule_change_warning(100, t, 100)
+    assert "\n" not in msg and "from 100 (saved run) to 200" in msg and "resume step 100" in msg
+    assert "lr there 0.0001 -> 0.000587" in msg, msg  # the end of the old curve -> the middle of the new one
+
 
 def test_half_written_checkpoints_are_never_picked(tmp_path):
     """A temporary folder of an interrupted save, and a step folder lacking orbax's commit marker or
@@ -141,3 +158,4 @@ def test_half_written_checkpoints_are_never_picked(tmp_path):
     np.testing.assert_array_equal(np.asarray(restored["w"]), np.asarray(state["w"] + 1))
     assert data == {"next": 4} and int(restored["step"]) == 1
     ck.close()
+

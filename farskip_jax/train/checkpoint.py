@@ -12,6 +12,12 @@ shardings taken from the template). Orbax writes each step into a temporary fold
 when complete, so a save interrupted by a crash is never listed; `latest_step` additionally requires
 orbax's `commit_success.txt` (written last) and the data-state file of this process (written before
 the state save begins), so a half-copied or half-written step folder is never picked.
+
+Orbax's list of steps is never `reload()`ed: a reload while an async save is in flight drops that
+step from the manager's list, which then keeps too many checkpoints and judges the wrong ones old.
+A data state is deleted only once orbax has deleted its step folder (orbax deletes old steps after
+the next save commits), so every checkpoint on disk keeps its data state. Saving a step that is
+already saved or in flight is a no-op.
 """
 
 from __future__ import annotations
@@ -77,6 +83,8 @@ class Checkpointer:
         return os.path.join(self.data_dir, str(step), f"process_{self.process}.json")
 
     def save(self, step: int, state: Any, data_state: dict, *, force: bool = True) -> None:
+        if step in self.mngr.all_steps():  # saved already, or still being written by the async save
+            return
         path = self._data_path(step)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = path + ".tmp"
@@ -87,20 +95,29 @@ class Checkpointer:
         self._prune_data_states()
 
     def _prune_data_states(self) -> None:
+        """Delete the data states of steps orbax has dropped AND already deleted from disk (it deletes
+        old steps only after the next save commits, so until then the old step stays restorable)."""
         if self.process != 0 or not os.path.isdir(self.data_dir):
             return
-        oldest = min(self.mngr.all_steps(), default=None)
-        if oldest is None:
+        tracked = set(self.mngr.all_steps())
+        if not tracked:
             return
-        for d in os.listdir(self.data_dir):  # only states older than every checkpoint orbax still keeps
-            if d.isdigit() and int(d) < oldest:
+        newest = max(tracked)
+        for d in os.listdir(self.data_dir):
+            if (d.isdigit() and int(d) < newest and int(d) not in tracked
+                    and not os.path.exists(os.path.join(self.dir, d))):
                 shutil.rmtree(os.path.join(self.data_dir, d), ignore_errors=True)
 
     def complete_steps(self) -> list[int]:
-        """Steps whose state save finished and whose data state for this process exists."""
-        self.mngr.reload()
-        return sorted(s for s in self.mngr.all_steps()
-                      if os.path.isfile(self._data_path(s)) and os.path.isfile(self._commit_path(s)))
+        """Step folders on disk that orbax has committed (its marker) and whose data state for this
+        process exists. Read from the folder: orbax drops a step from its list when a newer save
+        starts but deletes the folder only after that save commits, and until then the old step is
+        the newest restorable one. A folder being deleted always has a newer committed one."""
+        if not os.path.isdir(self.dir):
+            return []
+        return sorted(int(d) for d in os.listdir(self.dir)
+                      if d.isdigit() and os.path.isfile(self._data_path(int(d)))
+                      and os.path.isfile(self._commit_path(int(d))))
 
     def _commit_path(self, step: int) -> str:
         """Orbax writes this file last, just before renaming the temporary folder into place."""
@@ -124,7 +141,8 @@ class Checkpointer:
 
     def wait(self) -> None:
         self.mngr.wait_until_finished()
+        self._prune_data_states()
 
     def close(self) -> None:
-        self.mngr.wait_until_finished()
+        self.wait()
         self.mngr.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import signal
 import threading
 import time
@@ -20,9 +21,10 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+import yaml
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from farskip_jax.config import Config, dump_config
+from farskip_jax.config import Config, TrainConfig, dump_config
 from farskip_jax.data.pipeline import make_dataset
 from farskip_jax.data.tokenizer import load_tokenizer
 from farskip_jax.errors import ConfigError
@@ -32,7 +34,7 @@ from farskip_jax.parallel.sharding import shard_batch
 from farskip_jax.train.checkpoint import Checkpointer
 from farskip_jax.train.flops import measure_matmul_peak, total_params, train_flops_per_token
 from farskip_jax.train.logger import RunLogger
-from farskip_jax.train.optimizer import make_optimizer
+from farskip_jax.train.optimizer import make_optimizer, make_schedule
 from farskip_jax.train.rundir import prepare_run_dir
 from farskip_jax.train.step import init_state, make_eval_step, make_train_step
 
@@ -81,6 +83,30 @@ def shape_from_hf(cfg: Config) -> Config:
     ov.update({f"moe.{k}": getattr(cfg.moe, k) for k in RUNTIME_MOE_KEYS})
     src = hf_to_config(open_checkpoint(cfg.init_from_hf).config, ov, source=cfg.init_from_hf)
     return _merge_shape(cfg, src)
+
+
+def _saved_train_steps(cfg: Config) -> Optional[int]:
+    """train.steps of the config.yaml already in cfg's run folder (None: no such file / unreadable)."""
+    path = os.path.join(cfg.train.run_dir, "config.yaml")
+    if cfg.train.overwrite or not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            steps = (yaml.safe_load(f) or {}).get("train", {}).get("steps")
+        return int(steps) if steps is not None else None
+    except Exception:  # a foreign folder: prepare_run_dir reports it
+        return None
+
+
+def schedule_change_warning(old_steps: int, t: TrainConfig, step: int) -> str:
+    """One line: the warmup + cosine schedule is a function of train.steps, so a resume with another
+    total follows the new curve from `step` on (the learning rate jumps to the new curve's value)."""
+    old_lr = float(make_schedule(dataclasses.replace(t, steps=old_steps))(step))
+    new_lr = float(make_schedule(t)(step))
+    return (f"WARNING: train.steps changed from {old_steps} (saved run) to {t.steps}: the warmup + cosine "
+            f"learning-rate schedule is re-stretched to {t.steps} steps and followed from resume step {step} "
+            f"on (lr there {old_lr:.3g} -> {new_lr:.3g}); keep train.steps={old_steps} to continue the "
+            f"original curve")
 
 
 def build_model_and_mesh(cfg: Config):
@@ -138,6 +164,7 @@ def train(cfg: Config, *, stream=None) -> TrainResult:
     if cfg.model.vocab_size < tok.vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
                           f"({tok.vocab_size}, data.tokenizer={cfg.data.tokenizer!r}); raise model.vocab_size")
+    saved_steps = _saved_train_steps(cfg) if primary else None  # before prepare_run_dir rewrites config.yaml
     run_dir, resumed_folder = prepare_run_dir(cfg, is_primary=primary)
     if pc > 1:  # the others wait until process 0 has validated / created (or wiped) the folder
         from jax.experimental import multihost_utils
@@ -168,6 +195,8 @@ def train(cfg: Config, *, stream=None) -> TrainResult:
         state, data_state = ckpt.restore(start, state)
         train_it.set_state(data_state)
         log.print(f"resumed from checkpoint step {start} in {run_dir}")
+        if saved_steps is not None and saved_steps != t.steps:
+            log.print(schedule_change_warning(saved_steps, t, start))
         log.write("event", start, {"event": "resume"})
     step = int(state["step"])
 
