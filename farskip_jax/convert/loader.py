@@ -10,9 +10,12 @@
    slice from the memory-mapped safetensors and casts it to the parameter dtype (bf16/fp32). No host
    ever holds the whole model, only the slices of one tensor that its devices own.
 
-With a mesh, target shardings follow `parallel.sharding.state_shardings` (the logical-axis rules) and
-the routed-expert exchange is `parallel.ep.routed_compute_for(cfg.moe.dispatch, mesh)`; without one,
-everything goes to the first device.
+With a mesh the model is placed as `parallel.build.create_model` places it: target shardings follow
+the logical-axis rules (`parallel.sharding.state_shardings`), and the routed-expert exchange is
+`parallel.build.routed_compute_on(cfg, mesh)`. A Federation of Experts with expert parallelism
+(`parallel.build.is_foe_parallel`) goes onto the FoE mesh built from the given mesh's devices
+(experts over group x expert, `parallel.foe.foe_state_shardings`). Without a mesh, everything goes
+to the first device.
 """
 
 from __future__ import annotations
@@ -31,10 +34,10 @@ from farskip_jax.config import Config, apply_overrides, from_dict
 from farskip_jax.convert.families import family_for, text_part
 from farskip_jax.convert.reader import HFCheckpoint
 from farskip_jax.convert.spec import TensorSpec
-from farskip_jax.errors import CheckpointError
+from farskip_jax.errors import CheckpointError, ConfigError
 from farskip_jax.model.transformer import Transformer
-from farskip_jax.parallel.build import check_mesh
-from farskip_jax.parallel.ep import routed_compute_for
+from farskip_jax.parallel.build import check_mesh, is_foe_parallel, routed_compute_on
+from farskip_jax.parallel.foe import GROUP_AXIS, foe_mesh_from, foe_state_shardings
 from farskip_jax.parallel.sharding import state_shardings
 
 Overrides = Union[None, Iterable[str], dict]
@@ -103,12 +106,29 @@ def validate(ckpt: HFCheckpoint, specs: list[TensorSpec], params: dict, hf: dict
 
 def target_shardings(state, mesh) -> Callable[[tuple], jax.sharding.Sharding]:
     """path -> sharding of each parameter: one device without a mesh, else the logical-axis rules of
-    parallel/sharding.py (experts over `expert`, embed over `fsdp`, heads/mlp/vocab over `tensor`)."""
+    parallel/sharding.py (experts over `expert`, embed over `fsdp`, heads/mlp/vocab over `tensor`;
+    on a FoE mesh parallel/foe.py's rules: experts over `group` x `expert`)."""
     if mesh is None:
         dev = SingleDeviceSharding(jax.devices()[0])
         return lambda path: dev
-    flat = dict(nnx.to_flat_state(state_shardings(state, mesh)))
+    rules = foe_state_shardings if GROUP_AXIS in mesh.shape else state_shardings
+    flat = dict(nnx.to_flat_state(rules(state, mesh)))
     return lambda path: flat[path]
+
+
+def model_placement(cfg: Config, mesh, routed_compute=None):
+    """(mesh, routed_compute) the model of cfg is built with on `mesh` — the choices of
+    parallel.build.create_model: the FoE mesh over the same devices for a FoE config with expert
+    parallelism, and routed_compute_on(cfg, mesh) unless the caller passes its own."""
+    if mesh is None:
+        return None, routed_compute
+    check_mesh(cfg, mesh)
+    if is_foe_parallel(cfg, mesh):
+        mesh = foe_mesh_from(mesh, cfg.moe.num_groups)  # unchanged when it already is one
+    if GROUP_AXIS in mesh.shape and cfg.moe.num_groups < 2:
+        raise ConfigError("a FoE mesh (with a 'group' axis) needs moe.num_groups > 1; "
+                          "build the mesh with parallel.build.model_mesh(cfg)")
+    return mesh, routed_compute if routed_compute is not None else routed_compute_on(cfg, mesh)
 
 
 def _progress_printer(stream=sys.stderr):
@@ -125,9 +145,7 @@ def load_params(ckpt: HFCheckpoint, cfg: Config, *, mesh=None, routed_compute=No
                 progress: Optional[Callable] = None) -> Transformer:
     """Build the Transformer of `cfg` with its parameters streamed from `ckpt`."""
     fam = family_for(ckpt.config)
-    if mesh is not None and routed_compute is None:
-        check_mesh(cfg, mesh)
-        routed_compute = routed_compute_for(cfg.moe.dispatch, mesh)
+    mesh, routed_compute = model_placement(cfg, mesh, routed_compute)
     model = abstract_model(cfg, routed_compute)
     graphdef, state = nnx.split(model)
     params = dict(nnx.to_flat_state(state))

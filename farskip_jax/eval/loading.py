@@ -7,7 +7,9 @@
 A run folder is read with the pieces of the trainer: its config.yaml rebuilds the model
 (parallel.build.create_model) and the optimizer (train.optimizer), whose fresh train state is the
 template that train.checkpoint.Checkpointer restores into. Distillation runs keep their best
-checkpoint in `<run>/best/checkpoints` (same format).
+checkpoint in `<run>/best/checkpoints` (same format). An HF folder is imported by convert.import_hf,
+which places the model on a given mesh as create_model does (the FoE mesh for FoE with expert
+parallelism).
 """
 
 from __future__ import annotations
@@ -78,16 +80,14 @@ def load_run(run_dir: str, which: Union[str, int] = "latest", mesh=None,
 
 
 def load_hf(hf_dir: str, mesh=None, overrides=None) -> tuple[Config, object, dict]:
-    """(cfg, graphdef, {params, bias, rest}) of an HF checkpoint folder (convert.loader.import_hf)."""
+    """(cfg, graphdef, {params, bias, rest}) of an HF checkpoint folder (convert.loader.import_hf).
+
+    With a mesh the model is placed as the trainer places it (parallel.build: routed_compute_on, and
+    the FoE group x expert mesh over the same devices when moe.num_groups > 1 with expert
+    parallelism); without one, on the first device."""
     from farskip_jax.convert.loader import import_hf
     from farskip_jax.train.step import split_model
 
-    routed = None
-    if mesh is not None:
-        from farskip_jax.parallel.ep import routed_compute_for
-
-        dispatch = (overrides or {}).get("moe.dispatch", "local") if isinstance(overrides, dict) else "local"
-        routed = routed_compute_for(dispatch, mesh)
-    cfg, model = import_hf(hf_dir, mesh=mesh, overrides=overrides, routed_compute=routed)
+    cfg, model = import_hf(hf_dir, mesh=mesh, overrides=overrides)
     graphdef, params, bias, rest = split_model(model)
     return cfg, graphdef, dict(params=params, bias=bias, rest=rest)

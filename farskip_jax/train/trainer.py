@@ -75,12 +75,14 @@ class _StopFlag:
 
 def shape_from_hf(cfg: Config) -> Config:
     """cfg with the model/moe shape of the HF checkpoint `cfg.init_from_hf` (runtime keys such as
-    compute_dtype, remat, dispatch and loss weights stay the user's)."""
+    compute_dtype, remat, dispatch, loss weights and the FoE group count moe.num_groups stay the
+    user's)."""
     from farskip_jax.convert.loader import hf_to_config, open_checkpoint
     from farskip_jax.train.distill import RUNTIME_MODEL_KEYS, RUNTIME_MOE_KEYS, _merge_shape
 
     ov = {f"model.{k}": getattr(cfg.model, k) for k in RUNTIME_MODEL_KEYS}
     ov.update({f"moe.{k}": getattr(cfg.moe, k) for k in RUNTIME_MOE_KEYS})
+    ov["moe.num_groups"] = cfg.moe.num_groups  # FoE does not change the parameter layout: the user's H
     src = hf_to_config(open_checkpoint(cfg.init_from_hf).config, ov, source=cfg.init_from_hf)
     return _merge_shape(cfg, src)
 
