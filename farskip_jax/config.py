@@ -163,7 +163,7 @@ class MoEConfig:
     capacity_factor: Optional[float] = None  # None = dropless
     dispatch: Literal["local", "all_to_all", "ragged"] = "local"
     gmm: Literal["auto", "ragged_dot", "tiled", "einsum"] = "auto"
-    gmm_tile: int = 128
+    gmm_tile: int = 256
     num_groups: int = 1  # Federation of Experts groups (1 = ordinary MoE)
     shared_gate: bool = False  # shared-expert output *= sigmoid(x @ w_gate [d, 1]) (Qwen2-MoE)
     route_on_input: bool = False  # the routing weight scales the expert INPUT (Llama-4; needs top_k 1)

@@ -83,9 +83,44 @@ def test_gmm_gradients_match_loop_oracle(backend):
         assert np.all(np.asarray(got[0][sum(sizes):]) == 0)
 
 
+def _jnp_swiglu_loop(x, wg, wu, wd, sizes):
+    """Per-group SwiGLU oracle (static slices), zeros past sum(sizes); plain autodiff."""
+    parts, s = [], 0
+    for g, n in enumerate(sizes):
+        xg = x[s:s + n]
+        parts.append((jax.nn.silu(xg @ wg[g]) * (xg @ wu[g])) @ wd[g])
+        s += n
+    parts.append(jnp.zeros((x.shape[0] - s, wd.shape[2]), x.dtype))
+    return jnp.concatenate(parts, 0)
+
+
+@pytest.mark.parametrize("tile", [8, 128])
+def test_grouped_swiglu_matches_loop_oracle(tile):
+    """The fused SwiGLU walk against a per-group loop: values and all four gradients, fp32 1e-5.
+    tile 8: groups span several full tiles after their tail window (gradients accumulate); 128:
+    every group is one window (gradients written once)."""
+    rng = np.random.default_rng(7)
+    for m, sizes, _ in CASES + [(96, [30, 2, 0, 64, 0], None)]:
+        d, h = 6, 5
+        x = rng.standard_normal((m, d)).astype(np.float32)
+        ws = [rng.standard_normal(sh).astype(np.float32) * 0.5
+              for sh in [(len(sizes), d, h), (len(sizes), d, h), (len(sizes), h, d)]]
+        ct = rng.standard_normal((m, d)).astype(np.float32)
+        gs = jnp.asarray(sizes, jnp.int32)
+        f = lambda x, a, b, c: jnp.sum(gmm_mod.grouped_swiglu(x, a, b, c, gs, tile) * ct)  # noqa: E731
+        ref_f = lambda x, a, b, c: jnp.sum(_jnp_swiglu_loop(x, a, b, c, sizes) * ct)  # noqa: E731
+        y = jax.jit(lambda *a: gmm_mod.grouped_swiglu(*a, gs, tile))(x, *ws)
+        assert _rel(y, _jnp_swiglu_loop(x, *ws, sizes)) < 1e-5, (tile, m, sizes)
+        assert np.all(np.asarray(y)[sum(sizes):] == 0)
+        got = jax.jit(jax.grad(f, argnums=(0, 1, 2, 3)))(x, *ws)
+        ref = jax.grad(ref_f, argnums=(0, 1, 2, 3))(x, *ws)
+        for a, r, name in zip(got, ref, ("x", "w_gate", "w_up", "w_down")):
+            assert _rel(a, r) < 1e-5, (tile, name, m, sizes)
+
+
 def test_tail_buckets_and_backend_resolution():
-    assert gmm_mod._buckets(1000, 64) == (8, 12, 16, 24, 32, 48, 64)
-    assert gmm_mod._buckets(20, 128) == (8, 12, 16, 20)  # capped at M
+    assert gmm_mod._buckets(1000, 64) == (8, 16, 24, 32, 40, 56, 64)  # x1.25, multiples of 8
+    assert gmm_mod._buckets(20, 128) == (8, 16, 20)  # capped at M
     assert gmm_mod._buckets(5, 128) == (5,)
     assert resolve_backend("auto", "cpu") == "tiled"
     assert resolve_backend("auto", "gpu") == "ragged_dot"

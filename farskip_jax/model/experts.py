@@ -27,20 +27,9 @@ from farskip_jax.model.layers import normal_init
 from farskip_jax.model.router import RouteResult
 
 
-FUSED_SWIGLU: bool | None = None  # tiled backend: True = one fused walk for gate/up/down, False = three
-# gmm walks, None = auto (FUSED_SWIGLU_MAX_BYTES). Measured with benchmarks/moe_layer.py against a 2-D
-# dense MLP: fused 1.35x vs three walks 1.63x at d_model 256 / 16 experts / hidden 512 (1.5 MiB of
-# weights per expert), but 1.78x vs 1.40x at d_model 1024 / 64 experts / hidden 1408 (17 MiB): the
-# fused walk wins while one expert's three weight slices stay cache-sized.
-FUSED_SWIGLU_MAX_BYTES = 4 << 20
-
-
-def use_fused_swiglu(ew: "ExpertWeights") -> bool:
-    """Whether the tiled backend runs the fused SwiGLU walk for these expert weights."""
-    if FUSED_SWIGLU is not None:
-        return FUSED_SWIGLU
-    _, d, h = ew.w_gate.shape
-    return 3 * d * h * ew.w_gate.dtype.itemsize <= FUSED_SWIGLU_MAX_BYTES
+FUSED_SWIGLU = True  # tiled backend: True = the fused SwiGLU walk (gmm.grouped_swiglu), False = three
+# gmm walks (kept as a cross-check in tests). Measured with benchmarks/moe_layer.py: since each group is
+# one window per weight (no per-tile gradient accumulation), the fused walk is faster at both shapes.
 
 
 @struct.dataclass
@@ -81,7 +70,7 @@ def expert_swiglu(xs: jax.Array, group_sizes: jax.Array, ew: ExpertWeights, cfg:
     """Rows xs [M, d] sorted by expert (group_sizes [E]) -> expert outputs [M, d].
 
     `tiled` runs the fused per-group SwiGLU walk (gmm.grouped_swiglu); other backends three gmms."""
-    if resolve_backend(cfg.gmm) == "tiled" and use_fused_swiglu(ew):
+    if resolve_backend(cfg.gmm) == "tiled" and FUSED_SWIGLU:
         return grouped_swiglu(xs, ew.w_gate, ew.w_up, ew.w_down, group_sizes, cfg.gmm_tile)
     g = gmm(xs, ew.w_gate, group_sizes, cfg.gmm, cfg.gmm_tile)
     u = gmm(xs, ew.w_up, group_sizes, cfg.gmm, cfg.gmm_tile)

@@ -6,18 +6,20 @@ Rows of `lhs` are sorted by group: the first group_sizes[0] rows use rhs[0], and
 sum(group_sizes) give zeros. Backends:
 - `ragged_dot`: jax.lax.ragged_dot (grouped GEMM on GPU/TPU; on CPU XLA expands it to a dense dot
   over every group, G x the useful work).
-- `tiled` (CPU default): a loop over the non-empty groups; each group's weight slice is taken once
-  and its rows are cut into full tiles of `tile` rows plus one masked tail tile of a bucketed row
-  count (8, 12, 16, 24, 32, 48, ...), each tile one plain matmul written in place. No padding copy,
-  no [tiles, K, N] weight gather, one matmul per group up to `tile` rows. Custom VJP: d lhs is the same
-  loop with the weights transposed, d rhs accumulates x_t^T dy_t per group (no scatter).
+- `tiled` (CPU default): a flat walk over the groups. Each group's rows are one masked window of a
+  bucketed row count (8, 16, 24, 32, 40, 56, ... growing x1.25, up to `tile`), plus full tiles of
+  `tile` rows for groups larger than that; one loop per bucket and one over the full tiles, so the
+  loop count does not grow with the number of groups. One matmul per group and weight, its weight
+  slice taken once. Custom VJP: d lhs is the same walk with the weights transposed; d rhs is
+  x^T dy per window, written on a group's first visit (no zero-filled read-modify-write).
 - `einsum`: pad each group to a tile multiple, gather a weight copy per tile, one batched einsum;
-  plain autodiff (kept as the reference the `tiled` loop was measured against).
+  plain autodiff (kept as the reference the `tiled` walk was measured against).
 `auto` picks `ragged_dot` on GPU/TPU and `tiled` on CPU.
 
 `grouped_swiglu(xs, wg, wu, wd, group_sizes, tile)` runs a whole SwiGLU expert (gate, up, down) in
-one tiled walk with a one-walk custom VJP (experts.use_fused_swiglu picks it while one expert's
-three weight slices are cache-sized; at d_model 1024 / 64 experts three gmm walks measured faster).
+one walk with a one-walk custom VJP; it is what the tiled backend runs (experts.FUSED_SWIGLU).
+On XLA:CPU this machine is memory-bound: the walk keeps one group's rows and weights in cache,
+which beat a padded [G, capacity, d] batch of batched matmuls (tried: 2x slower under load).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import jax
 import jax.numpy as jnp
 
 BACKENDS = ("auto", "ragged_dot", "tiled", "einsum")
-MIN_TILE = 8  # smallest tail tile
+MIN_TILE = 8  # smallest tail window
+BUCKET_RATIO = 1.25  # growth of the tail-window row counts (waste <= 25% of a group's tail)
 
 
 def resolve_backend(backend: str, platform: str | None = None) -> str:
@@ -46,67 +49,85 @@ def resolve_backend(backend: str, platform: str | None = None) -> str:
 
 
 def _buckets(m: int, tile: int) -> tuple[int, ...]:
-    """Row counts of the one masked tail tile per group: 8, 12, 16, 24, 32, 48, ... up to P = min(tile, m)."""
+    """Row counts of the one masked tail window per group: 8, 16, ..., growing by BUCKET_RATIO
+    (multiples of 8) up to P = min(tile, m)."""
     p = max(1, min(tile, m))
     out, b = [], MIN_TILE
     while b < p:
         out.append(b)
-        if b + b // 2 < p:
-            out.append(b + b // 2)
-        b *= 2
+        b = max(b + MIN_TILE, -(-int(b * BUCKET_RATIO) // MIN_TILE) * MIN_TILE)
     out.append(p)
     return tuple(out)
 
 
-def _group_walk(group_sizes: jax.Array, m: int, tile: int, carry, group_init, tile_fn):
-    """Run `tile_fn` over the row tiles of every non-empty group, in group order.
-
-    A group of s rows is cut into s // P full tiles of P = min(tile, m) rows and one masked tail
-    tile whose row count is the smallest bucket (_buckets) >= the remainder: one matmul per group
-    for groups up to P rows. A matmul of few rows costs about one read of the weight slice
-    whatever its row count, so the tail's padding rows are nearly free and fewer calls win.
-
-    group_init(g, carry) -> gstate (e.g. the weight slice);
-    tile_fn(g, gstate, carry, start, p, mask | None) -> carry: rows [start, start + p); mask [p] bool
-      marks the group's rows in the tail tile (None: every row belongs to the group).
-    """
-    buckets = _buckets(m, tile)
-    big = buckets[-1]
+def _group_extents(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
+    """(starts [G], sizes [G]) of the groups' row ranges, clipped to the first m rows."""
     gs = group_sizes.astype(jnp.int32)
     ends = jnp.minimum(jnp.cumsum(gs), m)
     starts = ends - jnp.minimum(gs, ends)
-    sizes = ends - starts
-    ng = gs.shape[0]
-    live = jnp.nonzero(sizes > 0, size=ng, fill_value=0)[0].astype(jnp.int32)
-    n_live = jnp.sum(sizes > 0).astype(jnp.int32)
+    return starts, ends - starts
 
-    def one_group(i, carry):
-        g = live[i]
-        start, size = starts[g], sizes[g]
-        gstate = group_init(g, carry)
-        nbig = size // big
 
-        def big_tile(t, c):
-            return tile_fn(g, gstate, c, start + t * big, big, None)
+def _group_walk(group_sizes: jax.Array, m: int, tile: int, carry, group_init, tile_fn):
+    """Run `tile_fn` over one tail window and any full tiles of every non-empty group.
 
-        carry = jax.lax.fori_loop(0, nbig, big_tile, carry)
-        pos = start + nbig * big
-        rem = size - nbig * big
-        # one masked tail tile of the smallest bucket >= rem, as 0/1-trip loops. The tile start
-        # adds the loop index (always 0) so XLA cannot hoist the matmul out of the loop and run it
-        # unconditionally; a lax.switch instead would copy the whole carry into its branches.
-        lo = 0
-        for b in buckets:
-            def tail(i, c, b=b):
-                s0 = jnp.minimum(pos, m - b) + i  # shifted back when the tile would pass row m
-                rows = s0 + jnp.arange(b, dtype=jnp.int32)
-                return tile_fn(g, gstate, c, s0, b, (rows >= pos) & (rows < pos + rem))
+    A group of s rows is cut into n = (s - 1) // P full tiles of P = min(tile, m) rows and one
+    tail window holding the other r = s - n * P rows (0 < r <= P), whose row count is the smallest
+    bucket (_buckets) >= r; the window's rows beyond r belong to other groups and are masked. The
+    schedule is flat: one loop per bucket over the groups whose tail falls in it, then one loop
+    over every group's full tiles -- 1 + len(buckets) loops whatever the number of groups (a loop
+    per group made thousands of tiny thunks on XLA:CPU). Tails come first, so a group's first
+    visit is its tail (`first=True`: gradient buffers are written, not read and added to). With the
+    default P (>= most groups' size) every group is one matmul per weight, its slice read once.
 
-            carry = jax.lax.fori_loop(0, ((rem > lo) & (rem <= b)).astype(jnp.int32), tail, carry)
-            lo = b
-        return carry
+    group_init(g, carry) -> gstate (e.g. the weight slice);
+    tile_fn(g, gstate, carry, start, p, mask | None, first) -> carry: rows [start, start + p);
+      mask [p] bool marks the group's rows (None: every row belongs to the group); first (static):
+      the group's first visit (its tail window), false for full tiles.
+    """
+    buckets = _buckets(m, tile)
+    big = buckets[-1]
+    starts, sizes = _group_extents(group_sizes, m)
+    ng = sizes.shape[0]
+    nfull = jnp.maximum(sizes - 1, 0) // big
+    pos = starts + nfull * big  # tail window start
+    rem = sizes - nfull * big  # tail rows, in (0, big] for a non-empty group
+    lo = 0
+    for b in buckets:
+        sel = (rem > lo) & (rem <= b)
+        groups_b = jnp.nonzero(sel, size=ng, fill_value=0)[0].astype(jnp.int32)
 
-    return jax.lax.fori_loop(0, n_live, one_group, carry)
+        def tail(i, c, b=b, groups_b=groups_b):
+            g = groups_b[i]
+            s0 = jnp.minimum(pos[g], m - b)  # shifted back when the window would pass row m
+            rows = s0 + jnp.arange(b, dtype=jnp.int32)
+            mask = (rows >= pos[g]) & (rows < pos[g] + rem[g])
+            return tile_fn(g, group_init(g, c), c, s0, b, mask, True)
+
+        carry = jax.lax.fori_loop(0, jnp.sum(sel).astype(jnp.int32), tail, carry)
+        lo = b
+    # full tiles, in group order: tile t belongs to group tile_group[t]
+    max_full = max(0, (m - 1) // big)
+    if max_full:
+        cum = jnp.cumsum(nfull)
+        t = jnp.arange(max_full, dtype=jnp.int32)
+        tile_group = jnp.minimum(jnp.searchsorted(cum, t, side="right"), ng - 1).astype(jnp.int32)
+        tile_start = starts[tile_group] + (t - (cum[tile_group] - nfull[tile_group])) * big
+
+        def full_tile(i, c):
+            g = tile_group[i]
+            return tile_fn(g, group_init(g, c), c, tile_start[i], big, None, False)
+
+        carry = jax.lax.fori_loop(0, cum[-1], full_tile, carry)
+    return carry
+
+
+def _acc_group(buf: jax.Array, g, val: jax.Array, first: bool) -> jax.Array:
+    """buf[g] = val on a group's first visit, else buf[g] += val (buf: [G, K, N], val: [K, N])."""
+    val = val.astype(buf.dtype)
+    if not first:
+        val = jax.lax.dynamic_index_in_dim(buf, g, 0, keepdims=False) + val
+    return jax.lax.dynamic_update_index_in_dim(buf, val, g, 0)
 
 
 def _dot(a, b, contract_b: int):
@@ -120,7 +141,7 @@ def _gmm_loop(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, tile: int,
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     out = jnp.zeros((m, n), lhs.dtype)
 
-    def tile_fn(g, w, out, start, p, mask):
+    def tile_fn(g, w, out, start, p, mask, first):
         x = jax.lax.dynamic_slice_in_dim(lhs, start, p, 0)
         y = _dot(x, w, 1 if transpose_rhs else 0).astype(out.dtype)
         if mask is not None:
@@ -138,14 +159,13 @@ def _tgmm_loop(lhs: jax.Array, dy: jax.Array, group_sizes: jax.Array, tile: int,
     n = dy.shape[1]
     out = jnp.zeros((group_sizes.shape[0], k, n), out_dtype)
 
-    def tile_fn(g, _, out, start, p, mask):
+    def tile_fn(g, _, out, start, p, mask, first):
         x = jax.lax.dynamic_slice_in_dim(lhs, start, p, 0)
         if mask is not None:
             x = jnp.where(mask[:, None], x, 0)
         d = jax.lax.dynamic_slice_in_dim(dy, start, p, 0)
         xd = jax.lax.dot_general(x, d, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        acc = jax.lax.dynamic_index_in_dim(out, g, 0, keepdims=False) + xd.astype(out.dtype)
-        return jax.lax.dynamic_update_index_in_dim(out, acc, g, 0)
+        return _acc_group(out, g, xd, first)
 
     return _group_walk(group_sizes, m, tile, out, lambda g, _: None, tile_fn)
 
@@ -175,6 +195,12 @@ _tiled.defvjp(_tiled_fwd, _tiled_bwd)
 # (gate/up pre-activations kept as residuals) and one walk backward
 
 
+def _neg_zeros(shape, dtype) -> jax.Array:
+    """-0.0 everywhere: equal to zeros, but a different constant, so XLA does not merge it with a
+    zeros buffer of the same shape and then copy one of the two loop carries (measured on CPU)."""
+    return jnp.full(shape, -0.0, dtype)
+
+
 def _silu_parts(g):
     sig = jax.nn.sigmoid(g)
     return g * sig, sig * (1 + g * (1 - sig))  # silu(g), silu'(g)
@@ -186,29 +212,33 @@ def _masked_write(buf, val, start, p, mask):
     return jax.lax.dynamic_update_slice_in_dim(buf, val, start, 0)
 
 
+def _weight_slices(wg, wu, wd):
+    def init(g, _):
+        return tuple(jax.lax.dynamic_index_in_dim(w, g, 0, keepdims=False) for w in (wg, wu, wd))
+    return init
+
+
 def _swiglu_fwd_walk(xs, wg, wu, wd, group_sizes, tile):
+    """y [M, d] and the gate/up pre-activations [M, h] each (the backward's residuals)."""
     m = xs.shape[0]
     h, d_out = wd.shape[1], wd.shape[2]
-    init = (jnp.zeros((m, d_out), xs.dtype), jnp.zeros((m, h), xs.dtype), jnp.zeros((m, h), xs.dtype))
+    init = (jnp.zeros((m, d_out), xs.dtype), jnp.zeros((m, h), xs.dtype), _neg_zeros((m, h), xs.dtype))
 
-    def weights(g, _):
-        return tuple(jax.lax.dynamic_index_in_dim(w, g, 0, keepdims=False) for w in (wg, wu, wd))
-
-    def tile_fn(g, w, carry, start, p, mask):
+    def tile_fn(g, w, carry, start, p, mask, first):
         y, gbuf, ubuf = carry
         x = jax.lax.dynamic_slice_in_dim(xs, start, p, 0)
         ga, ua = _dot(x, w[0], 0), _dot(x, w[1], 0)
         yt = _dot((jax.nn.silu(ga) * ua).astype(xs.dtype), w[2], 0)
-        return (_masked_write(y, yt.astype(y.dtype), start, p, mask),
+        return (_masked_write(y, yt.astype(xs.dtype), start, p, mask),
                 _masked_write(gbuf, ga.astype(xs.dtype), start, p, mask),
                 _masked_write(ubuf, ua.astype(xs.dtype), start, p, mask))
 
-    return _group_walk(group_sizes, m, tile, init, weights, tile_fn)
+    return _group_walk(group_sizes, m, tile, init, _weight_slices(wg, wu, wd), tile_fn)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5,))
-def grouped_swiglu(xs, wg, wu, wd, group_sizes, tile: int = 128):
-    """Routed SwiGLU experts on rows sorted by expert, one tiled walk (CPU).
+def grouped_swiglu(xs, wg, wu, wd, group_sizes, tile: int = 256):
+    """Routed SwiGLU experts on rows sorted by expert, one walk forward and one backward (CPU).
 
     xs: [M, d]; wg, wu: [G, d, h]; wd: [G, h, d]; group_sizes: [G]; -> [M, d] with
     y[rows of g] = (silu(xs Wg[g]) * (xs Wu[g])) Wd[g], zeros past sum(group_sizes).
@@ -223,19 +253,11 @@ def _grouped_swiglu_fwd(xs, wg, wu, wd, group_sizes, tile):
 
 def _grouped_swiglu_bwd(tile, res, dy):
     xs, wg, wu, wd, group_sizes, ga_all, ua_all = res
-    m = xs.shape[0]
     dy = dy.astype(xs.dtype)
-    init = (jnp.zeros_like(xs), jnp.zeros_like(wg), jnp.zeros_like(wu), jnp.zeros_like(wd))
+    init = (jnp.zeros_like(xs), jnp.zeros_like(wg), _neg_zeros(wu.shape, wu.dtype), jnp.zeros_like(wd))
     tn = (((0,), (0,)), ((), ()))  # a^T b over rows
 
-    def weights(g, _):
-        return tuple(jax.lax.dynamic_index_in_dim(w, g, 0, keepdims=False) for w in (wg, wu, wd))
-
-    def acc(buf, g, val):
-        cur = jax.lax.dynamic_index_in_dim(buf, g, 0, keepdims=False)
-        return jax.lax.dynamic_update_index_in_dim(buf, cur + val.astype(buf.dtype), g, 0)
-
-    def tile_fn(g, w, carry, start, p, mask):
+    def tile_fn(g, w, carry, start, p, mask, first):
         dx, dwg, dwu, dwd = carry
         sl = lambda a: jax.lax.dynamic_slice_in_dim(a, start, p, 0)  # noqa: E731
         x, ga, ua, dyt = sl(xs), sl(ga_all).astype(jnp.float32), sl(ua_all).astype(jnp.float32), sl(dy)
@@ -247,12 +269,12 @@ def _grouped_swiglu_bwd(tile, res, dy):
         du = (dh * s_g).astype(xs.dtype)
         dg = (dh * ua * ds_g).astype(xs.dtype)
         dxt = _dot(dg, w[0], 1) + _dot(du, w[1], 1)
-        dwd = acc(dwd, g, jax.lax.dot_general(hid, dyt, tn, preferred_element_type=jnp.float32))
-        dwg = acc(dwg, g, jax.lax.dot_general(x, dg, tn, preferred_element_type=jnp.float32))
-        dwu = acc(dwu, g, jax.lax.dot_general(x, du, tn, preferred_element_type=jnp.float32))
+        dwd = _acc_group(dwd, g, jax.lax.dot_general(hid, dyt, tn, preferred_element_type=jnp.float32), first)
+        dwg = _acc_group(dwg, g, jax.lax.dot_general(x, dg, tn, preferred_element_type=jnp.float32), first)
+        dwu = _acc_group(dwu, g, jax.lax.dot_general(x, du, tn, preferred_element_type=jnp.float32), first)
         return _masked_write(dx, dxt.astype(dx.dtype), start, p, mask), dwg, dwu, dwd
 
-    dx, dwg, dwu, dwd = _group_walk(group_sizes, m, tile, init, weights, tile_fn)
+    dx, dwg, dwu, dwd = _group_walk(group_sizes, xs.shape[0], tile, init, _weight_slices(wg, wu, wd), tile_fn)
     return dx, dwg, dwu, dwd, None
 
 
