@@ -119,7 +119,9 @@ def test_grouped_swiglu_matches_loop_oracle(tile):
 
 
 def test_tail_buckets_and_backend_resolution():
-    assert gmm_mod._buckets(1000, 64) == (8, 16, 24, 32, 40, 56, 64)  # x1.25, multiples of 8
+    assert gmm_mod._buckets(4096, 256) == (8, 16, 32, 64, 96, 128, 160, 192, 224, 256)  # steps of 32
+    assert gmm_mod._buckets(1000, 64) == (8, 16, 32, 64)
+    assert gmm_mod._buckets(12288, 1024) == (8, 16, 128, 256, 384, 512, 640, 768, 896, 1024)  # P / 8
     assert gmm_mod._buckets(20, 128) == (8, 16, 20)  # capped at M
     assert gmm_mod._buckets(5, 128) == (5,)
     assert resolve_backend("auto", "cpu") == "tiled"

@@ -7,7 +7,7 @@ sum(group_sizes) give zeros. Backends:
 - `ragged_dot`: jax.lax.ragged_dot (grouped GEMM on GPU/TPU; on CPU XLA expands it to a dense dot
   over every group, G x the useful work).
 - `tiled` (CPU default): a flat walk over the groups. Each group's rows are one masked window of a
-  bucketed row count (8, 16, 24, 32, 40, 56, ... growing x1.25, up to `tile`), plus full tiles of
+  bucketed row count (8, 16, 32, 64, 96, ... in steps of 32 up to `tile` = 256), plus full tiles of
   `tile` rows for groups larger than that; one loop per bucket and one over the full tiles, so the
   loop count does not grow with the number of groups. One matmul per group and weight, its weight
   slice taken once. Custom VJP: d lhs is the same walk with the weights transposed; d rhs is
@@ -31,7 +31,6 @@ import jax.numpy as jnp
 
 BACKENDS = ("auto", "ragged_dot", "tiled", "einsum")
 MIN_TILE = 8  # smallest tail window
-BUCKET_RATIO = 1.25  # growth of the tail-window row counts (waste <= 25% of a group's tail)
 
 
 def resolve_backend(backend: str, platform: str | None = None) -> str:
@@ -49,13 +48,16 @@ def resolve_backend(backend: str, platform: str | None = None) -> str:
 
 
 def _buckets(m: int, tile: int) -> tuple[int, ...]:
-    """Row counts of the one masked tail window per group: 8, 16, ..., growing by BUCKET_RATIO
-    (multiples of 8) up to P = min(tile, m)."""
+    """Row counts of the one masked tail window per group, up to P = min(tile, m): 8, 16, then
+    linear steps of max(32, P / 8) rows (at most ~10 loop bodies to compile; a group's window
+    wastes fewer than one step of rows)."""
     p = max(1, min(tile, m))
-    out, b = [], MIN_TILE
+    step = max(4 * MIN_TILE, -(-(p // 8) // MIN_TILE) * MIN_TILE)
+    out = [b for b in (MIN_TILE, 2 * MIN_TILE) if b < min(step, p)]
+    b = step
     while b < p:
         out.append(b)
-        b = max(b + MIN_TILE, -(-int(b * BUCKET_RATIO) // MIN_TILE) * MIN_TILE)
+        b += step
     out.append(p)
     return tuple(out)
 
