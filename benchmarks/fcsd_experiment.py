@@ -16,7 +16,9 @@
     python benchmarks/fcsd_experiment.py --teacher-steps 200 --second-seed -1 --out runs/fcsd_quick
 
 Outputs under --out: teacher/, teacher_seed<S>/ and fcsd/ run folders, sweep.csv, sweep.png,
-fcsd.png, results.md, results.json. Finished teacher runs are reused (the trainer returns at once).
+fcsd.png, results.md, results.json (with --fcsd-dir fcsd_NAME or NAME: results_NAME.md/.json and
+fcsd_NAME.png, so recipe variants of one teacher sit side by side). Finished teacher runs are reused
+(the trainer returns at once); --reuse-sweep reads sweep.csv instead of re-running the sweep.
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ def parse(argv):
     p.add_argument("--confidence", type=float, default=0.5, help="teacher max-probability of a 'confident' position")
     p.add_argument("--fcsd-dir", default="fcsd", help="FCSD run folder name under --out (sweeps of the recipe)")
     p.add_argument("--reuse-fcsd", action="store_true", help="reuse a finished FCSD run under --out (table only)")
+    p.add_argument("--sweep-step", type=int, default=1,
+                   help="conversion sweep over N = 0, k, 2k, ..., num_layers (k > 1: fewer compiles for deep models)")
+    p.add_argument("--reuse-sweep", action="store_true",
+                   help="read the conversion sweep from --out/sweep.csv when it exists (recipe variants of one teacher)")
     p.add_argument("overrides", nargs="*", help="extra overrides for every run, e.g. model.num_layers=6")
     return p.parse_args(argv)
 
@@ -88,7 +94,7 @@ def main(argv=None) -> int:
     a = parse(argv)
     from farskip_jax.eval.loading import load_run
     from farskip_jax.eval.metrics import STANDARD, evaluate_pair, make_compare_fn, val_batches
-    from farskip_jax.eval.sweep import conversion_sweep, plot_sweep, write_csv
+    from farskip_jax.eval.sweep import conversion_sweep, plot_sweep, read_csv, write_csv
     from farskip_jax.train.distill import distill
     from farskip_jax.train.logger import read_metrics
     from farskip_jax.train.trainer import train
@@ -114,9 +120,17 @@ def main(argv=None) -> int:
 
     # 2. conversion sweep without training ------------------------------------------------------
     print("== 2. first-N vs last-N conversion without training", flush=True)
-    rows = conversion_sweep(graphdef, st, cfg, batches, preset="farskip")
-    write_csv(rows, os.path.join(out, "sweep.csv"))
-    plot_sweep(rows, os.path.join(out, "sweep.png"), title=f"FarSkip conversion without training ({cfg.model.num_layers} layers)")
+    sweep_csv = os.path.join(out, "sweep.csv")
+    if a.reuse_sweep and os.path.isfile(sweep_csv):
+        rows = read_csv(sweep_csv)
+        print(f"(reusing {sweep_csv})", flush=True)
+    else:
+        L = cfg.model.num_layers
+        counts = sorted(set(range(0, L + 1, max(1, a.sweep_step))) | {L})
+        rows = conversion_sweep(graphdef, st, cfg, batches, preset="farskip", counts=counts)
+        write_csv(rows, sweep_csv)
+        plot_sweep(rows, os.path.join(out, "sweep.png"),
+                   title=f"FarSkip conversion without training ({cfg.model.num_layers} layers)")
 
     # 3. FCSD of all layers ---------------------------------------------------------------------
     budget = int(a.budget * teacher_tokens)
@@ -188,16 +202,18 @@ def main(argv=None) -> int:
         L.append(f"| {r['direction']} | {r['layers']} | {r['val_loss']:.4f} | {r['kl']:.5f} | {100 * r['top1']:.2f}% |")
     L += ["", f"wall time: {(time.time() - t0) / 60:.1f} min (2 CPU cores shared with other jobs)"]
     text = "\n".join(L)
-    with open(os.path.join(out, "results.md"), "w") as f:
+    # recipe variants do not overwrite the default's files: --fcsd-dir fcsd_T2 -> results_T2.md, fcsd_T2.png
+    sfx = "" if a.fcsd_dir == "fcsd" else "_" + a.fcsd_dir.removeprefix("fcsd_")
+    with open(os.path.join(out, f"results{sfx}.md"), "w") as f:
         f.write(text + "\n")
     evals = read_metrics(dres.run_dir, "eval")
-    with open(os.path.join(out, "results.json"), "w") as f:
+    with open(os.path.join(out, f"results{sfx}.json"), "w") as f:
         json.dump(dict(table=table, noise_floor=[(n, vars(r)) for n, r in floor], sweep=rows, evals=evals,
                        teacher_tokens=teacher_tokens, fcsd_tokens=used, best_step=dres.best_step, status=dres.status,
                        recipe=recipe, teacher_maxp=conv.teacher_maxp, confident=conv.confident), f, indent=1)
-    _plot_fcsd(evals, tps, teacher_tokens, a.confidence, os.path.join(out, "fcsd.png"))
+    _plot_fcsd(evals, tps, teacher_tokens, a.confidence, os.path.join(out, f"fcsd{sfx}.png"))
     print(text, flush=True)
-    print(f"files: {out}/results.md sweep.csv sweep.png fcsd.png", flush=True)
+    print(f"files: {out}/results{sfx}.md results{sfx}.json sweep.csv sweep.png fcsd{sfx}.png", flush=True)
     return 0
 
 

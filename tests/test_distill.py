@@ -191,3 +191,12 @@ def test_compare_fn_confidence_columns_match_numpy():
     np.testing.assert_allclose(r.confident, conf.sum() / mask.sum(), rtol=1e-6)
     np.testing.assert_allclose(r.top1_confident, agree[conf].mean(), rtol=1e-6)
     np.testing.assert_allclose(r.top1, agree[mask].mean(), rtol=1e-6)
+
+
+def test_sweep_csv_round_trip(tmp_path):
+    """benchmarks/fcsd_experiment.py --reuse-sweep reads back what write_csv wrote, with the same types."""
+    from farskip_jax.eval.sweep import read_csv, write_csv
+
+    rows = [dict(direction=d, layers=n, val_loss=1.5 + n / 7, ppl=4.5, teacher_loss=1.5, kl=n / 3, top1=1 - n / 9)
+            for d in ("first", "last") for n in range(3)]
+    assert read_csv(write_csv(rows, str(tmp_path / "sweep.csv"))) == rows

@@ -2,7 +2,7 @@
 first N and the last N, without any training; write a CSV and a plot.
 
     rows = conversion_sweep(graphdef, st, cfg, batches)         # teacher = same weights, standard
-    write_csv(rows, "sweep.csv"); plot_sweep(rows, "sweep.png")
+    write_csv(rows, "sweep.csv"); plot_sweep(rows, "sweep.png"); rows == read_csv("sweep.csv")
 
 Each row: direction (first | last), layers (N), val_loss, ppl, teacher_loss, kl (teacher || converted),
 top1 (agreement with the teacher). N = 0 is the unconverted model (KL 0, top-1 1.0).
@@ -60,6 +60,13 @@ def write_csv(rows: list[dict], path: str) -> str:
         for r in rows:
             w.writerow({k: r[k] for k in FIELDS})
     return path
+
+
+def read_csv(path: str) -> list[dict]:
+    """Rows written by `write_csv` (direction str, layers int, the rest float)."""
+    with open(path, newline="") as f:
+        return [{k: (v if k == "direction" else int(v) if k == "layers" else float(v)) for k, v in r.items()}
+                for r in csv.DictReader(f)]
 
 
 def plot_sweep(rows: list[dict], path: str, title: str = "FarSkip conversion without training") -> str:
