@@ -11,7 +11,8 @@ Each MoE variant = router (softmax top-k) + `local_routed_compute` (sort, groupe
 weighted un-sort), gradients w.r.t. the input, router and expert weights. The reference is a dense
 SwiGLU with hidden = top_k * expert_hidden (same active FLOPs per token), gradients w.r.t. input and
 weights. Variants are timed interleaved (one call of each per repeat), median reported; the printed
-ratio is variant / dense. `tiled@cf1.25` is the dropping variant (capacity factor 1.25) for reference.
+ratio is variant / dense. `tiled@cf1.25` is the dropping variant (capacity factor 1.25) for reference;
+`tiled:experts` is the tiled backend's expert SwiGLU alone on pre-sorted rows (no router/sort/un-sort).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import numpy as np  # noqa: E402
 
 from farskip_jax.config import MoEConfig  # noqa: E402
 from farskip_jax.model.experts import ExpertWeights, local_routed_compute  # noqa: E402
+from farskip_jax.model.gmm import grouped_swiglu  # noqa: E402
 from farskip_jax.model.layers import matmul_2d  # noqa: E402
 from farskip_jax.model.router import RouteResult  # noqa: E402
 
@@ -51,6 +53,16 @@ def make_moe_step(cfg: MoEConfig):
         ew = ExpertWeights(params["w_gate"], params["w_up"], params["w_down"])
         out = local_routed_compute(x, route, ew, cfg)
         return jnp.sum(out.y * ct), out.dropped
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+
+
+def make_experts_only_step(group_sizes: jax.Array, tile: int):
+    """The tiled backend's expert SwiGLU alone (gmm.grouped_swiglu) on rows already sorted by
+    expert: no router, sort or un-sort. x here is the [N, d] sorted rows; same output format."""
+    def loss(params, xs, ct):
+        y = grouped_swiglu(xs, params["w_gate"], params["w_up"], params["w_down"], group_sizes, tile)
+        return jnp.sum(y * ct), jnp.zeros((), jnp.int32)
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
 
@@ -80,19 +92,24 @@ def run_shape(name: str, backends: list[str], repeats: int, tile: int) -> list[t
             be, cf = be.split("@cf")[0], float(be.split("@cf")[1])
         cfg = MoEConfig(num_experts=e, top_k=k, expert_hidden=h, gmm=be, gmm_tile=tile, capacity_factor=cf)
         variants[label] = (make_moe_step(cfg), moe_params)
+        if label == "tiled":  # the same routing's group sizes, rows pre-sorted
+            idx = np.argsort(-np.asarray(matmul_2d(x, moe_params["router"])), -1)[..., :k]
+            sizes = jnp.asarray(np.bincount(idx.reshape(-1), minlength=e).astype(np.int32))
+            xs, cts = f32(b * t * k, d, std=1.0), f32(b * t * k, d, std=1.0)
+            variants["tiled:experts"] = (make_experts_only_step(sizes, tile), moe_params, xs, cts)
     times: dict[str, list[float]] = {v: [] for v in variants}
     dropped: dict[str, float] = {}
     print(f"[shape {name}] {s}  tokens={b * t} assignments={b * t * k}", flush=True)
-    for label, (fn, params) in variants.items():  # compile + warm up
+    for label, (fn, params, *inputs) in variants.items():  # compile + warm up
         t0 = time.perf_counter()
-        out = jax.block_until_ready(fn(params, x, ct))
+        out = jax.block_until_ready(fn(params, *(inputs or (x, ct))))
         if label != "dense":
             dropped[label] = float(out[0][1]) / (b * t * k)
         print(f"  compiled {label:16s} {time.perf_counter() - t0:6.1f}s", flush=True)
     for r in range(repeats):
-        for label, (fn, params) in variants.items():
+        for label, (fn, params, *inputs) in variants.items():
             t0 = time.perf_counter()
-            jax.block_until_ready(fn(params, x, ct))
+            jax.block_until_ready(fn(params, *(inputs or (x, ct))))
             times[label].append(time.perf_counter() - t0)
         print(f"  repeat {r + 1}/{repeats}: " + " ".join(f"{v}={times[v][-1] * 1e3:.0f}ms" for v in variants), flush=True)
     dense = statistics.median(times["dense"])

@@ -44,7 +44,7 @@ def resolve_backend(backend: str, platform: str | None = None) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# tiled: per-group loop, one bucketed masked tail tile, custom VJP
+# tiled: flat walk (one masked tail window per group + full tiles), custom VJP
 
 
 def _buckets(m: int, tile: int) -> tuple[int, ...]:

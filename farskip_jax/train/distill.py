@@ -56,7 +56,7 @@ from farskip_jax.train.trainer import _StopFlag, place_state
 # model-shape sections come from the checkpoint; these runtime keys keep the user's values
 RUNTIME_MODEL_KEYS = ("compute_dtype", "remat", "max_seq_len")
 RUNTIME_MOE_KEYS = ("dispatch", "gmm", "gmm_tile", "capacity_factor", "aux_loss_weight", "z_loss_weight",
-                    "bias_update_rate")
+                    "bias_update_rate", "num_groups")  # FoE keeps the parameter layout: the user's H
 
 
 @dataclasses.dataclass
