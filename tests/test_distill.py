@@ -112,6 +112,22 @@ def test_early_stopping_patience():
     assert es.best == 0.7 and es.best_step == 2 and "patience" in stops[-1].reason
 
 
+def test_early_stopping_resume_replays_history_up_to_the_checkpoint():
+    """A resume from step 16 re-runs the evaluation at 24: its state is the one after step 16."""
+    es = EarlyStopper("min", patience=2, max_drop=1.0)
+    for step, v in [(0, 1.0), (8, 0.9), (16, 0.95), (24, 0.96)]:
+        es.update(step, v)
+    assert es.bad_evals == 2
+    back = EarlyStopper("min", patience=2, max_drop=1.0)
+    back.load_state_dict(es.state_dict(), upto=16)
+    assert (back.best, back.best_step, back.bad_evals, len(back.history)) == (0.9, 8, 1, 3)
+    dec = back.update(24, 0.96)  # the re-run evaluation counts once
+    assert back.bad_evals == 2 and dec.stop
+    full = EarlyStopper("min", patience=2, max_drop=1.0)
+    full.load_state_dict(es.state_dict())
+    assert (full.bad_evals, len(full.history)) == (2, 4)
+
+
 def test_early_stopping_max_drop_and_max_mode():
     es = EarlyStopper("max", patience=100, max_drop=0.02)
     assert not es.update(0, 0.50).stop

@@ -34,10 +34,10 @@ from farskip_jax.config import Config, apply_overrides, from_dict
 from farskip_jax.convert.families import family_for, text_part
 from farskip_jax.convert.reader import HFCheckpoint
 from farskip_jax.convert.spec import TensorSpec
-from farskip_jax.errors import CheckpointError, ConfigError
+from farskip_jax.errors import CheckpointError
 from farskip_jax.model.transformer import Transformer
-from farskip_jax.parallel.build import check_mesh, is_foe_parallel, routed_compute_on
-from farskip_jax.parallel.foe import GROUP_AXIS, foe_mesh_from, foe_state_shardings
+from farskip_jax.parallel.build import placement_mesh, routed_compute_on
+from farskip_jax.parallel.foe import GROUP_AXIS, foe_state_shardings
 from farskip_jax.parallel.sharding import state_shardings
 
 Overrides = Union[None, Iterable[str], dict]
@@ -122,12 +122,7 @@ def model_placement(cfg: Config, mesh, routed_compute=None):
     parallelism, and routed_compute_on(cfg, mesh) unless the caller passes its own."""
     if mesh is None:
         return None, routed_compute
-    check_mesh(cfg, mesh)
-    if is_foe_parallel(cfg, mesh):
-        mesh = foe_mesh_from(mesh, cfg.moe.num_groups)  # unchanged when it already is one
-    if GROUP_AXIS in mesh.shape and cfg.moe.num_groups < 2:
-        raise ConfigError("a FoE mesh (with a 'group' axis) needs moe.num_groups > 1; "
-                          "build the mesh with parallel.build.model_mesh(cfg)")
+    mesh = placement_mesh(cfg, mesh)
     return mesh, routed_compute if routed_compute is not None else routed_compute_on(cfg, mesh)
 
 

@@ -65,18 +65,24 @@ def routed_compute_on(cfg: Config, mesh: Optional[Mesh]):
     return routed_compute_for(cfg.moe.dispatch, mesh)
 
 
-def create_model(cfg: Config, mesh: Optional[Mesh] = None, seed: int = 0) -> Transformer:
-    """A `Transformer` with sharded parameters and the routed-expert backend of cfg.moe.dispatch.
-
-    mesh: default `model_mesh(cfg)` over all devices. FoE with expert parallelism: built on the FoE
-    mesh (from this mesh's devices when a plain mesh is given)."""
-    mesh = model_mesh(cfg) if mesh is None else mesh
+def placement_mesh(cfg: Config, mesh: Mesh) -> Mesh:
+    """The mesh cfg's model is placed on, given `mesh` (checked): for a FoE config with expert
+    parallelism the FoE group x expert mesh over the same devices, else `mesh` itself."""
     check_mesh(cfg, mesh)
     if is_foe_parallel(cfg, mesh):
         mesh = foe_mesh_from(mesh, cfg.moe.num_groups)  # unchanged when it already is one
     if GROUP_AXIS in mesh.shape and cfg.moe.num_groups < 2:
         raise ConfigError("a FoE mesh (with a 'group' axis) needs moe.num_groups > 1; "
                           "build the mesh with parallel.build.model_mesh(cfg)")
+    return mesh
+
+
+def create_model(cfg: Config, mesh: Optional[Mesh] = None, seed: int = 0) -> Transformer:
+    """A `Transformer` with sharded parameters and the routed-expert backend of cfg.moe.dispatch.
+
+    mesh: default `model_mesh(cfg)` over all devices. FoE with expert parallelism: built on the FoE
+    mesh (from this mesh's devices when a plain mesh is given)."""
+    mesh = placement_mesh(cfg, model_mesh(cfg) if mesh is None else mesh)
     rc = routed_compute_on(cfg, mesh)
     shardings_of = foe_state_shardings if GROUP_AXIS in mesh.shape else state_shardings
 

@@ -51,7 +51,7 @@ from farskip_jax.train.logger import RunLogger, format_eta
 from farskip_jax.train.optimizer import make_optimizer
 from farskip_jax.train.rundir import prepare_run_dir
 from farskip_jax.train.step import accumulate_grads, init_state, load_stats, token_ce, update_state
-from farskip_jax.train.trainer import _StopFlag, place_state
+from farskip_jax.train.trainer import _StopFlag, _saved_train_steps, place_state, schedule_change_warning
 
 # model-shape sections come from the checkpoint; these runtime keys keep the user's values
 RUNTIME_MODEL_KEYS = ("compute_dtype", "remat", "max_seq_len")
@@ -200,6 +200,7 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     mesh = model_mesh(cfg)  # the FoE group x expert mesh when num_groups > 1 with EP
     cfg, graphdef, src = load_source(cfg, mesh)
     tok = load_tokenizer(cfg.data.tokenizer)
+    saved_steps = _saved_train_steps(cfg)  # before prepare_run_dir rewrites config.yaml
     run_dir, resumed = prepare_run_dir(cfg)
     log = RunLogger(run_dir, tensorboard=t.tensorboard, stream=stream)
     log.print("resolved config:\n" + dump_config(cfg))
@@ -232,9 +233,11 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
         state, data_state = ckpt.restore(step, state)
         train_it.set_state(data_state)
         if os.path.isfile(es_path):
-            with open(es_path) as f:
-                es.load_state_dict(json.load(f))
+            with open(es_path) as f:  # evaluations after the checkpoint will run again
+                es.load_state_dict(json.load(f), upto=step)
         log.print(f"resumed distillation from step {step}")
+        if saved_steps is not None and saved_steps != t.steps:
+            log.print(schedule_change_warning(saved_steps, t, step))
     tokens_per_step = t.batch_size * t.seq_len
     evals: list = []
 

@@ -69,6 +69,16 @@ class EarlyStopper:
     def state_dict(self) -> dict:
         return dict(best=self.best, best_step=self.best_step, bad_evals=self.bad_evals, history=self.history)
 
-    def load_state_dict(self, d: dict) -> None:
-        self.best, self.best_step, self.bad_evals = d["best"], d["best_step"], d["bad_evals"]
-        self.history = [tuple(h) for h in d.get("history", [])]
+    def load_state_dict(self, d: dict, upto: Optional[int] = None) -> None:
+        """Restore a state_dict; with `upto`, the state as it was after the evaluation at step `upto`
+        (its history replayed up to there): a resume from an older checkpoint then re-runs the later
+        evaluations without counting them twice against the patience."""
+        history = [tuple(h) for h in d.get("history", [])]
+        if upto is None or not history:
+            self.best, self.best_step, self.bad_evals = d["best"], d["best_step"], d["bad_evals"]
+            self.history = history
+            return
+        self.best, self.best_step, self.bad_evals, self.history = None, None, 0, []
+        for step, value in history:
+            if step <= upto:
+                self.update(step, value)
