@@ -104,7 +104,8 @@ def main(argv=None) -> int:
 
     tx, schedule = make_optimizer(cfg.train)
     ours_steps = {}
-    for impl in args.attention_impl.split(","):  # one state each (the step donates it)
+    impls = args.attention_impl.split(",")
+    for impl in impls:  # one state each (the step donates it)
         vcfg = replace(cfg, **{"model.attention_impl": impl})
         graphdef, state = init_state(model, tx, 0)
         state = jax.tree.map(jnp.copy, state)  # own buffers: the step donates them
@@ -114,7 +115,7 @@ def main(argv=None) -> int:
             box[0], metrics = step(box[0], batch)
             return float(metrics["loss"])
 
-        ours_steps["ours" if impl == "naive" and "," not in args.attention_impl else f"ours[{impl}]"] = ours
+        ours_steps["ours" if len(impls) == 1 else f"ours[{impl}]"] = ours
     del model
 
     t_tokens = torch.tensor(tokens, dtype=torch.long)

@@ -75,8 +75,6 @@ def run_overlap(cfg, presets: Sequence[str] = ("standard", "farskip"), programs:
     seq = seq or cfg.train.seq_len
     devices = gpu_devices(target, num_devices)
     results = []
-    if cfg.moe.gmm == "auto":  # the GPU program runs what a GPU run resolves `auto` to (the
-        cfg = replace(cfg, **{"moe.gmm": "ragged_dot"})  # process itself is on CPU: it would pick `tiled`)
     for preset in presets:
         c = replace(cfg, **{"farskip.preset": preset})
         mesh = analysis_mesh(c, devices)

@@ -24,7 +24,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from farskip_jax.config import Config
 from farskip_jax.model import Transformer
 from farskip_jax.parallel.mesh import BATCH_AXES
-from farskip_jax.parallel.sharding import state_shardings
 
 
 def analysis_mesh(cfg: Config, devices: Sequence) -> Mesh:
@@ -37,12 +36,12 @@ def analysis_mesh(cfg: Config, devices: Sequence) -> Mesh:
 
 def abstract_model(cfg: Config, mesh: Mesh):
     """(graphdef, state) with every leaf a ShapeDtypeStruct carrying its NamedSharding."""
-    from farskip_jax.parallel.build import routed_compute_on
-    from farskip_jax.parallel.foe import GROUP_AXIS, foe_state_shardings
+    from farskip_jax.parallel.build import config_on, routed_compute_on, state_shardings_on
 
+    cfg = config_on(cfg, mesh)  # the GPU gmm backend in a GPU program
     rc = routed_compute_on(cfg, mesh)  # FoECompute on a FoE mesh
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), routed_compute=rc)))
-    shardings = foe_state_shardings(state, mesh) if GROUP_AXIS in mesh.shape else state_shardings(state, mesh)
+    shardings = state_shardings_on(state, mesh)
     is_var = lambda x: isinstance(x, nnx.Variable)
 
     def one(v, s):

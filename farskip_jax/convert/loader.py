@@ -36,9 +36,7 @@ from farskip_jax.convert.reader import HFCheckpoint
 from farskip_jax.convert.spec import TensorSpec
 from farskip_jax.errors import CheckpointError
 from farskip_jax.model.transformer import Transformer
-from farskip_jax.parallel.build import placement_mesh, routed_compute_on
-from farskip_jax.parallel.foe import GROUP_AXIS, foe_state_shardings
-from farskip_jax.parallel.sharding import state_shardings
+from farskip_jax.parallel.build import placement_mesh, routed_compute_on, state_shardings_on
 
 Overrides = Union[None, Iterable[str], dict]
 ALWAYS_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
@@ -111,8 +109,7 @@ def target_shardings(state, mesh) -> Callable[[tuple], jax.sharding.Sharding]:
     if mesh is None:
         dev = SingleDeviceSharding(jax.devices()[0])
         return lambda path: dev
-    rules = foe_state_shardings if GROUP_AXIS in mesh.shape else state_shardings
-    flat = dict(nnx.to_flat_state(rules(state, mesh)))
+    flat = dict(nnx.to_flat_state(state_shardings_on(state, mesh)))
     return lambda path: flat[path]
 
 

@@ -27,11 +27,6 @@ from farskip_jax.model.layers import normal_init
 from farskip_jax.model.router import RouteResult
 
 
-FUSED_SWIGLU = True  # tiled backend: True = the fused SwiGLU walk (gmm.grouped_swiglu), False = three
-# gmm walks (kept as a cross-check in tests). Measured with benchmarks/moe_layer.py: since each group is
-# one window per weight (no per-tile gradient accumulation), the fused walk is faster at both shapes.
-
-
 @struct.dataclass
 class ExpertWeights:
     w_gate: jax.Array  # [E, d, h]
@@ -70,7 +65,7 @@ def expert_swiglu(xs: jax.Array, group_sizes: jax.Array, ew: ExpertWeights, cfg:
     """Rows xs [M, d] sorted by expert (group_sizes [E]) -> expert outputs [M, d].
 
     `tiled` runs the fused per-group SwiGLU walk (gmm.grouped_swiglu); other backends three gmms."""
-    if resolve_backend(cfg.gmm) == "tiled" and FUSED_SWIGLU:
+    if resolve_backend(cfg.gmm) == "tiled":
         return grouped_swiglu(xs, ew.w_gate, ew.w_up, ew.w_down, group_sizes, cfg.gmm_tile)
     g = gmm(xs, ew.w_gate, group_sizes, cfg.gmm, cfg.gmm_tile)
     u = gmm(xs, ew.w_up, group_sizes, cfg.gmm, cfg.gmm_tile)

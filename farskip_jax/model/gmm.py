@@ -17,7 +17,7 @@ sum(group_sizes) give zeros. Backends:
 `auto` picks `ragged_dot` on GPU/TPU and `tiled` on CPU.
 
 `grouped_swiglu(xs, wg, wu, wd, group_sizes, tile)` runs a whole SwiGLU expert (gate, up, down) in
-one walk with a one-walk custom VJP; it is what the tiled backend runs (experts.FUSED_SWIGLU).
+one walk with a one-walk custom VJP; it is what the tiled backend runs (experts.expert_swiglu).
 On XLA:CPU this machine is memory-bound: the walk keeps one group's rows and weights in cache,
 which beat a padded [G, capacity, d] batch of batched matmuls (tried: 2x slower under load).
 """
@@ -62,14 +62,6 @@ def _buckets(m: int, tile: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _group_extents(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
-    """(starts [G], sizes [G]) of the groups' row ranges, clipped to the first m rows."""
-    gs = group_sizes.astype(jnp.int32)
-    ends = jnp.minimum(jnp.cumsum(gs), m)
-    starts = ends - jnp.minimum(gs, ends)
-    return starts, ends - starts
-
-
 def _group_walk(group_sizes: jax.Array, m: int, tile: int, carry, group_init, tile_fn):
     """Run `tile_fn` over one tail window and any full tiles of every non-empty group.
 
@@ -89,8 +81,11 @@ def _group_walk(group_sizes: jax.Array, m: int, tile: int, carry, group_init, ti
     """
     buckets = _buckets(m, tile)
     big = buckets[-1]
-    starts, sizes = _group_extents(group_sizes, m)
-    ng = sizes.shape[0]
+    gs = group_sizes.astype(jnp.int32)
+    ends = jnp.minimum(jnp.cumsum(gs), m)  # rows past m are not computed
+    starts = ends - jnp.minimum(gs, ends)
+    sizes = ends - starts
+    ng = gs.shape[0]
     nfull = jnp.maximum(sizes - 1, 0) // big
     pos = starts + nfull * big  # tail window start
     rem = sizes - nfull * big  # tail rows, in (0, big] for a non-empty group

@@ -24,9 +24,10 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from farskip_jax.config import Config
+from farskip_jax.config import Config, replace
 from farskip_jax.errors import BackendError, ConfigError
 from farskip_jax.model import Transformer
+from farskip_jax.model.gmm import resolve_backend
 from farskip_jax.parallel.ep import RAGGED_ON_CPU, routed_compute_for
 from farskip_jax.parallel.foe import GROUP_AXIS, FoECompute, foe_mesh_from, foe_state_shardings
 from farskip_jax.parallel.mesh import make_mesh, mesh_platform
@@ -77,19 +78,33 @@ def placement_mesh(cfg: Config, mesh: Mesh) -> Mesh:
     return mesh
 
 
+def state_shardings_on(state, mesh: Mesh):
+    """NamedShardings of a model state on `mesh`: parallel/foe.py's rules on a FoE mesh (experts over
+    group x expert), the logical-axis rules of parallel/sharding.py otherwise."""
+    return (foe_state_shardings if GROUP_AXIS in mesh.shape else state_shardings)(state, mesh)
+
+
+def config_on(cfg: Config, mesh: Mesh) -> Config:
+    """cfg with moe.gmm=auto resolved for the mesh's platform: a GPU program compiled from a CPU
+    process (deviceless analysis) runs the GPU backend, as a GPU run would."""
+    if cfg.moe.gmm != "auto":
+        return cfg
+    return replace(cfg, **{"moe.gmm": resolve_backend("auto", mesh_platform(mesh))})
+
+
 def create_model(cfg: Config, mesh: Optional[Mesh] = None, seed: int = 0) -> Transformer:
     """A `Transformer` with sharded parameters and the routed-expert backend of cfg.moe.dispatch.
 
     mesh: default `model_mesh(cfg)` over all devices. FoE with expert parallelism: built on the FoE
     mesh (from this mesh's devices when a plain mesh is given)."""
     mesh = placement_mesh(cfg, model_mesh(cfg) if mesh is None else mesh)
+    cfg = config_on(cfg, mesh)
     rc = routed_compute_on(cfg, mesh)
-    shardings_of = foe_state_shardings if GROUP_AXIS in mesh.shape else state_shardings
 
     def init() -> Transformer:
         return Transformer(cfg, rngs=nnx.Rngs(seed), routed_compute=rc)
 
     graphdef, abstract = nnx.split(nnx.eval_shape(init))
-    shardings = shardings_of(abstract, mesh)
+    shardings = state_shardings_on(abstract, mesh)
     state = jax.jit(lambda: nnx.split(init())[1], out_shardings=shardings)()
     return nnx.merge(graphdef, state)

@@ -70,15 +70,10 @@ class EarlyStopper:
         return dict(best=self.best, best_step=self.best_step, bad_evals=self.bad_evals, history=self.history)
 
     def load_state_dict(self, d: dict, upto: Optional[int] = None) -> None:
-        """Restore a state_dict; with `upto`, the state as it was after the evaluation at step `upto`
-        (its history replayed up to there): a resume from an older checkpoint then re-runs the later
-        evaluations without counting them twice against the patience."""
-        history = [tuple(h) for h in d.get("history", [])]
-        if upto is None or not history:
-            self.best, self.best_step, self.bad_evals = d["best"], d["best_step"], d["bad_evals"]
-            self.history = history
-            return
+        """Restore a state_dict by replaying its history (best, best_step and bad_evals follow from
+        it); with `upto`, only the evaluations up to that step: a resume from an older checkpoint
+        then re-runs the later evaluations without counting them twice against the patience."""
         self.best, self.best_step, self.bad_evals, self.history = None, None, 0, []
-        for step, value in history:
-            if step <= upto:
+        for step, value in d["history"]:
+            if upto is None or step <= upto:
                 self.update(step, value)

@@ -28,7 +28,7 @@ from farskip_jax.config import Config, TrainConfig, dump_config
 from farskip_jax.data.pipeline import make_dataset
 from farskip_jax.data.tokenizer import load_tokenizer
 from farskip_jax.errors import ConfigError
-from farskip_jax.parallel.build import create_model, model_mesh, routed_compute_on
+from farskip_jax.parallel.build import create_model, model_mesh
 from farskip_jax.parallel.distributed import maybe_initialize
 from farskip_jax.parallel.sharding import shard_batch
 from farskip_jax.train.checkpoint import Checkpointer
@@ -82,7 +82,6 @@ def shape_from_hf(cfg: Config) -> Config:
 
     ov = {f"model.{k}": getattr(cfg.model, k) for k in RUNTIME_MODEL_KEYS}
     ov.update({f"moe.{k}": getattr(cfg.moe, k) for k in RUNTIME_MOE_KEYS})
-    ov["moe.num_groups"] = cfg.moe.num_groups  # FoE does not change the parameter layout: the user's H
     src = hf_to_config(open_checkpoint(cfg.init_from_hf).config, ov, source=cfg.init_from_hf)
     return _merge_shape(cfg, src)
 
@@ -120,7 +119,7 @@ def build_model_and_mesh(cfg: Config):
         from farskip_jax.config import to_dict
         from farskip_jax.convert.loader import import_hf
 
-        _, model = import_hf(cfg.init_from_hf, mesh=mesh, routed_compute=routed_compute_on(cfg, mesh),
+        _, model = import_hf(cfg.init_from_hf, mesh=mesh,
                              overrides={"model": to_dict(cfg.model), "moe": to_dict(cfg.moe)})
         return model, mesh
     return create_model(cfg, mesh, seed=cfg.train.seed), mesh
