@@ -66,3 +66,25 @@ def test_top_p_sampling_keeps_the_nucleus():
     seen = {int(sample_next(logits, jax.random.key(i), 1.0, 0.7)[0]) for i in range(200)}
     assert seen == {0, 1}  # 0.5 < 0.7 so token 1 is in; 0.8 >= 0.7 so tokens 2, 3 are out
     assert int(sample_next(logits, jax.random.key(0), 0.0, 1.0)[0]) == 0
+
+
+@pytest.mark.parametrize("fs", [FarSkipConfig(), FarSkipConfig(preset="farskip", layers="first:2")],
+                         ids=["standard", "farskip_first2"])
+def test_cached_foe_equals_full_recompute(fs):
+    """Federation of Experts (2 groups): group h's heads read its own representation, which under
+    standard connectivity differs per group (the other groups' routed outputs are missing) -- the
+    cache must hold per-group keys/values for that to match the full forward."""
+    import dataclasses
+
+    model = tiny_model()
+    cfg = model.cfg
+    foe_cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, num_groups=2))
+    foe = Transformer(foe_cfg, rngs=nnx.Rngs(3))
+    nnx.update(foe, nnx.state(model, nnx.Param))  # the parameter tree does not depend on num_groups
+    prompt = np.random.default_rng(1).integers(0, 64, size=(2, 4)).astype(np.int32)
+    out = generate(foe, prompt, 5, farskip=fs)
+    full = full_logits(foe, out.tokens[:, :-1], fs)[:, 3:]
+    np.testing.assert_allclose(out.logits, full, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(out.tokens[:, 4:], full.argmax(-1))
+    plain = full_logits(model, out.tokens[:, :-1], fs)[:, 3:]  # FoE really is a different function
+    assert np.abs(plain - full).max() > 1e-3

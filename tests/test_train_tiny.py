@@ -32,3 +32,8 @@ def test_train_py_tiny_loss_decreases(tmp_path):
         assert k in train[-1], k
     assert os.path.isdir(run / "checkpoints" / "60")
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(run / "tensorboard"))
+    # the same command again: nothing left to train; it says so (no "mean 0 tokens/s") and keeps the run
+    p2 = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert p2.returncode == 0, p2.stdout[-3000:] + p2.stderr[-3000:]
+    assert "no steps left to run (train.steps=60" in p2.stdout and "mean 0 tokens/s" not in p2.stdout, p2.stdout[-2000:]
+    assert os.path.isdir(run / "checkpoints" / "60")

@@ -6,6 +6,8 @@ keys/values). So a decode step runs the SAME stream logic (model/connectivity.py
 new tokens only, with attention reading the cached keys/values of all earlier tokens. The cache
 holds, per layer, k [batch, max_len, kv_heads, head_dim] and v [batch, max_len, kv_heads, v_dim]
 (MLA: the decompressed per-head keys/values, not the latent; simple and exact, not memory-lean).
+Federation of Experts (moe.num_groups > 1) decodes through model/foe.py's forward, each group's
+heads reading the cache rows of its own representation.
 
     out = generate(model, prompt_bp, max_new_tokens=32)                   # greedy, cfg.farskip
     out = generate(model, prompt_bp, 32, farskip=FarSkipConfig(), temperature=0.8, top_p=0.9, seed=1)
@@ -19,6 +21,7 @@ together can drop differently than in a full-sequence forward.
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Optional
 
 import jax
@@ -27,9 +30,9 @@ import numpy as np
 from flax import nnx
 
 from farskip_jax.config import FarSkipConfig
-from farskip_jax.errors import ConfigError
 from farskip_jax.model.attention import attention_core, attention_mask
 from farskip_jax.model.connectivity import Streams
+from farskip_jax.model.foe import foe_forward, group_project_out, group_qkv
 
 FAR = np.iinfo(np.int32).max  # position given to empty cache slots: never <= a query position
 
@@ -41,30 +44,70 @@ class Generation:
 
 
 def init_cache(model, batch: int, max_len: int) -> tuple:
-    """Zero KV cache: per layer (k [b, max_len, kv, d], v [b, max_len, kv, dv]) in the compute dtype."""
+    """Zero KV cache: per layer (k [b, max_len, kv, d], v [b, max_len, kv, dv]) in the compute dtype.
+    Federation of Experts (moe.num_groups = H > 1): k, v [H*b, max_len, kv/H, d] (group h's heads of
+    sequence j at row h*b + j, as model/foe.py folds groups into the batch)."""
     d = model.cfg.model.d_model
+    hg = model.cfg.moe.num_groups
     cache = []
     for block in model.layers:
-        q, k, v = jax.eval_shape(block.attn.qkv, jax.ShapeDtypeStruct((batch, 1, d), jnp.float32),
-                                 jax.ShapeDtypeStruct((batch, 1), jnp.int32))
-        cache.append((jnp.zeros((batch, max_len) + k.shape[2:], k.dtype), jnp.zeros((batch, max_len) + v.shape[2:], v.dtype)))
+        if hg > 1:
+            qkv = partial(group_qkv, block.attn, num_groups=hg)
+            x = jax.ShapeDtypeStruct((hg, batch, 1, d), jnp.float32)
+        else:
+            qkv, x = block.attn.qkv, jax.ShapeDtypeStruct((batch, 1, d), jnp.float32)
+        q, k, v = jax.eval_shape(qkv, x, jax.ShapeDtypeStruct((batch, 1), jnp.int32))
+        rows = k.shape[0]
+        cache.append((jnp.zeros((rows, max_len) + k.shape[2:], k.dtype), jnp.zeros((rows, max_len) + v.shape[2:], v.dtype)))
     return tuple(cache)
+
+
+def _cache_mask(model, layer: int, positions: jax.Array, k_pos: jax.Array) -> jax.Array:
+    """Causal (or chunked-local) mask of queries at `positions` [b', t] over cache slots at k_pos [b', L]."""
+    m = model.cfg.model
+    chunked = m.attention_chunk_size and (m.chunked_layers is None or layer in m.chunked_layers)
+    return attention_mask(positions, k_pos, None, None, chunk_size=m.attention_chunk_size if chunked else None)
+
+
+def _write_cache(entry: tuple, k: jax.Array, v: jax.Array, start: jax.Array) -> tuple:
+    kc = jax.lax.dynamic_update_slice(entry[0], k.astype(entry[0].dtype), (0, start, 0, 0))
+    vc = jax.lax.dynamic_update_slice(entry[1], v.astype(entry[1].dtype), (0, start, 0, 0))
+    return kc, vc
+
+
+def _foe_decode_step(model, tokens: jax.Array, positions: jax.Array, k_pos: jax.Array, start: jax.Array,
+                     cache: tuple, farskip: FarSkipConfig):
+    """decode_step for Federation of Experts: model/foe.py's forward (its streams and group sums) with
+    each layer's group attention reading and extending the cache."""
+    hg = model.cfg.moe.num_groups
+    pos_h, kpos_h = jnp.tile(positions, (hg, 1)), jnp.tile(k_pos, (hg, 1))
+    new_cache = [None] * len(model.layers)
+
+    def cached_attention(i, block):
+        def fn(xn_h):  # [H, b, t, d] -> a_h [H, b, t, d]
+            q, k, v = group_qkv(block.attn, xn_h, positions, hg)
+            new_cache[i] = kc, vc = _write_cache(cache[i], k, v, start)
+            o = attention_core(q, kc, vc, _cache_mask(model, i, pos_h, kpos_h), block.attn.scale)
+            return group_project_out(block.attn, o, xn_h, hg)
+        return fn
+
+    out = foe_forward(model, tokens, positions, farskip=farskip,
+                      attention_fns=[cached_attention(i, blk) for i, blk in enumerate(model.layers)])
+    return out.logits, tuple(new_cache)
 
 
 def decode_step(model, tokens: jax.Array, start: jax.Array, cache: tuple, farskip: FarSkipConfig):
     """Run tokens [b, t] at positions start..start+t-1 against the cache -> (logits [b, t, V] f32, cache).
 
     The cache slots [start, start + t) are written; slots < start must hold earlier tokens."""
-    m = model.cfg.model
-    if model.cfg.moe.num_groups > 1:
-        raise ConfigError("KV-cache generation does not support Federation of Experts (moe.num_groups > 1) yet; "
-                          "score with eval/tasks.py or recompute full forwards instead")
     b, t = tokens.shape
     n = len(model.layers)
     positions = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
     max_len = cache[0][0].shape[1]
     slots = jnp.arange(max_len, dtype=jnp.int32)
     k_pos = jnp.broadcast_to(jnp.where(slots < start + t, slots, FAR), (b, max_len))
+    if model.cfg.moe.num_groups > 1:
+        return _foe_decode_step(model, tokens, positions, k_pos, start, cache, farskip)
     streams = Streams.init(model.embed(tokens), farskip.skip_distance)
     new_cache = []
     for i, block in enumerate(model.layers):
@@ -72,10 +115,8 @@ def decode_step(model, tokens: jax.Array, start: jax.Array, cache: tuple, farski
         with jax.named_scope(f"layer_{i}"):
             xn = block.attn_norm(streams.attn_input(attn_kind))
             q, k, v = block.attn.qkv(xn, positions)
-            kc = jax.lax.dynamic_update_slice(cache[i][0], k.astype(cache[i][0].dtype), (0, start, 0, 0))
-            vc = jax.lax.dynamic_update_slice(cache[i][1], v.astype(cache[i][1].dtype), (0, start, 0, 0))
-            chunked = m.attention_chunk_size and (m.chunked_layers is None or i in m.chunked_layers)
-            mask = attention_mask(positions, k_pos, None, None, chunk_size=m.attention_chunk_size if chunked else None)
+            kc, vc = _write_cache(cache[i], k, v, start)
+            mask = _cache_mask(model, i, positions, k_pos)
             a = block.attn.project_out(attention_core(q, kc, vc, mask, block.attn.scale), xn)
             out = block.ffn(streams.moe_input(moe_kind, a))
             streams = streams.update(a, out.shared, out.routed)

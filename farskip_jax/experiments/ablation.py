@@ -103,7 +103,7 @@ def run_ablation(base: Config, variants: Sequence[Variant], seeds: Sequence[int]
             steps, losses = _eval_curve(run_dir)
             rec = RunRecord(variant=v.name, seed=int(seed), run_dir=run_dir, steps=steps, val_loss=losses,
                             final_val_loss=float(res.val_loss) if res.val_loss is not None else float("nan"),
-                            final_train_loss=float(res.final_loss), tokens_per_s=float(res.tokens_per_s),
+                            final_train_loss=float(res.final_loss), tokens_per_s=float(res.tokens_per_s or "nan"),
                             status=res.status, wall_s=time.time() - t0)
             log(f"[ablation {k}/{n}] {v.name} seed {seed}: {res.status}, val loss {rec.final_val_loss:.4f} "
                 f"({rec.wall_s:.0f}s)")

@@ -174,34 +174,51 @@ def _group_proj(lin, x_h: jax.Array, hg: int) -> jax.Array:
     return y
 
 
+def group_qkv(attn: Attention, x_h: jax.Array, positions: jax.Array, num_groups: int):
+    """x_h: [H, b, t, d] normalised group inputs, positions [b, t] -> q [H*b, t, nh/H, hd] and k, v
+    [H*b, t, nkv/H, hd] of group h's heads (groups folded into the batch; rope, q/k norms applied).
+    Mirrors Attention.qkv (head-scope q/k norm only: check_foe rejects all_heads)."""
+    cfg = attn.cfg
+    hg = num_groups
+    _, b, t, _ = x_h.shape
+    hd = cfg.resolved_head_dim
+    nh, nkv = cfg.num_heads // hg, cfg.num_kv_heads // hg
+    q = _group_proj(attn.q_proj, x_h, hg).reshape(hg * b, t, nh, hd)
+    k = _group_proj(attn.k_proj, x_h, hg).reshape(hg * b, t, nkv, hd)
+    v = _group_proj(attn.v_proj, x_h, hg).reshape(hg * b, t, nkv, hd)
+    q, k = attn.position_qk(q, k, jnp.tile(positions, (hg, 1)))
+    return q, k, v
+
+
+def group_project_out(attn: Attention, o: jax.Array, x_h: jax.Array, num_groups: int) -> jax.Array:
+    """o: [H*b, t, nh/H, hd] core output, x_h: [H, b, t, d] -> a_h [H, b, t, d] through group h's rows
+    of o_proj (and its columns of the sigmoid gate). Mirrors AttentionBase.project_out."""
+    hg = num_groups
+    _, b, t, _ = x_h.shape
+    o = o.reshape(hg, b, t, -1)
+    if attn.gate_proj is not None:
+        o = o * jax.nn.sigmoid(_group_proj(attn.gate_proj, x_h, hg))
+    cd = attn.o_proj.compute_dtype
+    wo = attn.o_proj.w[...].astype(cd)
+    wo = wo.reshape(hg, wo.shape[0] // hg, wo.shape[1])
+    return jnp.einsum("hbte,hed->hbtd", o.astype(cd), wo)
+
+
 def group_attention(attn: Attention, x_h: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array],
                     num_groups: int) -> jax.Array:
     """x_h: [H, b, t, d] normalised group inputs -> a_h [H, b, t, d], group h's heads through its own
     rows of o_proj (sum_h a_h = ordinary attention when every group reads the same input).
     Mirrors Attention.qkv / __call__ / project_out (GQA with head-scope q/k norm, rope / NoPE,
     q/k L2 norm, temperature tuning, chunked masks, sigmoid gate), groups folded into the batch."""
-    cfg = attn.cfg
     hg = num_groups
-    _, b, t, _ = x_h.shape
-    hd = cfg.resolved_head_dim
-    nh, nkv = cfg.num_heads // hg, cfg.num_kv_heads // hg
-    pos = jnp.tile(positions, (hg, 1))
-    seg = None if segment_ids is None else jnp.tile(segment_ids, (hg, 1))
     with jax.named_scope("attention_qkv"):
-        q = _group_proj(attn.q_proj, x_h, hg).reshape(hg * b, t, nh, hd)
-        k = _group_proj(attn.k_proj, x_h, hg).reshape(hg * b, t, nkv, hd)
-        v = _group_proj(attn.v_proj, x_h, hg).reshape(hg * b, t, nkv, hd)
-        q, k = attn.position_qk(q, k, pos)  # head-scope q/k norm (check_foe rejects all_heads), rope, ...
+        q, k, v = group_qkv(attn, x_h, positions, hg)
     with jax.named_scope("attention_core"):
-        o = attention_core(q, k, v, layer_mask(cfg, attn.layer_idx, pos, seg), attn.scale)
+        pos = jnp.tile(positions, (hg, 1))
+        seg = None if segment_ids is None else jnp.tile(segment_ids, (hg, 1))
+        o = attention_core(q, k, v, layer_mask(attn.cfg, attn.layer_idx, pos, seg), attn.scale)
     with jax.named_scope("attention_out"):
-        o = o.reshape(hg, b, t, -1)
-        if attn.gate_proj is not None:
-            o = o * jax.nn.sigmoid(_group_proj(attn.gate_proj, x_h, hg))
-        cd = attn.o_proj.compute_dtype
-        wo = attn.o_proj.w[...].astype(cd)
-        wo = wo.reshape(hg, wo.shape[0] // hg, wo.shape[1])
-        return jnp.einsum("hbte,hed->hbtd", o.astype(cd), wo)
+        return group_project_out(attn, o, x_h, hg)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -224,14 +241,17 @@ class FoEBlockOutput:
 
 def foe_block(block: Block, x_h: jax.Array, full: jax.Array, positions, segment_ids, moe_input: str,
               num_groups: int, backend, pending_h: Optional[jax.Array] = None,
-              defer_routed: bool = False) -> FoEBlockOutput:
+              defer_routed: bool = False, attention_fn=None) -> FoEBlockOutput:
     """One FoE layer. x_h: [H, b, s, d] group attention inputs; full: [b, s, d] = R_{k-1}.
 
     pending_h: [H, b, s, d] routed outputs of layer k-1 whose cross-group sum was deferred: they join
     this layer's attention sum (one all-reduce: `attn` is then sum_h (a^h + m^h_{k-1})) and `full`
-    must lack them. defer_routed: leave this layer's routed sum to the next layer (`routed` None)."""
+    must lack them. defer_routed: leave this layer's routed sum to the next layer (`routed` None).
+    attention_fn(normalised x_h) -> a_h replaces group_attention (KV-cache decoding, eval/generate.py)."""
     with jax.named_scope("attention"):
-        a_h = group_attention(block.attn, block.attn_norm(x_h), positions, segment_ids, num_groups)
+        xn_h = block.attn_norm(x_h)
+        a_h = (attention_fn(xn_h) if attention_fn is not None
+               else group_attention(block.attn, xn_h, positions, segment_ids, num_groups))
         a_h = checkpoint_name(a_h, "attention_out")
     with jax.named_scope("group_sum"):
         a = group_sum(backend, a_h if pending_h is None else a_h + pending_h)
@@ -270,10 +290,12 @@ def _backend(model: Transformer):
 def foe_forward(model: Transformer, tokens: jax.Array, positions: Optional[jax.Array] = None,
                 segment_ids: Optional[jax.Array] = None, *, farskip: Optional[FarSkipConfig] = None,
                 return_hidden: bool = False, return_trace: bool = False,
-                num_groups: Optional[int] = None) -> ModelOutput:
+                num_groups: Optional[int] = None, attention_fns=None) -> ModelOutput:
     """The Transformer forward with FoE groups (same outputs as Transformer.__call__; trace entries
     add `attn_groups` / `routed_groups` [H, b, s, d] and `attn_in` is [H, b, s, d]).
-    num_groups: default cfg.moe.num_groups (an explicit 1 runs this path as the ordinary model)."""
+    num_groups: default cfg.moe.num_groups (an explicit 1 runs this path as the ordinary model).
+    attention_fns: per layer, a replacement for group_attention (foe_block's attention_fn; KV-cache
+    decoding passes cached attention here); no remat then."""
     cfg = model.cfg
     hg = check_foe(cfg, num_groups)
     fs = farskip if farskip is not None else cfg.farskip
@@ -304,9 +326,10 @@ def foe_forward(model: Transformer, tokens: jax.Array, positions: Optional[jax.A
                 x_attn = jnp.broadcast_to(x[None], (hg, *x.shape))
             if hasattr(backend, "constrain_groups"):  # parallel/foe.py: group h's stream on its devices
                 x_attn = backend.constrain_groups(x_attn)
+            attn_fn = attention_fns[i] if attention_fns is not None else None
             fn = lambda b, xa, f, p, s, pe: foe_block(b, xa, f, p, s, moe_kind, hg, backend, pe,  # noqa: E731
-                                                      defer[i])
-            if cfg.model.remat != "none":
+                                                      defer[i], attn_fn)
+            if cfg.model.remat != "none" and attention_fns is None:
                 fn = nnx.remat(fn, policy=REMAT_POLICIES[cfg.model.remat])
             out = fn(block, x_attn, streams.full, positions, segment_ids, pending)
             if return_trace:

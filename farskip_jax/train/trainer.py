@@ -46,7 +46,7 @@ class TrainResult:
     final_loss: float
     val_loss: Optional[float]
     run_dir: str
-    tokens_per_s: float
+    tokens_per_s: Optional[float]  # None when this process ran no timed step (a finished run resumed)
     mfu: Optional[float]
     nonfinite_total: int
     losses: list
@@ -270,13 +270,17 @@ def train(cfg: Config, *, stream=None) -> TrainResult:
             log.print(f"step {step:>6d} | val loss {val_loss:.4f}")
             log.write("eval", step, {"val_loss": val_loss})
     ckpt.close()
-    tps = (t.batch_size * t.seq_len * timed_steps / timed_s) if timed_s > 0 else float(last.get("tokens_per_s", 0.0))
-    mfu = (tps * flops_tok / (peak * n_dev)) if peak else None
+    if timed_s > 0:
+        tps = t.batch_size * t.seq_len * timed_steps / timed_s
+    else:  # one step (compile included) or none at all in this process
+        tps = last.get("tokens_per_s")
+    mfu = (tps * flops_tok / (peak * n_dev)) if (peak and tps) else None
     summary = {"status": status, "tokens_per_s": tps, "mfu": mfu, "val_loss": val_loss,
                "final_loss": last.get("loss", math.nan), "wall_s": time.perf_counter() - t_start}
     log.write("event", step, summary)
-    log.print(f"{status} at step {step}: mean {tps:,.0f} tokens/s" + (f", MFU {100 * mfu:.1f}%" if mfu else "")
-              + (f", val loss {val_loss:.4f}" if val_loss is not None else ""))
+    speed = (f"mean {tps:,.0f} tokens/s" + (f", MFU {100 * mfu:.1f}%" if mfu else "")) if tps else \
+        f"no steps left to run (train.steps={t.steps}; raise it to train further)"
+    log.print(f"{status} at step {step}: {speed}" + (f", val loss {val_loss:.4f}" if val_loss is not None else ""))
     log.close()
     return TrainResult(status=status, step=step, final_loss=float(last.get("loss", math.nan)), val_loss=val_loss,
                        run_dir=run_dir, tokens_per_s=tps, mfu=mfu,
