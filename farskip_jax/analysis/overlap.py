@@ -27,6 +27,7 @@ from farskip_jax.analysis.deviceless import (LHS_FLAGS, collective_durations, co
                                              preset_options)
 from farskip_jax.analysis.report import (ALL_TO_ALLS, OverlapReport, analyze, format_collectives,
                                          format_side_by_side)
+from farskip_jax.model.gmm import resolve_backend
 
 PROGRAMS = ("forward", "train")
 
@@ -74,6 +75,11 @@ def run_overlap(cfg, presets: Sequence[str] = ("standard", "farskip"), programs:
     batch = batch or cfg.train.batch_size
     seq = seq or cfg.train.seq_len
     devices = gpu_devices(target, num_devices)
+    if cfg.moe.num_experts and resolve_backend(cfg.moe.gmm, "cuda") == "ragged_dot":
+        log(f"[overlap] NOTE: the routed experts run ragged_dot (moe.gmm={cfg.moe.gmm}). A deviceless compile has "
+            "no cuDNN / hipBLASLt grouped GEMM, so XLA expands it to a dense dot over every local expert "
+            "(E/EP x the expert FLOPs): hidden fractions stand, modelled step times are inflated and step "
+            "speedups understated. moe.gmm=tiled prices the experts at their useful FLOPs (docs/overlap.md).")
     results = []
     for preset in presets:
         c = replace(cfg, **{"farskip.preset": preset})
