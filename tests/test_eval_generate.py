@@ -88,3 +88,14 @@ def test_cached_foe_equals_full_recompute(fs):
     np.testing.assert_array_equal(out.tokens[:, 4:], full.argmax(-1))
     plain = full_logits(model, out.tokens[:, :-1], fs)[:, 3:]  # FoE really is a different function
     assert np.abs(plain - full).max() > 1e-3
+
+
+def test_cached_mla_equals_full_recompute():
+    """MLA layers cache their decompressed per-head keys/values (v_head_dim != qk head dim)."""
+    model = tiny_model(attention="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
+    fs = FarSkipConfig(preset="farskip")
+    prompt = np.arange(5, 10, dtype=np.int32)[None].repeat(2, 0)
+    out = generate(model, prompt, 4, farskip=fs)
+    full = full_logits(model, out.tokens[:, :-1], fs)[:, 4:]
+    np.testing.assert_allclose(out.logits, full, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(out.tokens[:, 5:], full.argmax(-1))

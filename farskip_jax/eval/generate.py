@@ -6,8 +6,10 @@ keys/values). So a decode step runs the SAME stream logic (model/connectivity.py
 new tokens only, with attention reading the cached keys/values of all earlier tokens. The cache
 holds, per layer, k [batch, max_len, kv_heads, head_dim] and v [batch, max_len, kv_heads, v_dim]
 (MLA: the decompressed per-head keys/values, not the latent; simple and exact, not memory-lean).
-Federation of Experts (moe.num_groups > 1) decodes through model/foe.py's forward, each group's
-heads reading the cache rows of its own representation.
+A decode step is the model's own forward with each layer's attention swapped for a cached one
+(Transformer's `attention_fns`), so the streams are never written twice. Federation of Experts
+(moe.num_groups > 1) goes through model/foe.py's forward, each group's heads reading the cache rows
+of its own representation.
 
     out = generate(model, prompt_bp, max_new_tokens=32)                   # greedy, cfg.farskip
     out = generate(model, prompt_bp, 32, farskip=FarSkipConfig(), temperature=0.8, top_p=0.9, seed=1)
@@ -31,8 +33,7 @@ from flax import nnx
 
 from farskip_jax.config import FarSkipConfig
 from farskip_jax.model.attention import attention_core, attention_mask
-from farskip_jax.model.connectivity import Streams
-from farskip_jax.model.foe import foe_forward, group_project_out, group_qkv
+from farskip_jax.model.foe import group_project_out, group_qkv
 
 FAR = np.iinfo(np.int32).max  # position given to empty cache slots: never <= a query position
 
@@ -75,55 +76,32 @@ def _write_cache(entry: tuple, k: jax.Array, v: jax.Array, start: jax.Array) -> 
     return kc, vc
 
 
-def _foe_decode_step(model, tokens: jax.Array, positions: jax.Array, k_pos: jax.Array, start: jax.Array,
-                     cache: tuple, farskip: FarSkipConfig):
-    """decode_step for Federation of Experts: model/foe.py's forward (its streams and group sums) with
-    each layer's group attention reading and extending the cache."""
-    hg = model.cfg.moe.num_groups
-    pos_h, kpos_h = jnp.tile(positions, (hg, 1)), jnp.tile(k_pos, (hg, 1))
-    new_cache = [None] * len(model.layers)
-
-    def cached_attention(i, block):
-        def fn(xn_h):  # [H, b, t, d] -> a_h [H, b, t, d]
-            q, k, v = group_qkv(block.attn, xn_h, positions, hg)
-            new_cache[i] = kc, vc = _write_cache(cache[i], k, v, start)
-            o = attention_core(q, kc, vc, _cache_mask(model, i, pos_h, kpos_h), block.attn.scale)
-            return group_project_out(block.attn, o, xn_h, hg)
-        return fn
-
-    out = foe_forward(model, tokens, positions, farskip=farskip,
-                      attention_fns=[cached_attention(i, blk) for i, blk in enumerate(model.layers)])
-    return out.logits, tuple(new_cache)
-
-
 def decode_step(model, tokens: jax.Array, start: jax.Array, cache: tuple, farskip: FarSkipConfig):
     """Run tokens [b, t] at positions start..start+t-1 against the cache -> (logits [b, t, V] f32, cache).
 
-    The cache slots [start, start + t) are written; slots < start must hold earlier tokens."""
+    The model's own forward (its streams; FoE's group sums) with each layer's attention replaced by
+    one that writes the new keys/values into cache slots [start, start + t) and reads every slot;
+    slots < start must hold earlier tokens."""
     b, t = tokens.shape
-    n = len(model.layers)
+    hg = model.cfg.moe.num_groups
     positions = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
     max_len = cache[0][0].shape[1]
     slots = jnp.arange(max_len, dtype=jnp.int32)
     k_pos = jnp.broadcast_to(jnp.where(slots < start + t, slots, FAR), (b, max_len))
-    if model.cfg.moe.num_groups > 1:
-        return _foe_decode_step(model, tokens, positions, k_pos, start, cache, farskip)
-    streams = Streams.init(model.embed(tokens), farskip.skip_distance)
-    new_cache = []
-    for i, block in enumerate(model.layers):
-        attn_kind, moe_kind = farskip.layer_inputs(i, n)
-        with jax.named_scope(f"layer_{i}"):
-            xn = block.attn_norm(streams.attn_input(attn_kind))
-            q, k, v = block.attn.qkv(xn, positions)
-            kc, vc = _write_cache(cache[i], k, v, start)
-            mask = _cache_mask(model, i, positions, k_pos)
-            a = block.attn.project_out(attention_core(q, kc, vc, mask, block.attn.scale), xn)
-            out = block.ffn(streams.moe_input(moe_kind, a))
-            streams = streams.update(a, out.shared, out.routed)
-            new_cache.append((kc, vc))
-    x = model.final_norm(streams.full)
-    logits = model.embed.attend(x) if model.lm_head is None else model.lm_head(x)
-    return logits.astype(jnp.float32), tuple(new_cache)
+    q_pos, kv_pos = (jnp.tile(positions, (hg, 1)), jnp.tile(k_pos, (hg, 1))) if hg > 1 else (positions, k_pos)
+    new_cache = [None] * len(model.layers)
+
+    def cached_attention(i, attn):
+        def fn(xn):  # normalised attention input ([b, t, d], FoE [H, b, t, d]) -> attention output
+            q, k, v = group_qkv(attn, xn, positions, hg) if hg > 1 else attn.qkv(xn, positions)
+            new_cache[i] = kc, vc = _write_cache(cache[i], k, v, start)
+            o = attention_core(q, kc, vc, _cache_mask(model, i, q_pos, kv_pos), attn.scale)
+            return group_project_out(attn, o, xn, hg) if hg > 1 else attn.project_out(o, xn)
+        return fn
+
+    out = model(tokens, positions, farskip=farskip,
+                attention_fns=[cached_attention(i, blk.attn) for i, blk in enumerate(model.layers)])
+    return out.logits, tuple(new_cache)
 
 
 def make_decode_fn(graphdef, farskip: FarSkipConfig):

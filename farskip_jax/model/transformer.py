@@ -86,9 +86,11 @@ class Block(nnx.Module):
                            aux_loss=o.aux_loss, z_loss=o.z_loss, load=o.load, dropped=o.dropped)
 
     def __call__(self, x_attn: jax.Array, full: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array],
-                 moe_input: str = "full") -> BlockOutput:
+                 moe_input: str = "full", attention_fn=None) -> BlockOutput:
+        """attention_fn(normalised x_attn) -> [b, s, d] replaces self.attn (KV-cache decoding)."""
         with jax.named_scope("attention"):
-            a = self.attention(x_attn, positions, segment_ids)
+            a = (self.attention(x_attn, positions, segment_ids) if attention_fn is None
+                 else attention_fn(self.attn_norm(x_attn)))
         x_moe = full + a if moe_input == "full" else full
         with jax.named_scope("moe" if self.is_moe else "mlp"):
             out = self.ffn(x_moe)
@@ -116,19 +118,22 @@ class Transformer(nnx.Module):
         self.lm_head = None if m.tie_embeddings else Linear(
             m.d_model, m.vocab_size, axes=("embed", "vocab"), rngs=rngs, std=m.init_std, param_dtype=pd, compute_dtype=cd)
 
-    def _run_block(self, block: Block, x_attn, full, positions, segment_ids, moe_input: str) -> BlockOutput:
-        if self.cfg.model.remat == "none":
-            return block(x_attn, full, positions, segment_ids, moe_input)
+    def _run_block(self, block: Block, x_attn, full, positions, segment_ids, moe_input: str,
+                   attention_fn=None) -> BlockOutput:
+        if self.cfg.model.remat == "none" or attention_fn is not None:
+            return block(x_attn, full, positions, segment_ids, moe_input, attention_fn)
         fn = nnx.remat(lambda b, xa, f, p, s: b(xa, f, p, s, moe_input), policy=REMAT_POLICIES[self.cfg.model.remat])
         return fn(block, x_attn, full, positions, segment_ids)
 
     def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None, segment_ids: Optional[jax.Array] = None,
                  *, farskip: Optional[FarSkipConfig] = None, return_hidden: bool = False,
-                 return_trace: bool = False) -> ModelOutput:
+                 return_trace: bool = False, attention_fns=None) -> ModelOutput:
+        """attention_fns: per layer, fn(normalised attention input) -> attention output replacing the
+        layer's own attention (KV-cache decoding, eval/generate.py); no remat then."""
         if self.cfg.moe.num_groups > 1:  # Federation of Experts groups (model/foe.py)
             from farskip_jax.model.foe import foe_forward
             return foe_forward(self, tokens, positions, segment_ids, farskip=farskip, return_hidden=return_hidden,
-                               return_trace=return_trace)
+                               return_trace=return_trace, attention_fns=attention_fns)
         fs = farskip if farskip is not None else self.cfg.farskip
         n = len(self.layers)
         if positions is None:
@@ -140,7 +145,8 @@ class Transformer(nnx.Module):
             attn_kind, moe_kind = fs.layer_inputs(i, n)
             with jax.named_scope(f"layer_{i}"):
                 x_attn = streams.attn_input(attn_kind)
-                out = self._run_block(block, x_attn, streams.full, positions, segment_ids, moe_kind)
+                out = self._run_block(block, x_attn, streams.full, positions, segment_ids, moe_kind,
+                                      None if attention_fns is None else attention_fns[i])
                 if return_trace:
                     trace.append(dict(attn_in=x_attn, moe_in=streams.moe_input(moe_kind, out.attn), attn=out.attn,
                                       shared=out.shared, routed=out.routed, attn_kind=attn_kind, moe_kind=moe_kind))
