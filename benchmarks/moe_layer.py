@@ -12,7 +12,8 @@ weighted un-sort), gradients w.r.t. the input, router and expert weights. The re
 SwiGLU with hidden = top_k * expert_hidden (same active FLOPs per token), gradients w.r.t. input and
 weights. Variants are timed interleaved (one call of each per repeat), median reported; the printed
 ratio is variant / dense. `tiled@cf1.25` is the dropping variant (capacity factor 1.25) for reference;
-`tiled:experts` is the tiled backend's expert SwiGLU alone on pre-sorted rows (no router/sort/un-sort).
+`tiled:experts` / `blas:experts` are that backend's expert SwiGLU alone on pre-sorted rows (no
+router/sort/un-sort).
 
 --malloc resident keeps freed memory in the process (glibc mallopt: no mmap for large blocks, no trim)
 before JAX allocates anything. With glibc's defaults every step's large temporaries are fresh mmap'd
@@ -38,8 +39,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from farskip_jax.config import MoEConfig  # noqa: E402
-from farskip_jax.model.experts import ExpertWeights, local_routed_compute  # noqa: E402
-from farskip_jax.model.gmm import grouped_swiglu  # noqa: E402
+from farskip_jax.model.experts import ExpertWeights, expert_swiglu, local_routed_compute  # noqa: E402
 from farskip_jax.model.layers import matmul_2d  # noqa: E402
 from farskip_jax.model.router import RouteResult  # noqa: E402
 
@@ -64,11 +64,11 @@ def make_moe_step(cfg: MoEConfig):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
 
 
-def make_experts_only_step(group_sizes: jax.Array, tile: int):
-    """The tiled backend's expert SwiGLU alone (gmm.grouped_swiglu) on rows already sorted by
-    expert: no router, sort or un-sort. x here is the [N, d] sorted rows; same output format."""
+def make_experts_only_step(group_sizes: jax.Array, cfg: MoEConfig):
+    """The backend's expert SwiGLU alone (experts.expert_swiglu) on rows already sorted by expert:
+    no router, sort or un-sort. x here is the [N, d] sorted rows; same output format."""
     def loss(params, xs, ct):
-        y = grouped_swiglu(xs, params["w_gate"], params["w_up"], params["w_down"], group_sizes, tile)
+        y = expert_swiglu(xs, group_sizes, ExpertWeights(params["w_gate"], params["w_up"], params["w_down"]), cfg)
         return jnp.sum(y * ct), jnp.zeros((), jnp.int32)
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
@@ -99,11 +99,11 @@ def run_shape(name: str, backends: list[str], repeats: int, tile: int) -> list[t
             be, cf = be.split("@cf")[0], float(be.split("@cf")[1])
         cfg = MoEConfig(num_experts=e, top_k=k, expert_hidden=h, gmm=be, gmm_tile=tile, capacity_factor=cf)
         variants[label] = (make_moe_step(cfg), moe_params)
-        if label == "tiled":  # the same routing's group sizes, rows pre-sorted
+        if be in ("tiled", "blas") and cf is None:  # the same routing's group sizes, rows pre-sorted
             idx = np.argsort(-np.asarray(matmul_2d(x, moe_params["router"])), -1)[..., :k]
             sizes = jnp.asarray(np.bincount(idx.reshape(-1), minlength=e).astype(np.int32))
             xs, cts = f32(b * t * k, d, std=1.0), f32(b * t * k, d, std=1.0)
-            variants["tiled:experts"] = (make_experts_only_step(sizes, tile), moe_params, xs, cts)
+            variants[f"{be}:experts"] = (make_experts_only_step(sizes, cfg), moe_params, xs, cts)
     times: dict[str, list[float]] = {v: [] for v in variants}
     dropped: dict[str, float] = {}
     print(f"[shape {name}] {s}  tokens={b * t} assignments={b * t * k}", flush=True)

@@ -162,7 +162,7 @@ class MoEConfig:
     z_loss_weight: float = 0.0  # router z-loss weight
     capacity_factor: Optional[float] = None  # None = dropless
     dispatch: Literal["local", "all_to_all", "ragged"] = "local"
-    gmm: Literal["auto", "ragged_dot", "tiled", "einsum"] = "auto"
+    gmm: Literal["auto", "blas", "ragged_dot", "tiled", "einsum"] = "auto"
     gmm_tile: int = 256
     num_groups: int = 1  # Federation of Experts groups (1 = ordinary MoE)
     shared_gate: bool = False  # shared-expert output *= sigmoid(x @ w_gate [d, 1]) (Qwen2-MoE)

@@ -12,7 +12,7 @@ from farskip_jax.model.experts import ExpertWeights, inverse_permutation, local_
 from farskip_jax.model.gmm import gmm, resolve_backend
 from farskip_jax.model.router import RouteResult
 
-BACKENDS = ["tiled", "einsum", "ragged_dot"]
+BACKENDS = ["blas", "tiled", "einsum", "ragged_dot"]
 # (rows M, group sizes, tile): empty groups, groups larger than a tile (several full tiles plus a
 # tail), rows past sum(group_sizes), a last group ending at row M (tail tile shifted back), M < tile.
 CASES = [
@@ -65,7 +65,7 @@ def test_gmm_matches_group_loop(backend):
         assert np.all(y[sum(sizes):] == 0), "rows past sum(group_sizes) must be zero"
 
 
-@pytest.mark.parametrize("backend", ["tiled", "einsum"])
+@pytest.mark.parametrize("backend", ["blas", "tiled", "einsum"])
 def test_gmm_gradients_match_loop_oracle(backend):
     for m, sizes, tile in CASES[:3]:
         x, w = _data(m, sizes, seed=1)
@@ -123,7 +123,9 @@ def test_tail_buckets_and_backend_resolution():
     assert gmm_mod._buckets(12288, 1024) == (8, 16, 128, 256, 384, 512, 640, 768, 896, 1024)  # P / 8
     assert gmm_mod._buckets(20, 128) == (8, 16, 20)  # capped at M
     assert gmm_mod._buckets(5, 128) == (5,)
-    assert resolve_backend("auto", "cpu") == "tiled"
+    assert resolve_backend("auto", "cpu") == "blas"  # the BLAS kernel builds on every machine this runs on
+    with pytest.raises(ValueError, match="CPU kernel"):
+        resolve_backend("blas", "gpu")
     assert resolve_backend("auto", "gpu") == "ragged_dot"
     assert resolve_backend("einsum", "gpu") == "einsum"
     with pytest.raises(ValueError, match="unknown gmm backend"):
@@ -174,7 +176,7 @@ def _route(b, s, e, k, seed):
     return idx, wts
 
 
-@pytest.mark.parametrize("backend", ["tiled", "einsum", "ragged_dot"])
+@pytest.mark.parametrize("backend", ["blas", "tiled", "einsum", "ragged_dot"])
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
 def test_local_routed_compute_matches_token_loop(backend, capacity_factor):
     b, s, d, e, k, h = 2, 12, 8, 5, 2, 6
@@ -197,7 +199,7 @@ def test_local_routed_compute_matches_token_loop(backend, capacity_factor):
         assert dropped == 0
 
 
-@pytest.mark.parametrize("backend", ["tiled", "einsum"])
+@pytest.mark.parametrize("backend", ["blas", "tiled", "einsum"])
 def test_local_routed_compute_gradients_match_dense_oracle(backend):
     """Gradients (input, expert weights, routing weights) vs autodiff of a dense all-experts oracle,
     for the tiled backend's fused SwiGLU walk (custom VJP) and the einsum backend's three gmms."""

@@ -29,18 +29,26 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-BACKENDS = ("auto", "ragged_dot", "tiled", "einsum")
+from farskip_jax.model import blas_gmm
+
+BACKENDS = ("auto", "blas", "ragged_dot", "tiled", "einsum")
 MIN_TILE = 8  # smallest tail window
 
 
 def resolve_backend(backend: str, platform: str | None = None) -> str:
-    """`auto` -> `tiled` on CPU, `ragged_dot` elsewhere; other names are returned checked."""
+    """`auto` -> `blas` on CPU (`tiled` when the BLAS kernel cannot be built here), `ragged_dot`
+    elsewhere; other names are returned checked (`blas` only runs on CPU)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown gmm backend {backend!r}; choose one of {BACKENDS}")
+    platform = platform or jax.default_backend()
+    if backend == "blas" and platform != "cpu":
+        raise ValueError(f"moe.gmm=blas is a CPU kernel and this program runs on {platform}; "
+                         "use moe.gmm: auto (ragged_dot there) or ragged_dot")
     if backend != "auto":
         return backend
-    platform = platform or jax.default_backend()
-    return "tiled" if platform == "cpu" else "ragged_dot"
+    if platform != "cpu":
+        return "ragged_dot"
+    return "blas" if blas_gmm.available() else "tiled"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -321,6 +329,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, backend: str = "
         if backend == "ragged_dot":
             return jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32),
                                       preferred_element_type=jnp.float32).astype(lhs.dtype)
+        if backend == "blas":
+            return blas_gmm.gmm(lhs, rhs, group_sizes)
         if backend == "tiled":
             return _tiled(lhs, rhs, group_sizes, tile)
         return _einsum(lhs, rhs, group_sizes, tile)
