@@ -1,6 +1,6 @@
 """Routed-expert forward+backward time relative to an equal-FLOP dense SwiGLU MLP, side by side.
 
-    python benchmarks/moe_layer.py [--shapes a,b] [--backends tiled,einsum,ragged_dot] [--repeats 5]
+    python benchmarks/moe_layer.py [--shapes a,b] [--backends blas,tiled,einsum,ragged_dot] [--repeats 5]
 
 Shapes (fp32):
   a: batch 8 x seq 256, d_model 256, 16 experts, top-2, expert hidden 512
@@ -82,6 +82,31 @@ def make_dense_step():
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
 
+def weight_traffic_estimate(moe_params: dict, dense_params: dict, dense_s: float, repeats: int = 5) -> None:
+    """Print how much of the ratio the expert weights' memory traffic alone explains.
+
+    Per step the MoE streams every expert weight three times (read by the forward grouped GEMM, read
+    again by the input-gradient GEMM, its gradient written), the dense MLP its own (much smaller)
+    weights; at the streaming bandwidth measured here (x -> 1.0001 x over the expert weights, read +
+    write) the difference is time the layer spends moving weights unless a GEMM hides it. Not a
+    hard floor (a GEMM can overlap some of it), but a ratio near it is memory-bound, not compute-bound."""
+    ws = [moe_params[k] for k in ("w_gate", "w_up", "w_down")]
+    scale = jax.jit(lambda *a: tuple(x * 1.0001 for x in a))
+    jax.block_until_ready(scale(*ws))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(scale(*ws))
+        best = min(best, time.perf_counter() - t0)
+    moe_bytes = sum(w.size * w.dtype.itemsize for w in ws)
+    dense_bytes = sum(w.size * w.dtype.itemsize for w in dense_params.values())
+    bw = 2 * moe_bytes / best  # bytes read + written per second
+    extra = 3 * (moe_bytes - dense_bytes) / bw
+    print(f"  weight traffic: experts {moe_bytes / 1e6:.0f} MB vs dense {dense_bytes / 1e6:.0f} MB; streaming "
+          f"{bw / 1e9:.1f} GB/s -> the 3 passes over the extra bytes take {extra * 1e3:.0f} ms = "
+          f"{1 + extra / dense_s:.2f}x dense if not hidden under compute", flush=True)
+
+
 def run_shape(name: str, backends: list[str], repeats: int, tile: int) -> list[tuple[str, float, float]]:
     s = SHAPES[name]
     b, t, d, e, k, h = s["batch"], s["seq"], s["d"], s["experts"], s["top_k"], s["hidden"]
@@ -120,6 +145,7 @@ def run_shape(name: str, backends: list[str], repeats: int, tile: int) -> list[t
             times[label].append(time.perf_counter() - t0)
         print(f"  repeat {r + 1}/{repeats}: " + " ".join(f"{v}={times[v][-1] * 1e3:.0f}ms" for v in variants), flush=True)
     dense = statistics.median(times["dense"])
+    weight_traffic_estimate(moe_params, dense_params, dense)
     rows = []
     for label in variants:
         if label == "dense":
@@ -134,7 +160,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="a,b")
     ap.add_argument("--backends", default=None,
-                    help="comma list; default a: tiled,einsum,ragged_dot,tiled@cf1.25  b: tiled,einsum")
+                    help="comma list; default a: blas,tiled,einsum,ragged_dot,tiled@cf1.25  b: blas,tiled,einsum")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tile", type=int, default=MoEConfig.gmm_tile)
     ap.add_argument("--batch-b", type=int, default=SHAPES["b"]["batch"], help="batch of shape b")
@@ -149,7 +175,7 @@ def main(argv=None) -> int:
             raise SystemExit("--malloc resident: glibc mallopt refused (not a glibc system?)")
     print(f"jax {jax.__version__} on {jax.default_backend()}, {os.cpu_count()} CPUs, malloc {args.malloc}", flush=True)
     for name in args.shapes.split(","):
-        default = "tiled,einsum,ragged_dot,tiled@cf1.25" if name == "a" else "tiled,einsum"
+        default = "blas,tiled,einsum,ragged_dot,tiled@cf1.25" if name == "a" else "blas,tiled,einsum"
         run_shape(name, (args.backends or default).split(","), args.repeats, args.tile)
     return 0
 

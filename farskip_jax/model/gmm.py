@@ -4,9 +4,11 @@
 
 Rows of `lhs` are sorted by group: the first group_sizes[0] rows use rhs[0], and so on; rows past
 sum(group_sizes) give zeros. Backends:
+- `blas` (CPU default): a C++ XLA FFI kernel calling OpenBLAS sgemm on each group's rows and weight
+  slice in place, the work split over XLA's CPU threads (model/blas_gmm.py; built on first use).
 - `ragged_dot`: jax.lax.ragged_dot (grouped GEMM on GPU/TPU; on CPU XLA expands it to a dense dot
   over every group, G x the useful work).
-- `tiled` (CPU default): a flat walk over the groups. Each group's rows are one masked window of a
+- `tiled` (CPU fallback when the BLAS kernel cannot be built): a flat walk over the groups. Each group's rows are one masked window of a
   bucketed row count (8, 16, 32, 64, 96, ... in steps of 32 up to `tile` = 256), plus full tiles of
   `tile` rows for groups larger than that; one loop per bucket and one over the full tiles, so the
   loop count does not grow with the number of groups. One matmul per group and weight, its weight
@@ -14,7 +16,7 @@ sum(group_sizes) give zeros. Backends:
   x^T dy per window, written on a group's first visit (no zero-filled read-modify-write).
 - `einsum`: pad each group to a tile multiple, gather a weight copy per tile, one batched einsum;
   plain autodiff (kept as the reference the `tiled` walk was measured against).
-`auto` picks `ragged_dot` on GPU/TPU and `tiled` on CPU.
+`auto` picks `ragged_dot` on GPU/TPU and `blas` on CPU (`tiled` when `blas` is unavailable).
 
 `grouped_swiglu(xs, wg, wu, wd, group_sizes, tile)` runs a whole SwiGLU expert (gate, up, down) in
 one walk with a one-walk custom VJP; it is what the tiled backend runs (experts.expert_swiglu).
