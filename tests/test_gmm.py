@@ -1,5 +1,7 @@
 """Grouped matmul backends and the local routed-expert compute against per-group / per-token loops."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -130,6 +132,45 @@ def test_tail_buckets_and_backend_resolution():
     assert resolve_backend("einsum", "gpu") == "einsum"
     with pytest.raises(ValueError, match="unknown gmm backend"):
         resolve_backend("magic")
+
+
+def test_blas_unavailable_falls_back_to_tiled_and_explicit_blas_fails_clearly(tmp_path):
+    """No working compiler: `auto` resolves to `tiled` with one warning naming the reason, an explicit
+    moe.gmm=blas raises KernelUnavailable naming the fix (fresh process: the kernel load is cached)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import warnings, jax.numpy as jnp\n"
+        "from farskip_jax.model.gmm import gmm, resolve_backend\n"
+        "from farskip_jax.model.blas_gmm import KernelUnavailable\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    print(resolve_backend('auto', 'cpu'))\n"
+        "    print(len(w), str(w[0].message)[:200] if w else '')\n"
+        "try:\n"
+        "    gmm(jnp.ones((4, 3)), jnp.ones((2, 3, 5)), jnp.asarray([2, 2]), 'blas')\n"
+        "except KernelUnavailable as e:\n"
+        "    print('raised', 'moe.gmm: tiled' in str(e))\n"
+    )
+    env = {**os.environ, "CXX": "/nonexistent/c++", "FARSKIP_KERNEL_CACHE": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[0] == "tiled"
+    assert lines[1].startswith("1 ") and "/nonexistent/c++" in lines[1]
+    assert lines[2] == "raised True"
+    assert not list(tmp_path.glob("*.so")), "a failed build must not leave a library behind"
+
+
+def test_blas_backend_bf16_inputs():
+    """bf16 operands are computed in float32 BLAS and returned in bf16 (the tiled/einsum convention)."""
+    m, sizes = 64, [0, 21, 9, 0, 3, 1]
+    x, w = _data(m, sizes)
+    y = gmm(jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16), jnp.asarray(sizes, jnp.int32), "blas")
+    assert y.dtype == jnp.bfloat16
+    ref = _np_gmm(np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32), np.asarray(jnp.asarray(w, jnp.bfloat16), np.float32), sizes)
+    assert _rel(np.asarray(y, np.float32), ref) < 1e-2
 
 
 def test_inverse_permutation():

@@ -52,8 +52,11 @@ def _cache_dir() -> Path:
 
 
 def _compiler() -> str:
-    for c in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if c and shutil.which(c):
+    """$CXX when set (used as given), else the first of g++, c++, clang++ on PATH."""
+    if os.environ.get("CXX"):
+        return os.environ["CXX"]
+    for c in ("g++", "c++", "clang++"):
+        if shutil.which(c):
             return c
     raise KernelUnavailable("no C++ compiler found (tried $CXX, g++, c++, clang++); install one "
                             "(e.g. `apt install g++`) or set moe.gmm: tiled")
@@ -74,7 +77,11 @@ def build() -> Path:
     os.close(fd)
     cmd = [cxx, *CXX_FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as e:
+            raise KernelUnavailable(f"cannot run the C++ compiler {cxx!r} ({e}); set CXX to a working one "
+                                    "or moe.gmm: tiled") from e
         if proc.returncode != 0:
             raise KernelUnavailable(f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
         os.replace(tmp, out)
