@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hf-impl", default="eager,grouped_mm", help="transformers experts implementations to time")
     ap.add_argument("--attention-impl", default="naive",
                     help="comma list of our model.attention_impl values to time side by side "
-                         "(naive, blockwise, causal_blocks)")
+                         "(naive, blockwise, causal_blocks, fused_cpu)")
     ap.add_argument("--qwen3-30b-proportions", action="store_true",
                     help="Qwen3-30B-A3B's expert proportions at d_model 256: 128 experts, top-8, expert hidden 96")
     args = ap.parse_args(argv)

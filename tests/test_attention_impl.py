@@ -1,5 +1,5 @@
-"""model.attention_impl=blockwise (flash-style core, causal blocks skipped, recomputing VJP) and
-causal_blocks (query blocks against their key prefix) against the naive core: values and gradients in fp32 at 1e-5, document masks, GQA and MLA head dims, ragged
+"""model.attention_impl=blockwise (flash-style core, causal blocks skipped, recomputing VJP),
+causal_blocks (query blocks against their key prefix) and fused_cpu (the C++ CPU kernel) against the naive core: values and gradients in fp32 at 1e-5, document masks, GQA and MLA head dims, ragged
 last block; the whole model with either core; config validation."""
 
 import jax
@@ -11,7 +11,8 @@ from flax import nnx
 from farskip_jax.config import load_config
 from farskip_jax.errors import ConfigError
 from farskip_jax.model.attention import (attention_core, attention_mask, blockwise_attention_core,
-                                        causal_blocks_attention_core)
+                                        causal_blocks_attention_core, check_attention_impl)
+from farskip_jax.model.blas_attention import fused_attention_core
 
 
 def _inputs(b=2, t=40, h=4, kv=2, d=12, dv=8, seed=0, docs=True):
@@ -64,6 +65,52 @@ def test_causal_blocks_matches_naive_values_and_grads(block):
     assert "f32[2,2,2,16,32]" in jaxpr  # the second query block sees its 32-key prefix, not all 40
 
 
+def _masks(kind: str, b: int, t: int, s: int, rng):
+    pos, kpos = jnp.broadcast_to(jnp.arange(t), (b, t)), jnp.broadcast_to(jnp.arange(s), (b, s))
+    if kind == "chunked":
+        return attention_mask(pos, kpos, None, None, chunk_size=7)
+    # arbitrary pattern, cross-attention shape, one query row that sees no key (uniform in the naive core)
+    return jnp.asarray(rng.random((b, 1, t, s)) < 0.3).at[:, :, 3].set(False)
+
+
+@pytest.mark.parametrize("case", ["docs_gqa", "causal_mla_dims", "chunked", "arbitrary_rect_empty_row"])
+def test_fused_cpu_matches_naive_values_and_grads(case):
+    """The C++ core (per kv-head tasks, 64-row query blocks, key range cut to the allowed keys,
+    max/sum saved for the backward) against the naive core: fp32 values and q/k/v gradients at 1e-5,
+    with document masks and GQA, a ragged last query block and q/k vs v head dims (MLA), a chunked
+    mask, and an arbitrary rectangular mask with a query row that sees no key."""
+    rng = np.random.default_rng(4)
+    if case == "docs_gqa":
+        q, k, v, mask = _inputs(b=2, t=70, h=6, kv=3)
+    elif case == "causal_mla_dims":
+        q, k, v, mask = _inputs(b=1, t=130, h=4, kv=4, d=12, dv=8, docs=False)
+    else:
+        s = 40 if case == "chunked" else 52
+        q, _, _, _ = _inputs(b=2, t=40, h=4, kv=2)
+        k = jnp.asarray(rng.standard_normal((2, s, 2, 12)), jnp.float32)
+        v = jnp.asarray(rng.standard_normal((2, s, 2, 8)), jnp.float32)
+        mask = _masks(case, 2, 40, s, rng)
+    ct = jnp.asarray(rng.standard_normal(q.shape[:3] + (v.shape[-1],)), jnp.float32)
+    y = jax.jit(lambda q, k, v: fused_attention_core(q, k, v, mask, 0.3))(q, k, v)
+    np.testing.assert_allclose(y, attention_core(q, k, v, mask, 0.3), atol=1e-5, rtol=1e-5)
+    g_f = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fused_attention_core(q, k, v, mask, 0.3) * ct), (0, 1, 2)))(q, k, v)
+    g_n = jax.grad(lambda q, k, v: jnp.sum(attention_core(q, k, v, mask, 0.3) * ct), (0, 1, 2))(q, k, v)
+    for a, b_, name in zip(g_f, g_n, "qkv"):
+        np.testing.assert_allclose(a, b_, atol=1e-5, rtol=1e-5, err_msg=name)
+
+
+def test_fused_cpu_bf16_and_platform_check():
+    q, k, v, mask = (x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x for x in _inputs())
+    a = jax.jit(lambda q, k, v: fused_attention_core(q, k, v, mask, 0.3))(q, k, v)
+    assert a.dtype == jnp.bfloat16
+    b = attention_core(q, k, v, mask, 0.3).astype(jnp.float32)
+    assert float(jnp.max(jnp.abs(a.astype(jnp.float32) - b))) < 2e-2  # bf16 output rounding
+    assert check_attention_impl("fused_cpu", "cpu") == "fused_cpu"
+    assert check_attention_impl("blockwise", "gpu") == "blockwise"
+    with pytest.raises(ValueError, match="CPU kernel"):
+        check_attention_impl("fused_cpu", "gpu")
+
+
 def test_blockwise_skips_blocks_above_the_diagonal():
     q, k, v, mask = _inputs(b=1, t=64, docs=False)
     jaxpr = jax.make_jaxpr(lambda q, k, v: blockwise_attention_core(q, k, v, mask, 0.3, 16))(q, k, v)
@@ -84,7 +131,7 @@ def test_blockwise_rejects_cross_attention():
         blockwise_attention_core(q[:, :8], k, v, mask[:, :, :8], 0.3, 16)
 
 
-@pytest.mark.parametrize("impl", ["blockwise", "causal_blocks"])
+@pytest.mark.parametrize("impl", ["blockwise", "causal_blocks", "fused_cpu"])
 def test_model_with_blockwise_core_matches_naive(impl, attention="mla"):  # MLA: q/k and v head dims differ
     from farskip_jax.model import Transformer
 
@@ -94,7 +141,7 @@ def test_model_with_blockwise_core_matches_naive(impl, attention="mla"):  # MLA:
     if attention == "mla":
         base += ["model.num_kv_heads=4", "model.kv_lora_rank=16", "model.qk_nope_head_dim=8",
                  "model.qk_rope_head_dim=4", "model.v_head_dim=8"]
-    cfg_n = load_config(None, base)
+    cfg_n = load_config(None, base + ["model.attention_impl=naive"])
     cfg_b = load_config(None, base + [f"model.attention_impl={impl}", "model.attention_block=16"])
     m_n = Transformer(cfg_n, rngs=nnx.Rngs(0))
     m_b = Transformer(cfg_b, rngs=nnx.Rngs(0))

@@ -5,7 +5,8 @@ Split in named parts so the compiled schedule can be read per part (DESIGN.md se
 projection). x: [batch, seq, d_model]; positions, segment_ids: [batch, seq].
 The core is `model.attention_impl`: `naive` (one [t, s] score matrix), `blockwise` (flash-style
 online softmax over `model.attention_block`-token blocks, causal blocks skipped, recomputing VJP) or
-`causal_blocks` (each query block against its key prefix: exact softmax, plain autodiff).
+`causal_blocks` (each query block against its key prefix: exact softmax, plain autodiff) or
+`fused_cpu` (a C++ CPU kernel, model/blas_attention.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from farskip_jax.config import ModelConfig
+from farskip_jax.model.blas_attention import fused_attention_core
 from farskip_jax.model.layers import Linear, RMSNorm, dtype_of
 from farskip_jax.model.rope import apply_rope, rope_frequencies
 
@@ -166,13 +168,26 @@ def causal_blocks_attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask:
     return jnp.concatenate(outs, axis=1)
 
 
+def check_attention_impl(impl: str, platform: str | None = None) -> str:
+    """impl, refused where it cannot run: `fused_cpu` only on CPU."""
+    platform = platform or jax.default_backend()
+    if impl == "fused_cpu" and platform != "cpu":
+        raise ValueError(f"model.attention_impl=fused_cpu is a CPU kernel and this program runs on {platform}; "
+                         "use naive, blockwise or causal_blocks")
+    return impl
+
+
 def core_attention(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
                    scale: float) -> jax.Array:
-    """The attention core selected by `model.attention_impl` (naive | blockwise | causal_blocks); shapes
-    as attention_core. Sequences of one block or less always take the naive core (the same computation)."""
-    if cfg.attention_impl == "blockwise" and q.shape[1] > cfg.attention_block:
+    """The attention core selected by `model.attention_impl` (naive | blockwise | causal_blocks |
+    fused_cpu); shapes as attention_core. With blockwise / causal_blocks, sequences of one block or
+    less take the naive core (the same computation)."""
+    impl = check_attention_impl(cfg.attention_impl)
+    if impl == "fused_cpu":
+        return fused_attention_core(q, k, v, mask, scale)
+    if impl == "blockwise" and q.shape[1] > cfg.attention_block:
         return blockwise_attention_core(q, k, v, mask, scale, cfg.attention_block)
-    if cfg.attention_impl == "causal_blocks" and q.shape[1] > cfg.attention_block:
+    if impl == "causal_blocks" and q.shape[1] > cfg.attention_block:
         return causal_blocks_attention_core(q, k, v, mask, scale, cfg.attention_block)
     return attention_core(q, k, v, mask, scale)
 

@@ -1,4 +1,5 @@
-"""CPU grouped matmul through BLAS: a small C++ XLA FFI kernel (csrc/grouped_gemm.cc), one sgemm per group.
+"""CPU grouped matmul through BLAS: a small C++ XLA FFI kernel (csrc/grouped_gemm.cc), one sgemm per group;
+and the build/load of the project's CPU kernel library (also csrc/attention.cc, model/blas_attention.py).
 
     gmm(lhs [M, K], rhs [G, K, N], group_sizes [G]) -> [M, N]      (rows sorted by group, float32)
     tgmm(lhs [M, K], dy [M, N], group_sizes [G]) -> [G, K, N]       (per-group lhs^T dy: weight gradient)
@@ -37,8 +38,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SOURCE = Path(__file__).with_name("csrc") / "grouped_gemm.cc"
-CXX_FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++17", "-w")
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "grouped_gemm.cc", CSRC / "attention.cc")  # one library: the CPU kernels
+HEADERS = (CSRC / "blas_common.h",)
+CXX_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-w")
 # (symbol, ILP64?) in the order tried in each library
 _SGEMM_SYMBOLS = (("scipy_cblas_sgemm64_", 1), ("cblas_sgemm64_", 1), ("scipy_cblas_sgemm", 0), ("cblas_sgemm", 0))
 
@@ -66,16 +69,16 @@ def build() -> Path:
     """Compile the kernel once per (source, jaxlib, flags) and return the shared library's path."""
     import jaxlib
 
-    src = SOURCE.read_bytes()
+    src = b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS))
     key = hashlib.sha256(src + jaxlib.__version__.encode() + " ".join(CXX_FLAGS).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"libfarskip_grouped_gemm_{key}.so"
+    out = _cache_dir() / f"libfarskip_cpu_kernels_{key}.so"
     if out.exists():
         return out
     cxx = _compiler()
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)  # build beside, then rename: concurrent builds race safely
     os.close(fd)
-    cmd = [cxx, *CXX_FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+    cmd = [cxx, *CXX_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
     try:
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -83,7 +86,7 @@ def build() -> Path:
             raise KernelUnavailable(f"cannot run the C++ compiler {cxx!r} ({e}); set CXX to a working one "
                                     "or moe.gmm: tiled") from e
         if proc.returncode != 0:
-            raise KernelUnavailable(f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
+            raise KernelUnavailable(f"compiling {', '.join(f.name for f in SOURCES)} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -181,6 +184,8 @@ def load() -> str:
     _KEEP_ALIVE.extend([lib, blas_lib])
     jax.ffi.register_ffi_target("farskip_gmm", jax.ffi.pycapsule(lib.FarskipGmm), platform="cpu")
     jax.ffi.register_ffi_target("farskip_tgmm", jax.ffi.pycapsule(lib.FarskipTgmm), platform="cpu")
+    jax.ffi.register_ffi_target("farskip_attention_fwd", jax.ffi.pycapsule(lib.FarskipAttentionFwd), platform="cpu")
+    jax.ffi.register_ffi_target("farskip_attention_bwd", jax.ffi.pycapsule(lib.FarskipAttentionBwd), platform="cpu")
     return desc
 
 
@@ -194,7 +199,7 @@ def unavailable_reason() -> str | None:
         load()
         return None
     except KernelUnavailable as e:
-        warnings.warn(f"moe.gmm=blas is unavailable, the CPU experts use `tiled`: {e}", stacklevel=2)
+        warnings.warn(f"the CPU BLAS kernels are unavailable, moe.gmm=auto uses `tiled`: {e}", stacklevel=2)
         return str(e)
 
 

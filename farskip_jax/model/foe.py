@@ -61,7 +61,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from farskip_jax.config import Config, FarSkipConfig
 from farskip_jax.errors import ConfigError
-from farskip_jax.model.attention import Attention, attention_core, layer_mask
+from farskip_jax.model.attention import Attention, core_attention, layer_mask
 from farskip_jax.model.connectivity import Streams, _add
 from farskip_jax.model.experts import ExpertWeights
 from farskip_jax.model.router import RouteResult, Router
@@ -216,7 +216,7 @@ def group_attention(attn: Attention, x_h: jax.Array, positions: jax.Array, segme
     with jax.named_scope("attention_core"):
         pos = jnp.tile(positions, (hg, 1))
         seg = None if segment_ids is None else jnp.tile(segment_ids, (hg, 1))
-        o = attention_core(q, k, v, layer_mask(attn.cfg, attn.layer_idx, pos, seg), attn.scale)
+        o = core_attention(attn.cfg, q, k, v, layer_mask(attn.cfg, attn.layer_idx, pos, seg), attn.scale)
     with jax.named_scope("attention_out"):
         return group_project_out(attn, o, x_h, hg)
 
