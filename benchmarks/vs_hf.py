@@ -1,7 +1,7 @@
 """Train-step tokens/s of our model vs HF transformers' PyTorch Qwen3-MoE, same config and weights.
 
     python benchmarks/vs_hf.py [--layers 4] [--batch 8] [--seq 256] [--repeats 5] [--hf-impl eager,grouped_mm]
-                               [--attention-impl naive,causal_blocks]
+                               [--attention-impl naive,fused_cpu,causal_blocks] [--attention-block 128]
 
 A random Qwen3-MoE (HF config class, fp32) is saved with save_pretrained and imported through
 `farskip_jax.convert.import_hf`, so both sides hold the same weights. Checked first: fp32 logits
@@ -61,6 +61,9 @@ def main(argv=None) -> int:
     ap.add_argument("--attention-impl", default="naive",
                     help="comma list of our model.attention_impl values to time side by side "
                          "(naive, blockwise, causal_blocks, fused_cpu)")
+    ap.add_argument("--attention-block", type=int, default=128,
+                    help="model.attention_block for the blockwise / causal_blocks cores (they fall back to "
+                         "naive when the sequence is not longer than one block)")
     ap.add_argument("--qwen3-30b-proportions", action="store_true",
                     help="Qwen3-30B-A3B's expert proportions at d_model 256: 128 experts, top-8, expert hidden 96")
     args = ap.parse_args(argv)
@@ -78,7 +81,13 @@ def main(argv=None) -> int:
         for impl in args.hf_impl.split(","):
             hf_models[impl] = transformers.AutoModelForCausalLM.from_pretrained(
                 tmp, dtype=torch.float32, experts_implementation=impl).train()
-        cfg, model = import_hf(tmp, overrides={"moe.aux_loss_weight": hcfg.router_aux_loss_coef})
+        impls = args.attention_impl.split(",")
+        # one import per attention core: the core is model config, held by the modules themselves
+        ours_models = {impl: import_hf(tmp, overrides={"moe.aux_loss_weight": hcfg.router_aux_loss_coef,
+                                                       "model.attention_impl": impl,
+                                                       "model.attention_block": args.attention_block})
+                       for impl in impls}
+    cfg, model = ours_models[impls[0]]
     cfg = replace(cfg, **{"train.lr": 1e-4, "train.warmup_steps": 1, "train.weight_decay": 0.1,
                           "train.grad_clip": 1.0, "train.batch_size": args.batch, "train.seq_len": args.seq})
     print(f"model: {args.layers} layers, d_model {args.d_model}, {args.experts} experts top-{args.top_k}, expert "
@@ -104,10 +113,9 @@ def main(argv=None) -> int:
 
     tx, schedule = make_optimizer(cfg.train)
     ours_steps = {}
-    impls = args.attention_impl.split(",")
     for impl in impls:  # one state each (the step donates it)
         vcfg = replace(cfg, **{"model.attention_impl": impl})
-        graphdef, state = init_state(model, tx, 0)
+        graphdef, state = init_state(ours_models[impl][1], tx, 0)
         state = jax.tree.map(jnp.copy, state)  # own buffers: the step donates them
         step = jax.jit(make_train_step(graphdef, vcfg, tx, schedule), donate_argnums=0)
 
@@ -116,7 +124,7 @@ def main(argv=None) -> int:
             return float(metrics["loss"])
 
         ours_steps["ours" if len(impls) == 1 else f"ours[{impl}]"] = ours
-    del model
+    del model, ours_models
 
     t_tokens = torch.tensor(tokens, dtype=torch.long)
     t_targets = torch.tensor(targets, dtype=torch.long)

@@ -6,7 +6,8 @@ projection). x: [batch, seq, d_model]; positions, segment_ids: [batch, seq].
 The core is `model.attention_impl`: `naive` (one [t, s] score matrix), `blockwise` (flash-style
 online softmax over `model.attention_block`-token blocks, causal blocks skipped, recomputing VJP) or
 `causal_blocks` (each query block against its key prefix: exact softmax, plain autodiff) or
-`fused_cpu` (a C++ CPU kernel, model/blas_attention.py).
+`fused_cpu` (a C++ CPU kernel, model/blas_attention.py); `auto` (default) is `fused_cpu` on CPU when
+that kernel builds here and `naive` elsewhere.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from farskip_jax.config import ModelConfig
+from farskip_jax.model import blas_gmm
 from farskip_jax.model.blas_attention import fused_attention_core
 from farskip_jax.model.layers import Linear, RMSNorm, dtype_of
 from farskip_jax.model.rope import apply_rope, rope_frequencies
@@ -168,21 +170,24 @@ def causal_blocks_attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask:
     return jnp.concatenate(outs, axis=1)
 
 
-def check_attention_impl(impl: str, platform: str | None = None) -> str:
-    """impl, refused where it cannot run: `fused_cpu` only on CPU."""
+def resolve_attention_impl(impl: str, platform: str | None = None) -> str:
+    """`auto` -> `fused_cpu` on CPU when the CPU kernel library builds here, else `naive`; other
+    names are returned as they are, refused where they cannot run (`fused_cpu` only on CPU)."""
     platform = platform or jax.default_backend()
     if impl == "fused_cpu" and platform != "cpu":
         raise ValueError(f"model.attention_impl=fused_cpu is a CPU kernel and this program runs on {platform}; "
-                         "use naive, blockwise or causal_blocks")
-    return impl
+                         "use auto (naive there), naive, blockwise or causal_blocks")
+    if impl != "auto":
+        return impl
+    return "fused_cpu" if platform == "cpu" and blas_gmm.available() else "naive"
 
 
 def core_attention(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
                    scale: float) -> jax.Array:
-    """The attention core selected by `model.attention_impl` (naive | blockwise | causal_blocks |
+    """The attention core selected by `model.attention_impl` (auto | naive | blockwise | causal_blocks |
     fused_cpu); shapes as attention_core. With blockwise / causal_blocks, sequences of one block or
     less take the naive core (the same computation)."""
-    impl = check_attention_impl(cfg.attention_impl)
+    impl = resolve_attention_impl(cfg.attention_impl)
     if impl == "fused_cpu":
         return fused_attention_core(q, k, v, mask, scale)
     if impl == "blockwise" and q.shape[1] > cfg.attention_block:

@@ -199,7 +199,8 @@ def unavailable_reason() -> str | None:
         load()
         return None
     except KernelUnavailable as e:
-        warnings.warn(f"the CPU BLAS kernels are unavailable, moe.gmm=auto uses `tiled`: {e}", stacklevel=2)
+        warnings.warn(f"the CPU BLAS kernels are unavailable (moe.gmm=auto uses `tiled`, "
+                      f"model.attention_impl=auto the naive core): {e}", stacklevel=2)
         return str(e)
 
 

@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 from farskip_jax.config import Config, replace
 from farskip_jax.errors import BackendError, ConfigError
 from farskip_jax.model import Transformer
+from farskip_jax.model.attention import resolve_attention_impl
 from farskip_jax.model.gmm import resolve_backend
 from farskip_jax.parallel.ep import RAGGED_ON_CPU, routed_compute_for
 from farskip_jax.parallel.foe import GROUP_AXIS, FoECompute, foe_mesh_from, foe_state_shardings
@@ -85,11 +86,15 @@ def state_shardings_on(state, mesh: Mesh):
 
 
 def config_on(cfg: Config, mesh: Mesh) -> Config:
-    """cfg with moe.gmm=auto resolved for the mesh's platform: a GPU program compiled from a CPU
-    process (deviceless analysis) runs the GPU backend, as a GPU run would."""
-    if cfg.moe.gmm != "auto":
-        return cfg
-    return replace(cfg, **{"moe.gmm": resolve_backend("auto", mesh_platform(mesh))})
+    """cfg with moe.gmm=auto and model.attention_impl=auto resolved for the mesh's platform: a GPU
+    program compiled from a CPU process (deviceless analysis) runs the GPU expert backend and
+    attention core, as a GPU run would (the CPU kernels cannot run there)."""
+    platform = mesh_platform(mesh)
+    if cfg.moe.gmm == "auto":
+        cfg = replace(cfg, **{"moe.gmm": resolve_backend("auto", platform)})
+    if cfg.model.attention_impl == "auto":
+        cfg = replace(cfg, **{"model.attention_impl": resolve_attention_impl("auto", platform)})
+    return cfg
 
 
 def create_model(cfg: Config, mesh: Optional[Mesh] = None, seed: int = 0) -> Transformer:
