@@ -9,7 +9,8 @@
 // BLAS sgemm calls on each group's rows and weight slice, read in place at row offsets (no weight
 // copy, no zero-filled loop carry). The work is split into equal parts over XLA's intra-op thread
 // pool (the threads XLA itself computes with, so nothing is oversubscribed): gmm by output rows,
-// tgmm by output columns; each part calls sgemm, which the Python side has set to one thread. The
+// tgmm by whole groups (or by output columns when there are few groups); each part calls sgemm,
+// which the Python side has set to one thread. The
 // sgemm is a cblas function pointer handed in at load time (farskip_set_sgemm), so this file needs
 // no BLAS headers or link-time library: the Python side loads a private copy of numpy's bundled
 // OpenBLAS (or another) and passes its cblas_sgemm, LP64 or ILP64.
