@@ -1,8 +1,9 @@
 """Run folders: `<run_dir>/config.yaml` marks which run owns the folder.
 
 A folder is reused (resumed) only by the same experiment: its saved config must equal the new one
-except for the keys in RESUMABLE_KEYS (run length and logging cadence) and the mesh section. Anything else raises
-ConfigError unless `train.overwrite=true`, which deletes the folder first.
+except for the keys in RESUMABLE_KEYS (run length, logging cadence, and implementation choices that
+compute the same function: attention core, expert matmul backend, remat) and the mesh section.
+Anything else raises ConfigError unless `train.overwrite=true`, which deletes the folder first.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from farskip_jax.errors import ConfigError
 
 RESUMABLE_KEYS = {"train.steps", "train.time_limit_s", "train.log_every", "train.eval_every", "train.tensorboard",
                   "train.checkpoint_every", "train.keep_checkpoints", "train.max_nonfinite", "train.overwrite",
-                  "train.inject_nan_at", "train.peak_flops"}
+                  "train.inject_nan_at", "train.peak_flops",
+                  # how the same math is computed (kernels, blocking, rematerialisation): a run started
+                  # with one may resume with another, e.g. a run from before model.attention_impl=auto
+                  "model.attention_impl", "model.attention_block", "model.remat", "moe.gmm", "moe.gmm_tile"}
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
