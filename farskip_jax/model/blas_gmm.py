@@ -176,9 +176,13 @@ def _find_sgemm() -> tuple[ctypes.CDLL, int, int, str]:
 def load() -> str:
     """Build, load and register the kernels (once per process); returns the BLAS used. Raises
     KernelUnavailable with the reason."""
-    path = build()
-    lib = ctypes.CDLL(str(path))
-    blas_lib, addr, ilp64, desc = _find_sgemm()
+    try:
+        path = build()
+        lib = ctypes.CDLL(str(path))
+        blas_lib, addr, ilp64, desc = _find_sgemm()
+    except OSError as e:  # an unwritable cache folder, a library that does not load
+        raise KernelUnavailable(f"{e}; set FARSKIP_KERNEL_CACHE to a writable folder (now {_cache_dir()}) "
+                                "or moe.gmm: tiled") from e
     lib.farskip_set_sgemm.argtypes = (ctypes.c_void_p, ctypes.c_int)
     lib.farskip_set_sgemm(addr, ilp64)
     _KEEP_ALIVE.extend([lib, blas_lib])
