@@ -157,6 +157,8 @@ def _find_sgemm() -> tuple[ctypes.CDLL, int, int, str]:
             tried.append(path)
             continue
         sym, ilp64 = found
+        # the copy finds its own dependencies (numpy.libs' libgfortran, named relative to $ORIGIN)
+        # by soname among the libraries already loaded: `probe`, the original, loaded them
         lib = ctypes.CDLL(_private_copy(path))
         fn = getattr(lib, sym)
         threads = "its own threads"
@@ -167,6 +169,7 @@ def _find_sgemm() -> tuple[ctypes.CDLL, int, int, str]:
                 setter(1)
                 threads = "1 thread per call"
                 break
+        _KEEP_ALIVE.append(probe)
         return lib, ctypes.cast(fn, ctypes.c_void_p).value, ilp64, f"{sym} from {path} ({threads})"
     raise KernelUnavailable(f"no cblas_sgemm found (tried {tried or 'no library'}); point FARSKIP_BLAS_LIB at an "
                             "OpenBLAS/CBLAS shared library or set moe.gmm: tiled")
