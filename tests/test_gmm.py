@@ -143,7 +143,7 @@ def test_blas_unavailable_falls_back_to_tiled_and_explicit_blas_fails_clearly(tm
     code = (
         "import warnings, jax.numpy as jnp\n"
         "from farskip_jax.model.gmm import gmm, resolve_backend\n"
-        "from farskip_jax.model.blas_gmm import KernelUnavailable\n"
+        "from farskip_jax.model.cpu_kernels import KernelUnavailable\n"
         "with warnings.catch_warnings(record=True) as w:\n"
         "    warnings.simplefilter('always')\n"
         "    print(resolve_backend('auto', 'cpu'))\n"

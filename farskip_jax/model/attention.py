@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from farskip_jax.config import ModelConfig
-from farskip_jax.model import blas_gmm
+from farskip_jax.model import cpu_kernels
 from farskip_jax.model.blas_attention import fused_attention_core
 from farskip_jax.model.layers import Linear, RMSNorm, dtype_of
 from farskip_jax.model.rope import apply_rope, rope_frequencies
@@ -171,15 +171,9 @@ def causal_blocks_attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask:
 
 
 def resolve_attention_impl(impl: str, platform: str | None = None) -> str:
-    """`auto` -> `fused_cpu` on CPU when the CPU kernel library builds here, else `naive`; other
-    names are returned as they are, refused where they cannot run (`fused_cpu` only on CPU)."""
-    platform = platform or jax.default_backend()
-    if impl == "fused_cpu" and platform != "cpu":
-        raise ValueError(f"model.attention_impl=fused_cpu is a CPU kernel and this program runs on {platform}; "
-                         "use auto (naive there), naive, blockwise or causal_blocks")
-    if impl != "auto":
-        return impl
-    return "fused_cpu" if platform == "cpu" and blas_gmm.available() else "naive"
+    """`auto` -> `fused_cpu` on CPU when the CPU kernels build here, else `naive`; other names are
+    returned as they are (`fused_cpu` only runs on CPU)."""
+    return cpu_kernels.pick(impl, "model.attention_impl", "fused_cpu", "naive", "naive", platform)
 
 
 def core_attention(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,

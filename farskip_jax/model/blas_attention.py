@@ -10,7 +10,7 @@ only the key range holding an allowed key of a query block is computed (causal: 
 backward recomputes the probabilities from each row's saved max and sum. Any mask works (causal,
 document, chunked; a row with no allowed key is uniform like the naive core). float32 math; other
 dtypes are computed in float32 and returned in q.dtype. Built and loaded with the grouped-GEMM
-kernel (model/blas_gmm.py); `available()` there says whether this machine has it.
+kernel by model/cpu_kernels.py; `available()` there says whether this machine has it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from farskip_jax.model import blas_gmm
+from farskip_jax.model import cpu_kernels
 
 
 def _fwd_call(q, k, v, mask, scale):
@@ -56,9 +56,7 @@ _core.defvjp(_core_fwd, _core_bwd)
 def fused_attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
     """attention_core through the CPU kernel; see the module docstring. Raises KernelUnavailable when
     the kernel library cannot be built here."""
-    reason = blas_gmm.unavailable_reason()
-    if reason:
-        raise blas_gmm.KernelUnavailable(reason)
+    cpu_kernels.require()
     b, t, s = q.shape[0], q.shape[1], k.shape[1]
     mask = jnp.broadcast_to(mask, (b, 1, t, s)).astype(jnp.bool_)
     f32 = lambda a: a.astype(jnp.float32)  # noqa: E731

@@ -31,26 +31,18 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from farskip_jax.model import blas_gmm
+from farskip_jax.model import blas_gmm, cpu_kernels
 
 BACKENDS = ("auto", "blas", "ragged_dot", "tiled", "einsum")
 MIN_TILE = 8  # smallest tail window
 
 
 def resolve_backend(backend: str, platform: str | None = None) -> str:
-    """`auto` -> `blas` on CPU (`tiled` when the BLAS kernel cannot be built here), `ragged_dot`
+    """`auto` -> `blas` on CPU (`tiled` when the CPU kernels cannot be built here), `ragged_dot`
     elsewhere; other names are returned checked (`blas` only runs on CPU)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown gmm backend {backend!r}; choose one of {BACKENDS}")
-    platform = platform or jax.default_backend()
-    if backend == "blas" and platform != "cpu":
-        raise ValueError(f"moe.gmm=blas is a CPU kernel and this program runs on {platform}; "
-                         "use moe.gmm: auto (ragged_dot there) or ragged_dot")
-    if backend != "auto":
-        return backend
-    if platform != "cpu":
-        return "ragged_dot"
-    return "blas" if blas_gmm.available() else "tiled"
+    return cpu_kernels.pick(backend, "moe.gmm", "blas", "tiled", "ragged_dot", platform)
 
 
 # ----------------------------------------------------------------------------------------------

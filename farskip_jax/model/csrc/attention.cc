@@ -78,6 +78,44 @@ void Scores(const Dims& x, const float* qb, const float* kb, const bool* mrows, 
   }
 }
 
+// One block of query rows of one head: rows [r0, r0 + rows) of head h (kv head kvh) in batch b,
+// the allowed keys all in [lo, lo + n); mask points at the block's first mask row.
+struct QBlock {
+  int64_t b, kvh, h, r0, rows, lo, n;
+  const bool* mask;
+};
+
+// Part-local buffers of one task walk: p and dp hold [kBlock, S] scores, delta [kBlock].
+struct Scratch {
+  std::vector<float> p, dp, delta;
+};
+
+// Calls task_start(b, kvh) once per (batch, kv head) task, then block(QBlock, Scratch&) for every
+// query block of the task's heads; tasks are spread over the pool (parts of consecutive tasks), so a
+// task owns dk/dv[b, :, kvh, :].
+template <class TaskStart, class Block>
+void ForEachQueryBlock(ffi::ThreadPool& pool, const Dims& x, const bool* mask, double flops, TaskStart task_start,
+                       Block block) {
+  const int64_t tasks = x.b * x.kv;
+  const int64_t parts = NumParts(pool, flops, tasks);
+  ParallelParts(pool, parts, [&](int64_t part) {
+    Scratch scratch{std::vector<float>(kBlock * x.s), std::vector<float>(kBlock * x.s), std::vector<float>(kBlock)};
+    for (int64_t task = part * tasks / parts; task < (part + 1) * tasks / parts; ++task) {
+      const int64_t b = task / x.kv, kvh = task % x.kv;
+      task_start(b, kvh);
+      const bool* mb = mask + b * x.t * x.s;
+      for (int64_t h = kvh * x.g; h < (kvh + 1) * x.g; ++h) {
+        for (int64_t r0 = 0; r0 < x.t; r0 += kBlock) {
+          const int64_t rows = std::min(kBlock, x.t - r0);
+          int64_t lo, hi;
+          KeyRange(mb, x.s, r0, r0 + rows, &lo, &hi);
+          block(QBlock{b, kvh, h, r0, rows, lo, hi - lo, mb + r0 * x.s}, scratch);
+        }
+      }
+    }
+  });
+}
+
 ffi::Error FwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                    ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> m_out,
                    ffi::ResultBuffer<ffi::F32> l_out, float scale) {
@@ -85,43 +123,29 @@ ffi::Error FwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
   Dims x;
   if (!GetDims(q, k, v, mask, &x)) return BadShapes();
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
-  const bool* mp = mask.typed_data();
   float *op = o->typed_data(), *mo = m_out->typed_data(), *lo_ = l_out->typed_data();
-  const int64_t tasks = x.b * x.kv;
-  const int64_t parts = NumParts(pool, 4.0 * x.b * x.h * x.t * x.s * x.d, tasks);
-  ParallelParts(pool, parts, [&](int64_t part) {
-    std::vector<float> sc(kBlock * x.s);
-    for (int64_t task = part * tasks / parts; task < (part + 1) * tasks / parts; ++task) {
-      const int64_t b = task / x.kv, kvh = task % x.kv;
-      const float* kb = kp + b * x.s * x.kv * x.d + kvh * x.d;
-      const float* vb = vp + b * x.s * x.kv * x.dv + kvh * x.dv;
-      const bool* mb = mp + b * x.t * x.s;
-      for (int64_t h = kvh * x.g; h < (kvh + 1) * x.g; ++h) {
-        for (int64_t r0 = 0; r0 < x.t; r0 += kBlock) {
-          const int64_t rows = std::min(kBlock, x.t - r0);
-          int64_t lo, hi;
-          KeyRange(mb, x.s, r0, r0 + rows, &lo, &hi);
-          const int64_t n = hi - lo;
-          const float* qb = qp + (b * x.t + r0) * x.h * x.d + h * x.d;
-          Scores(x, qb, kb, mb + r0 * x.s, rows, lo, n, scale, sc.data());
-          for (int64_t i = 0; i < rows; ++i) {
-            float* si = sc.data() + i * n;
-            float mx = kMasked;
-            for (int64_t j = 0; j < n; ++j) mx = std::max(mx, si[j]);
-            float sum = 0.0f;
-            for (int64_t j = 0; j < n; ++j) sum += (si[j] = std::exp(si[j] - mx));
-            // keys outside [lo, hi) are masked for this row: exp(kMasked - mx) is 0 unless the row
-            // has no allowed key, and then [lo, hi) is every key
-            const float inv = 1.0f / sum;
-            for (int64_t j = 0; j < n; ++j) si[j] *= inv;
-            const int64_t stat = (b * x.h + h) * x.t + r0 + i;
-            mo[stat] = mx, lo_[stat] = sum;
-          }
-          Sgemm(false, false, rows, x.dv, n, sc.data(), n, vb + lo * x.kv * x.dv, x.kv * x.dv,
-                op + (b * x.t + r0) * x.h * x.dv + h * x.dv, x.h * x.dv);
-        }
-      }
+  ForEachQueryBlock(pool, x, mask.typed_data(), 4.0 * x.b * x.h * x.t * x.s * x.d, [](int64_t, int64_t) {},
+                    [&](const QBlock& blk, Scratch& scratch) {
+    const int64_t n = blk.n;
+    float* sc = scratch.p.data();
+    const float* kb = kp + blk.b * x.s * x.kv * x.d + blk.kvh * x.d;
+    const float* vb = vp + blk.b * x.s * x.kv * x.dv + blk.kvh * x.dv;
+    Scores(x, qp + (blk.b * x.t + blk.r0) * x.h * x.d + blk.h * x.d, kb, blk.mask, blk.rows, blk.lo, n, scale, sc);
+    for (int64_t i = 0; i < blk.rows; ++i) {
+      float* si = sc + i * n;
+      float mx = kMasked;
+      for (int64_t j = 0; j < n; ++j) mx = std::max(mx, si[j]);
+      float sum = 0.0f;
+      for (int64_t j = 0; j < n; ++j) sum += (si[j] = std::exp(si[j] - mx));
+      // keys outside [lo, hi) are masked for this row: exp(kMasked - mx) is 0 unless the row
+      // has no allowed key, and then [lo, hi) is every key
+      const float inv = 1.0f / sum;
+      for (int64_t j = 0; j < n; ++j) si[j] *= inv;
+      const int64_t stat = (blk.b * x.h + blk.h) * x.t + blk.r0 + i;
+      mo[stat] = mx, lo_[stat] = sum;
     }
+    Sgemm(false, false, blk.rows, x.dv, n, sc, n, vb + blk.lo * x.kv * x.dv, x.kv * x.dv,
+          op + (blk.b * x.t + blk.r0) * x.h * x.dv + blk.h * x.dv, x.h * x.dv);
   });
   return ffi::Error::Success();
 }
@@ -135,62 +159,53 @@ ffi::Error BwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
   if (!GetDims(q, k, v, mask, &x)) return BadShapes();
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data(), *opp = o.typed_data();
   const float *mi = m_in.typed_data(), *li = l_in.typed_data(), *dop = dout.typed_data();
-  const bool* mp = mask.typed_data();
   float *dqp = dq->typed_data(), *dkp = dk->typed_data(), *dvp = dv->typed_data();
-  const int64_t tasks = x.b * x.kv;
-  const int64_t parts = NumParts(pool, 8.0 * x.b * x.h * x.t * x.s * x.d, tasks);
-  ParallelParts(pool, parts, [&](int64_t part) {
-    std::vector<float> p(kBlock * x.s), dp(kBlock * x.s), delta(kBlock);
-    for (int64_t task = part * tasks / parts; task < (part + 1) * tasks / parts; ++task) {
-      const int64_t b = task / x.kv, kvh = task % x.kv;
-      const float* kb = kp + b * x.s * x.kv * x.d + kvh * x.d;
-      const float* vb = vp + b * x.s * x.kv * x.dv + kvh * x.dv;
-      float* dkb = dkp + b * x.s * x.kv * x.d + kvh * x.d;
-      float* dvb = dvp + b * x.s * x.kv * x.dv + kvh * x.dv;
-      for (int64_t j = 0; j < x.s; ++j) {  // this task owns dk/dv[b, :, kvh, :]
-        std::memset(dkb + j * x.kv * x.d, 0, sizeof(float) * x.d);
-        std::memset(dvb + j * x.kv * x.dv, 0, sizeof(float) * x.dv);
-      }
-      const bool* mb = mp + b * x.t * x.s;
-      for (int64_t h = kvh * x.g; h < (kvh + 1) * x.g; ++h) {
-        for (int64_t r0 = 0; r0 < x.t; r0 += kBlock) {
-          const int64_t rows = std::min(kBlock, x.t - r0);
-          int64_t lo, hi;
-          KeyRange(mb, x.s, r0, r0 + rows, &lo, &hi);
-          const int64_t n = hi - lo;
-          const int64_t qoff = (b * x.t + r0) * x.h * x.d + h * x.d;
-          const int64_t ooff = (b * x.t + r0) * x.h * x.dv + h * x.dv;
-          const float* qb = qp + qoff;
-          const float* dob = dop + ooff;
-          Scores(x, qb, kb, mb + r0 * x.s, rows, lo, n, scale, p.data());
-          for (int64_t i = 0; i < rows; ++i) {
-            const int64_t stat = (b * x.h + h) * x.t + r0 + i;
-            const float mx = mi[stat], inv = 1.0f / li[stat];
-            float* pi = p.data() + i * n;
-            for (int64_t j = 0; j < n; ++j) pi[j] = std::exp(pi[j] - mx) * inv;
-            const float* oi = opp + ooff + i * x.h * x.dv;
-            const float* doi = dob + i * x.h * x.dv;
-            float acc = 0.0f;
-            for (int64_t c = 0; c < x.dv; ++c) acc += oi[c] * doi[c];
-            delta[i] = acc;
-          }
-          // dv[lo:hi] += p^T do
-          Sgemm(true, false, n, x.dv, rows, p.data(), n, dob, x.h * x.dv, dvb + lo * x.kv * x.dv, x.kv * x.dv, 1.0f);
-          // dp = do v[lo:hi]^T; ds = p (dp - delta) scale where allowed, 0 elsewhere
-          Sgemm(false, true, rows, n, x.dv, dob, x.h * x.dv, vb + lo * x.kv * x.dv, x.kv * x.dv, dp.data(), n);
-          for (int64_t i = 0; i < rows; ++i) {
-            const bool* mr = mb + (r0 + i) * x.s + lo;
-            const float* pi = p.data() + i * n;
-            float* di = dp.data() + i * n;
-            for (int64_t j = 0; j < n; ++j) di[j] = mr[j] ? pi[j] * (di[j] - delta[i]) * scale : 0.0f;
-          }
-          // dq rows = ds k[lo:hi] (every key this block touches is in [lo, hi))
-          Sgemm(false, false, rows, x.d, n, dp.data(), n, kb + lo * x.kv * x.d, x.kv * x.d, dqp + qoff, x.h * x.d);
-          // dk[lo:hi] += ds^T q_blk
-          Sgemm(true, false, n, x.d, rows, dp.data(), n, qb, x.h * x.d, dkb + lo * x.kv * x.d, x.kv * x.d, 1.0f);
-        }
-      }
+  const int64_t kstride = x.kv * x.d, vstride = x.kv * x.dv;  // row strides of k/dk and v/dv
+  auto zero_task = [&](int64_t b, int64_t kvh) {  // the task owns dk/dv[b, :, kvh, :]
+    for (int64_t j = 0; j < x.s; ++j) {
+      std::memset(dkp + (b * x.s + j) * kstride + kvh * x.d, 0, sizeof(float) * x.d);
+      std::memset(dvp + (b * x.s + j) * vstride + kvh * x.dv, 0, sizeof(float) * x.dv);
     }
+  };
+  ForEachQueryBlock(pool, x, mask.typed_data(), 8.0 * x.b * x.h * x.t * x.s * x.d, zero_task,
+                    [&](const QBlock& blk, Scratch& scratch) {
+    const int64_t n = blk.n, rows = blk.rows;
+    float *p = scratch.p.data(), *dp = scratch.dp.data(), *delta = scratch.delta.data();
+    const int64_t kvoff = blk.b * x.s;  // first key row of this batch
+    const float* kb = kp + (kvoff + blk.lo) * kstride + blk.kvh * x.d;
+    const float* vb = vp + (kvoff + blk.lo) * vstride + blk.kvh * x.dv;
+    const int64_t qoff = (blk.b * x.t + blk.r0) * x.h * x.d + blk.h * x.d;
+    const int64_t ooff = (blk.b * x.t + blk.r0) * x.h * x.dv + blk.h * x.dv;
+    const float* qb = qp + qoff;
+    const float* dob = dop + ooff;
+    Scores(x, qb, kp + kvoff * kstride + blk.kvh * x.d, blk.mask, rows, blk.lo, n, scale, p);
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t stat = (blk.b * x.h + blk.h) * x.t + blk.r0 + i;
+      const float mx = mi[stat], inv = 1.0f / li[stat];
+      float* pi = p + i * n;
+      for (int64_t j = 0; j < n; ++j) pi[j] = std::exp(pi[j] - mx) * inv;
+      const float* oi = opp + ooff + i * x.h * x.dv;
+      const float* doi = dob + i * x.h * x.dv;
+      float acc = 0.0f;
+      for (int64_t c = 0; c < x.dv; ++c) acc += oi[c] * doi[c];
+      delta[i] = acc;
+    }
+    // dv[lo:hi] += p^T do
+    Sgemm(true, false, n, x.dv, rows, p, n, dob, x.h * x.dv, dvp + (kvoff + blk.lo) * vstride + blk.kvh * x.dv,
+          vstride, 1.0f);
+    // dp = do v[lo:hi]^T; ds = p (dp - delta) scale where allowed, 0 elsewhere
+    Sgemm(false, true, rows, n, x.dv, dob, x.h * x.dv, vb, vstride, dp, n);
+    for (int64_t i = 0; i < rows; ++i) {
+      const bool* mr = blk.mask + i * x.s + blk.lo;
+      const float* pi = p + i * n;
+      float* di = dp + i * n;
+      for (int64_t j = 0; j < n; ++j) di[j] = mr[j] ? pi[j] * (di[j] - delta[i]) * scale : 0.0f;
+    }
+    // dq rows = ds k[lo:hi] (every key this block touches is in [lo, hi))
+    Sgemm(false, false, rows, x.d, n, dp, n, kb, kstride, dqp + qoff, x.h * x.d);
+    // dk[lo:hi] += ds^T q_blk
+    Sgemm(true, false, n, x.d, rows, dp, n, qb, x.h * x.d, dkp + (kvoff + blk.lo) * kstride + blk.kvh * x.d, kstride,
+          1.0f);
   });
   return ffi::Error::Success();
 }

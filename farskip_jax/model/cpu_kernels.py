@@ -1,0 +1,232 @@
+"""The project's CPU kernel library (csrc/: grouped GEMM and attention as XLA FFI custom calls): build,
+load, and the choice between a CPU kernel and its fallback.
+
+On first use the library is compiled with the system C++ compiler ($CXX, else g++, c++ or clang++;
+about 4 s) against jaxlib's FFI headers into a cache folder ($FARSKIP_KERNEL_CACHE, default
+~/.cache/farskip_jax), keyed by the sources, the jaxlib version and the flags. It links no BLAS: at
+load time it is handed the address of cblas_sgemm from the first library that has one, in order:
+$FARSKIP_BLAS_LIB, numpy's bundled OpenBLAS (scipy-openblas, ILP64), the scipy_openblas32/64 wheels,
+a system OpenBLAS/CBLAS; that library is loaded from a private copy set to one thread per call (the
+kernels run one sgemm per XLA thread) so numpy's copy keeps its threads. `available()` says whether
+all of this worked; `pick()` is how `moe.gmm` and `model.attention_impl` choose a CPU kernel or
+their fallback. Users: model/blas_gmm.py, model/blas_attention.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import glob
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import jax
+import numpy as np
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "grouped_gemm.cc", CSRC / "attention.cc")  # one library: the CPU kernels
+HEADERS = (CSRC / "blas_common.h",)
+CXX_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-w")
+# (symbol, ILP64?) in the order tried in each library
+_SGEMM_SYMBOLS = (("scipy_cblas_sgemm64_", 1), ("cblas_sgemm64_", 1), ("scipy_cblas_sgemm", 0), ("cblas_sgemm", 0))
+
+
+class KernelUnavailable(RuntimeError):
+    """The CPU kernel library could not be built or given a BLAS; the message says why and the fix."""
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("FARSKIP_KERNEL_CACHE") or Path.home() / ".cache" / "farskip_jax")
+
+
+def _compiler() -> str:
+    """$CXX when set (used as given), else the first of g++, c++, clang++ on PATH."""
+    if os.environ.get("CXX"):
+        return os.environ["CXX"]
+    for c in ("g++", "c++", "clang++"):
+        if shutil.which(c):
+            return c
+    raise KernelUnavailable("no C++ compiler found (tried $CXX, g++, c++, clang++); install one "
+                            "(e.g. `apt install g++`) or set moe.gmm: tiled")
+
+
+def _publish(dst: Path, write) -> None:
+    """write(tmp_path) into a temporary file beside dst, then rename it to dst: processes that race
+    (parallel test workers) each publish a whole file, and a failed write leaves nothing behind."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=dst.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, dst)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def build() -> Path:
+    """Compile the library once per (sources, jaxlib, flags) and return the shared library's path."""
+    import jaxlib
+
+    src = b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS))
+    key = hashlib.sha256(src + jaxlib.__version__.encode() + " ".join(CXX_FLAGS).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"libfarskip_cpu_kernels_{key}.so"
+    if out.exists():
+        return out
+    cxx = _compiler()
+
+    def compile_to(tmp: str) -> None:
+        cmd = [cxx, *CXX_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as e:
+            raise KernelUnavailable(f"cannot run the C++ compiler {cxx!r} ({e}); set CXX to a working one "
+                                    "or moe.gmm: tiled") from e
+        if proc.returncode != 0:
+            raise KernelUnavailable(f"compiling {', '.join(f.name for f in SOURCES)} failed "
+                                    f"({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
+
+    _publish(out, compile_to)
+    return out
+
+
+def _blas_candidates() -> list[str]:
+    paths = []
+    if os.environ.get("FARSKIP_BLAS_LIB"):
+        paths.append(os.environ["FARSKIP_BLAS_LIB"])
+    np_root = Path(np.__file__).resolve().parent
+    for pattern in ("../numpy.libs/libscipy_openblas*.so*", ".dylibs/libscipy_openblas*.dylib", "../numpy.libs/*openblas*.so*"):
+        paths += sorted(glob.glob(str(np_root / pattern)))
+    for mod in ("scipy_openblas64", "scipy_openblas32"):
+        try:
+            m = __import__(mod)
+            paths.append(os.path.join(m.get_lib_dir(), m.get_library() + (".dll" if os.name == "nt" else "")))
+            paths += sorted(glob.glob(os.path.join(m.get_lib_dir(), "lib*openblas*.so*")))
+        except Exception:  # noqa: BLE001 - optional wheels
+            pass
+    for name in ("openblas", "cblas", "blas", "Accelerate"):
+        found = ctypes.util.find_library(name)
+        if found:
+            paths.append(found)
+    return paths
+
+
+_SET_THREADS_SYMBOLS = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads", "openblas_set_num_threads64_",
+                        "openblas_set_num_threads")
+
+
+def _private_copy(path: str) -> str:
+    """A copy of the BLAS library file in the kernel cache, so that loading it gives this kernel its
+    own BLAS state: its thread count is set to 1 (the kernel runs one sgemm per XLA thread) without
+    touching the copy numpy and the rest of the process use. A bare library name (no file) is used
+    as it is."""
+    src = Path(path)
+    if not src.is_file():
+        return path
+    data_key = hashlib.sha256(f"{src.resolve()}:{src.stat().st_size}:{src.stat().st_mtime_ns}".encode()).hexdigest()[:16]
+    dst = _cache_dir() / f"blas_{data_key}{''.join(src.suffixes[-1:]) or '.so'}"
+    if not dst.exists():
+        _publish(dst, lambda tmp: shutil.copyfile(src, tmp))
+    return str(dst)
+
+
+def _find_sgemm() -> tuple[ctypes.CDLL, int, int, str]:
+    """(library, address of cblas_sgemm, ilp64 flag, description) from the first library that has
+    one, loaded from a private copy with its thread count set to 1."""
+    tried = []
+    for path in _blas_candidates():
+        try:
+            probe = ctypes.CDLL(path)
+        except OSError:
+            tried.append(path)
+            continue
+        found = next(((sym, ilp64) for sym, ilp64 in _SGEMM_SYMBOLS if getattr(probe, sym, None) is not None), None)
+        if found is None:
+            tried.append(path)
+            continue
+        sym, ilp64 = found
+        # the copy finds its own dependencies (numpy.libs' libgfortran, named relative to $ORIGIN)
+        # by soname among the libraries already loaded: `probe`, the original, loaded them
+        lib = ctypes.CDLL(_private_copy(path))
+        fn = getattr(lib, sym)
+        threads = "its own threads"
+        for set_sym in _SET_THREADS_SYMBOLS:
+            setter = getattr(lib, set_sym, None)
+            if setter is not None:
+                setter.argtypes = (ctypes.c_int64 if set_sym.endswith("64_") else ctypes.c_int,)
+                setter(1)
+                threads = "1 thread per call"
+                break
+        _KEEP_ALIVE.append(probe)
+        return lib, ctypes.cast(fn, ctypes.c_void_p).value, ilp64, f"{sym} from {path} ({threads})"
+    raise KernelUnavailable(f"no cblas_sgemm found (tried {tried or 'no library'}); point FARSKIP_BLAS_LIB at an "
+                            "OpenBLAS/CBLAS shared library or set moe.gmm: tiled")
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> str:
+    """Build, load and register the kernels (once per process); returns the BLAS used. Raises
+    KernelUnavailable with the reason."""
+    try:
+        path = build()
+        lib = ctypes.CDLL(str(path))
+        blas_lib, addr, ilp64, desc = _find_sgemm()
+    except OSError as e:  # an unwritable cache folder, a library that does not load
+        raise KernelUnavailable(f"{e}; set FARSKIP_KERNEL_CACHE to a writable folder (now {_cache_dir()}) "
+                                "or moe.gmm: tiled") from e
+    lib.farskip_set_sgemm.argtypes = (ctypes.c_void_p, ctypes.c_int)
+    lib.farskip_set_sgemm(addr, ilp64)
+    _KEEP_ALIVE.extend([lib, blas_lib])
+    jax.ffi.register_ffi_target("farskip_gmm", jax.ffi.pycapsule(lib.FarskipGmm), platform="cpu")
+    jax.ffi.register_ffi_target("farskip_tgmm", jax.ffi.pycapsule(lib.FarskipTgmm), platform="cpu")
+    jax.ffi.register_ffi_target("farskip_attention_fwd", jax.ffi.pycapsule(lib.FarskipAttentionFwd), platform="cpu")
+    jax.ffi.register_ffi_target("farskip_attention_bwd", jax.ffi.pycapsule(lib.FarskipAttentionBwd), platform="cpu")
+    return desc
+
+
+_KEEP_ALIVE: list = []
+
+
+@functools.lru_cache(maxsize=1)
+def unavailable_reason() -> str | None:
+    """None when the kernels are ready, else why not (also warned once)."""
+    try:
+        load()
+        return None
+    except KernelUnavailable as e:
+        warnings.warn(f"the CPU BLAS kernels are unavailable (moe.gmm=auto uses `tiled`, "
+                      f"model.attention_impl=auto the naive core): {e}", stacklevel=2)
+        return str(e)
+
+
+def available() -> bool:
+    return unavailable_reason() is None
+
+
+def require() -> None:
+    """Raise KernelUnavailable (with the reason and the fix) unless the kernels are ready."""
+    reason = unavailable_reason()
+    if reason:
+        raise KernelUnavailable(reason)
+
+
+def pick(value: str, key: str, kernel: str, cpu_fallback: str, elsewhere: str, platform: str | None = None) -> str:
+    """Resolve the config value `value` of `key` on `platform` (default: JAX's default backend):
+    `auto` -> `kernel` on CPU when the kernels are available here (`cpu_fallback` when not),
+    `elsewhere` on other platforms; the CPU kernel asked for by name on another platform is refused;
+    any other value is returned as it is."""
+    platform = platform or jax.default_backend()
+    if value == kernel and platform != "cpu":
+        raise ValueError(f"{key}={kernel} is a CPU kernel and this program runs on {platform}; "
+                         f"use {key}: auto ({elsewhere} there) or {elsewhere}")
+    if value != "auto":
+        return value
+    if platform != "cpu":
+        return elsewhere
+    return kernel if available() else cpu_fallback
