@@ -55,6 +55,9 @@ def parse(argv):
     p.add_argument("--eval-batches", type=int, default=16,
                    help="report slice: the next N validation batches (disjoint from the early-stopping slice)")
     p.add_argument("--confidence", type=float, default=0.5, help="teacher max-probability of a 'confident' position")
+    p.add_argument("--distill-seed", type=int, default=0,
+                   help="train.seed of the FCSD run: the order of its training stream (the early-stopping and "
+                        "report slices are validation text in file order, the same for every seed)")
     p.add_argument("--fcsd-dir", default="fcsd", help="FCSD run folder name under --out (sweeps of the recipe)")
     p.add_argument("--reuse-fcsd", action="store_true", help="reuse a finished FCSD run under --out (table only)")
     p.add_argument("--sweep-step", type=int, default=1,
@@ -83,7 +86,7 @@ def fcsd_config(a, out: str, teacher_dir: str, steps: int, budget: int):
         f"train.seq_len={a.seq_len}", "train.tensorboard=false", "mesh.data=1", *a.overrides,
         f"train.batch_size={a.distill_batch_size}", f"train.eval_batches={a.select_batches}",
         f"distill.init_from_run={teacher_dir}", f"train.run_dir={out}/{a.fcsd_dir}", "train.overwrite=true",
-        f"train.steps={steps}", f"distill.max_tokens={budget}", f"train.lr={a.distill_lr}",
+        f"train.steps={steps}", f"train.seed={a.distill_seed}", f"distill.max_tokens={budget}", f"train.lr={a.distill_lr}",
         f"train.min_lr_ratio={a.min_lr_ratio}", f"train.warmup_steps={max(1, steps // 20)}",
         f"distill.kl={a.kl}", f"distill.temperature={a.temperature}", f"distill.ce_weight={a.ce_weight}",
         f"distill.top_k_logits={a.top_k}", f"distill.eval_every={a.eval_every}", "distill.patience=1000",
@@ -174,7 +177,8 @@ def main(argv=None) -> int:
         floor.append((f"teacher from train.seed={a.second_seed} (same recipe)", evaluate_pair(cmp(gd_2, STANDARD), st_2, st, batches)))
 
     recipe = (f"{a.kl} KL, T={a.temperature:g}, ce_weight {a.ce_weight:g}, top-k {a.top_k or 'all'}, lr {a.distill_lr:g} "
-              f"(warmup {max(1, steps // 20)}, cosine to x{a.min_lr_ratio:g}), batch {a.distill_batch_size} x {a.seq_len}")
+              f"(warmup {max(1, steps // 20)}, cosine to x{a.min_lr_ratio:g}), batch {a.distill_batch_size} x {a.seq_len}, "
+              f"data-order seed {a.distill_seed}")
     L = [f"# FCSD experiment ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
          f"teacher: {cfg.model.num_layers} layers, d_model {cfg.model.d_model}, {cfg.moe.num_experts} experts "
          f"top-{cfg.moe.top_k} + {cfg.moe.num_shared_experts} shared, byte-level; pretrained {teacher_tokens:,} tokens "

@@ -1,7 +1,7 @@
 """Train-step tokens/s of our model vs HF transformers' PyTorch Qwen3-MoE, same config and weights.
 
     python benchmarks/vs_hf.py [--layers 4] [--batch 8] [--seq 256] [--repeats 5] [--hf-impl eager,grouped_mm]
-                               [--attention-impl naive,fused_cpu,causal_blocks] [--attention-block 128]
+                               [--attention-impl auto,naive,causal_blocks] [--attention-block 128]
 
 A random Qwen3-MoE (HF config class, fp32) is saved with save_pretrained and imported through
 `farskip_jax.convert.import_hf`, so both sides hold the same weights. Checked first: fp32 logits
@@ -58,9 +58,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--hf-impl", default="eager,grouped_mm", help="transformers experts implementations to time")
-    ap.add_argument("--attention-impl", default="naive",
+    ap.add_argument("--attention-impl", default="auto",
                     help="comma list of our model.attention_impl values to time side by side "
-                         "(naive, blockwise, causal_blocks, fused_cpu)")
+                         "(auto = the model default: fused_cpu on CPU; naive, blockwise, causal_blocks, fused_cpu)")
     ap.add_argument("--attention-block", type=int, default=128,
                     help="model.attention_block for the blockwise / causal_blocks cores (they fall back to "
                          "naive when the sequence is not longer than one block)")
