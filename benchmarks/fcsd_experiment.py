@@ -48,6 +48,9 @@ def parse(argv):
     p.add_argument("--kl", default="forward", choices=["forward", "reverse", "both"])
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--ce-weight", type=float, default=0.0)
+    p.add_argument("--hidden-weight", type=float, default=0.0,
+                   help="> 0: add this weight x mean over layers of ||h_student - h_teacher||^2 / d_model "
+                        "(per-layer full streams)")
     p.add_argument("--top-k", type=int, default=0, help="> 0: forward KL on the teacher's top-k tokens only")
     p.add_argument("--eval-every", type=int, default=25, help="FCSD steps between early-stopping evaluations")
     p.add_argument("--select-batches", type=int, default=8,
@@ -89,6 +92,7 @@ def fcsd_config(a, out: str, teacher_dir: str, steps: int, budget: int):
         f"train.steps={steps}", f"train.seed={a.distill_seed}", f"distill.max_tokens={budget}", f"train.lr={a.distill_lr}",
         f"train.min_lr_ratio={a.min_lr_ratio}", f"train.warmup_steps={max(1, steps // 20)}",
         f"distill.kl={a.kl}", f"distill.temperature={a.temperature}", f"distill.ce_weight={a.ce_weight}",
+        f"distill.hidden_weight={a.hidden_weight}",
         f"distill.top_k_logits={a.top_k}", f"distill.eval_every={a.eval_every}", "distill.patience=1000",
         "train.log_every=25"])
 
@@ -176,7 +180,8 @@ def main(argv=None) -> int:
         _, gd_2, st_2 = load_run(seed_dir, "latest")
         floor.append((f"teacher from train.seed={a.second_seed} (same recipe)", evaluate_pair(cmp(gd_2, STANDARD), st_2, st, batches)))
 
-    recipe = (f"{a.kl} KL, T={a.temperature:g}, ce_weight {a.ce_weight:g}, top-k {a.top_k or 'all'}, lr {a.distill_lr:g} "
+    recipe = (f"{a.kl} KL, T={a.temperature:g}, ce_weight {a.ce_weight:g}, hidden_weight {a.hidden_weight:g}, "
+              f"top-k {a.top_k or 'all'}, lr {a.distill_lr:g} "
               f"(warmup {max(1, steps // 20)}, cosine to x{a.min_lr_ratio:g}), batch {a.distill_batch_size} x {a.seq_len}, "
               f"data-order seed {a.distill_seed}")
     L = [f"# FCSD experiment ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
