@@ -216,3 +216,32 @@ def test_sweep_csv_round_trip(tmp_path):
     rows = [dict(direction=d, layers=n, val_loss=1.5 + n / 7, ppl=4.5, teacher_loss=1.5, kl=n / 3, top1=1 - n / 9)
             for d in ("first", "last") for n in range(3)]
     assert read_csv(write_csv(rows, str(tmp_path / "sweep.csv"))) == rows
+
+
+def test_fcsd_summary_table_and_plot(tmp_path):
+    """benchmarks/fcsd_summary.py: one row per results*.json, recipe settings that differ from the plain
+    recipe named (older recipe lines without hidden_weight / seed read as the defaults), plot written."""
+    import importlib.util
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "fcsd_summary.py")
+    spec = importlib.util.spec_from_file_location("fcsd_summary", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    old = "forward KL, T=1, ce_weight 0, top-k all, lr 0.00075 (warmup 60, cosine to x0.1), batch 2 x 128"
+    new = ("reverse KL, T=1, ce_weight 0, hidden_weight 0.01, top-k all, lr 0.00075 (warmup 60, cosine to x0.1), "
+           "batch 2 x 128, data-order seed 1")
+    for name, recipe, tokens, after_loss in (("results.json", old, 100, 1.01), ("results_b.json", old, 200, 1.005),
+                                              ("results_c.json", new, 100, 1.02)):
+        (tmp_path / name).write_text(json.dumps(dict(
+            recipe=recipe, fcsd_tokens=tokens, teacher_tokens=1000,
+            table=[["teacher", 1.0, 1.0, 1.0, 0.0, 0], ["converted", 1.1, 0.8, 0.9, 0.1, 0],
+                   ["after", after_loss, 0.9, 0.99, 0.03, tokens]])))
+    assert mod.main([str(tmp_path)]) == 0
+    table = (tmp_path / "summary.md").read_text().splitlines()
+    assert len(table) == 5
+    row = next(r for r in table if "results_c.json" in r)
+    assert "kl reverse, hidden_weight 0.01, data-order seed 1" in row and "+2.00%" in row
+    assert "| - |" in next(r for r in table if "results.json" in r)
+    assert (tmp_path / "summary.png").stat().st_size > 0
