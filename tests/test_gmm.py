@@ -173,6 +173,91 @@ def test_blas_backend_bf16_inputs():
     assert _rel(np.asarray(y, np.float32), ref) < 1e-2
 
 
+# ------------------------------------------------------------------------------ bf16 on Intel AMX
+
+def _amx_or_skip():
+    from farskip_jax.model import cpu_kernels
+
+    if not cpu_kernels.amx_available():
+        pytest.skip("no usable AMX-BF16 on this CPU (the float32 kernels serve bf16 here)")
+
+
+# (rows, group sizes, K, N): ragged groups with empty ones and rows past the groups, row counts that
+# are not multiples of 32 (zero-padded last block), one group (a dense layer), K/N of 32 and 3 x 32
+AMX_CASES = [(300, [67, 0, 75, 88], 64, 96), (257, [100, 150], 256, 512), (33, [3, 0, 9], 32, 64),
+             (64, [64], 96, 32)]
+
+
+@pytest.mark.parametrize("m,sizes,k,n", AMX_CASES)
+def test_amx_kernels_match_group_loop(m, sizes, k, n):
+    """The three AMX kernels (y = x W, dx = dy W^T, dW = x^T dy per group) on bf16 operands, float32
+    weights rounded to bf16: equal to a float64 per-group loop on the same rounded values (float32
+    accumulation: 1e-5 relative); rows past the groups are zero."""
+    from farskip_jax.model import blas_gmm
+
+    _amx_or_skip()
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((len(sizes), k, n)) * 0.1, jnp.float32)
+    g = jnp.asarray(sizes, jnp.int32)
+    y = jax.jit(lambda x, w: blas_gmm._gmm_bf16_call(x, w, g, False))(x, w)
+    dx = jax.jit(lambda d, w: blas_gmm._gmm_bf16_call(d, w, g, True))(dy, w)
+    dw = jax.jit(lambda x, d: blas_gmm._tgmm_bf16_call(x, d, g))(x, dy)
+    xf, dyf = np.asarray(x, np.float64), np.asarray(dy, np.float64)
+    wf = np.asarray(w.astype(jnp.bfloat16), np.float64)
+    y_ref, dx_ref, dw_ref, s = np.zeros((m, n)), np.zeros((m, k)), np.zeros(wf.shape), 0
+    for e, c in enumerate(sizes):
+        y_ref[s:s + c], dx_ref[s:s + c] = xf[s:s + c] @ wf[e], dyf[s:s + c] @ wf[e].T
+        dw_ref[e] = xf[s:s + c].T @ dyf[s:s + c]
+        s += c
+    assert _rel(y, y_ref) < 1e-5 and _rel(dx, dx_ref) < 1e-5 and _rel(dw, dw_ref) < 1e-5
+    assert not np.asarray(y[s:]).any() and not np.asarray(dx[s:]).any()
+
+
+def test_amx_gmm_equals_float32_path_with_gradients(monkeypatch):
+    """gmm on bf16 rows with float32 weights: the AMX path and the float32-BLAS path (FARSKIP_NO_AMX)
+    compute the same rounded operands, so values and gradients agree to bf16 rounding of the outputs;
+    the weight gradient is float32 (no cast pass), the row gradient bf16."""
+    _amx_or_skip()
+    m, sizes = 200, [50, 0, 70, 60]
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((m, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((4, 64, 96)) * 0.1, jnp.float32)
+    ct = jnp.asarray(rng.standard_normal((m, 96)), jnp.float32)
+    g = jnp.asarray(sizes, jnp.int32)
+
+    def run():
+        f = jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(gmm(x, w, g, "blas").astype(jnp.float32) * ct),
+                                       argnums=(0, 1)))
+        return f(x, w)
+
+    (v_amx, (dx_amx, dw_amx)) = run()
+    monkeypatch.setenv("FARSKIP_NO_AMX", "1")
+    (v_f32, (dx_f32, dw_f32)) = run()
+    assert dw_amx.dtype == jnp.float32 and dx_amx.dtype == jnp.bfloat16
+    assert _rel(v_amx, v_f32) < 1e-3
+    assert _rel(dx_amx, dx_f32) < 1e-2 and _rel(dw_amx, dw_f32) < 1e-5
+
+
+def test_bf16_dense_matmul_on_amx_lowers_per_platform():
+    """matmul_2d on bf16 rows: the AMX kernel in a program lowered for the CPU, XLA's dot otherwise;
+    equal values (bf16 output rounding) and float32 weight gradients either way."""
+    from farskip_jax.model.layers import matmul_2d
+
+    _amx_or_skip()
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((4, 40, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((64, 96)) * 0.1, jnp.float32)
+    f = jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(matmul_2d(x, w).astype(jnp.float32) ** 2), argnums=(0, 1)))
+    text = f.lower(x, w).as_text()
+    assert "farskip_gmm_bf16" in text and "farskip_tgmm_bf16" in text and "dot_general" not in text
+    v, (dx, dw) = f(x, w)
+    ref = jnp.dot(x.astype(jnp.float32), w.astype(jnp.bfloat16).astype(jnp.float32))
+    assert _rel(matmul_2d(x, w), ref) < 1e-2 and dw.dtype == jnp.float32
+    assert _rel(v, jnp.sum(ref.astype(jnp.bfloat16).astype(jnp.float32) ** 2)) < 1e-3
+
+
 def test_inverse_permutation():
     perm = jnp.asarray(np.random.default_rng(0).permutation(50), jnp.int32)
     inv = inverse_permutation(perm)

@@ -9,6 +9,12 @@ slice, zero-filled loop carries, read-modify-write gradient slices), and it spli
 XLA's own CPU threads (XLA:CPU's small dots run at about one thread's speed). `gmm` has a custom VJP
 made of the same two kernels: d lhs = gmm(dy, rhs^T), d rhs = tgmm(lhs, dy). The library is built
 and loaded by model/cpu_kernels.py.
+
+bfloat16 operands (model.compute_dtype: bfloat16) on a CPU with Intel AMX (cpu_kernels.amx_available)
+run csrc/bf16_gemm.cc instead: the same two kernels on AMX tiles, bf16 rows, float32 weights rounded
+to bf16 as the kernel packs them, float32 accumulation (the output rounded to bf16 on return, the
+weight gradient float32). K and N must be multiples of 32 there; other shapes, and CPUs without AMX,
+compute the same rounded operands in float32 BLAS.
 """
 
 from __future__ import annotations
@@ -47,9 +53,54 @@ def _gmm_f32_bwd(res, dy):
 _gmm_f32.defvjp(_gmm_f32_fwd, _gmm_f32_bwd)
 
 
+def _gmm_bf16_call(lhs, rhs, group_sizes, transpose_rhs: bool):
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    return jax.ffi.ffi_call("farskip_gmm_bf16", jax.ShapeDtypeStruct((lhs.shape[0], n), jnp.float32))(
+        lhs, rhs, group_sizes, transpose_rhs=transpose_rhs)
+
+
+def _tgmm_bf16_call(lhs, dy, group_sizes):
+    shape = (group_sizes.shape[0], lhs.shape[1], dy.shape[1])
+    return jax.ffi.ffi_call("farskip_tgmm_bf16", jax.ShapeDtypeStruct(shape, jnp.float32))(lhs, dy, group_sizes)
+
+
+@jax.custom_vjp
+def _gmm_bf16(lhs, rhs, group_sizes):
+    """bf16 lhs [M, K], float32 rhs [G, K, N] (rounded to bf16 in the kernel) -> float32 [M, N] on AMX;
+    the weight gradient comes back in float32 with no cast pass over the weights."""
+    return _gmm_bf16_call(lhs, rhs, group_sizes, False)
+
+
+def _gmm_bf16_fwd(lhs, rhs, group_sizes):
+    return _gmm_bf16_call(lhs, rhs, group_sizes, False), (lhs, rhs, group_sizes)
+
+
+def _gmm_bf16_bwd(res, dy):
+    lhs, rhs, group_sizes = res
+    dy = dy.astype(jnp.bfloat16)
+    return (_gmm_bf16_call(dy, rhs, group_sizes, True).astype(jnp.bfloat16),
+            _tgmm_bf16_call(lhs, dy, group_sizes), None)
+
+
+_gmm_bf16.defvjp(_gmm_bf16_fwd, _gmm_bf16_bwd)
+
+
+def uses_amx(lhs: jax.Array, rhs: jax.Array) -> bool:
+    """Whether gmm(lhs, rhs, .) runs the AMX kernel: bf16 rows, K and N multiples of 32, AMX here."""
+    return (lhs.dtype == jnp.bfloat16 and rhs.dtype in (jnp.bfloat16, jnp.float32) and lhs.shape[1] % 32 == 0
+            and rhs.shape[2] % 32 == 0 and cpu_kernels.amx_available())
+
+
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """out[rows of g] = lhs[rows of g] @ rhs[g] in float32 BLAS (other dtypes are computed in float32
-    and returned in lhs.dtype); rows past sum(group_sizes) are zero. Differentiable in lhs and rhs."""
+    """out[rows of g] = lhs[rows of g] @ rhs[g] -> [M, N] in lhs.dtype, rows past sum(group_sizes) zero;
+    differentiable in lhs and rhs. The operands are rhs rounded to lhs.dtype and lhs, the products
+    accumulated in float32: on AMX tiles where `uses_amx` (rhs may stay float32 master weights: the
+    kernel rounds them as it packs, and their gradient is float32), else in float32 BLAS."""
     cpu_kernels.require()
-    y = _gmm_f32(lhs.astype(jnp.float32), rhs.astype(jnp.float32), group_sizes.astype(jnp.int32))
+    if uses_amx(lhs, rhs):
+        return _gmm_bf16(lhs, rhs.astype(jnp.float32), group_sizes.astype(jnp.int32)).astype(lhs.dtype)
+    rhs32 = rhs.astype(jnp.float32)
+    if lhs.dtype != jnp.float32:  # rhs rounded to lhs.dtype, its gradient passed through in float32 (as on AMX)
+        rhs32 = rhs32 + jax.lax.stop_gradient(rhs32.astype(lhs.dtype).astype(jnp.float32) - rhs32)
+    y = _gmm_f32(lhs.astype(jnp.float32), rhs32, group_sizes.astype(jnp.int32))
     return y.astype(lhs.dtype)

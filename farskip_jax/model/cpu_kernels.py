@@ -8,8 +8,9 @@ load time it is handed the address of cblas_sgemm from the first library that ha
 $FARSKIP_BLAS_LIB, numpy's bundled OpenBLAS (scipy-openblas, ILP64), the scipy_openblas32/64 wheels,
 a system OpenBLAS/CBLAS; that library is loaded from a private copy set to one thread per call (the
 kernels run one sgemm per XLA thread) so numpy's copy keeps its threads. `available()` says whether
-all of this worked; `pick()` is how `moe.gmm` and `model.attention_impl` choose a CPU kernel or
-their fallback. Users: model/blas_gmm.py, model/blas_attention.py.
+all of this worked; `amx_available()` whether the bf16 grouped GEMM (Intel AMX tiles) can run too;
+`pick()` is how `moe.gmm` and `model.attention_impl` choose a CPU kernel or their fallback.
+Users: model/blas_gmm.py, model/blas_attention.py.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import jax
 import numpy as np
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "grouped_gemm.cc", CSRC / "attention.cc")  # one library: the CPU kernels
+SOURCES = (CSRC / "grouped_gemm.cc", CSRC / "attention.cc", CSRC / "bf16_gemm.cc")  # one library: the CPU kernels
 HEADERS = (CSRC / "blas_common.h",)
 CXX_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-w")
 # (symbol, ILP64?) in the order tried in each library
@@ -187,7 +188,19 @@ def load() -> str:
     jax.ffi.register_ffi_target("farskip_tgmm", jax.ffi.pycapsule(lib.FarskipTgmm), platform="cpu")
     jax.ffi.register_ffi_target("farskip_attention_fwd", jax.ffi.pycapsule(lib.FarskipAttentionFwd), platform="cpu")
     jax.ffi.register_ffi_target("farskip_attention_bwd", jax.ffi.pycapsule(lib.FarskipAttentionBwd), platform="cpu")
+    jax.ffi.register_ffi_target("farskip_gmm_bf16", jax.ffi.pycapsule(lib.FarskipGmmBf16), platform="cpu")
+    jax.ffi.register_ffi_target("farskip_tgmm_bf16", jax.ffi.pycapsule(lib.FarskipTgmmBf16), platform="cpu")
+    _AMX[0] = bool(lib.farskip_amx_usable())
     return desc
+
+
+_AMX = [False]  # set by load(): the CPU and OS allow AMX-BF16 tiles
+
+
+def amx_available() -> bool:
+    """The bf16 grouped GEMM on Intel AMX can run here: the kernels are available, the CPU has AMX-BF16,
+    Linux granted the tile state, and FARSKIP_NO_AMX is not set (it forces the float32 kernels)."""
+    return available() and _AMX[0] and not os.environ.get("FARSKIP_NO_AMX")
 
 
 _KEEP_ALIVE: list = []

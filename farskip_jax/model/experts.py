@@ -45,7 +45,9 @@ class RoutedCompute(Protocol):
 
 
 class RoutedExperts(nnx.Module):
-    """The E routed experts' weights (stored in param_dtype, used in the compute dtype)."""
+    """The E routed experts' weights (stored in param_dtype, used in the compute dtype: the MoE casts
+    the routed rows to `compute_dtype` and the grouped matmul rounds the weights to the rows' dtype,
+    so `weights()` hands them over as stored)."""
 
     def __init__(self, d_model: int, hidden: int, num_experts: int, *, rngs: nnx.Rngs, std: float = 0.02,
                  param_dtype=jnp.float32, compute_dtype=jnp.float32):
@@ -57,8 +59,9 @@ class RoutedExperts(nnx.Module):
         self.compute_dtype = compute_dtype
 
     def weights(self) -> ExpertWeights:
-        c = self.compute_dtype
-        return ExpertWeights(self.w_gate[...].astype(c), self.w_up[...].astype(c), self.w_down[...].astype(c))
+        """The weights as stored: gmm casts them to the rows' (compute) dtype, except the AMX kernel,
+        which rounds float32 weights to bf16 as it packs them (no cast pass, float32 gradients)."""
+        return ExpertWeights(self.w_gate[...], self.w_up[...], self.w_down[...])
 
 
 def expert_swiglu(xs: jax.Array, group_sizes: jax.Array, ew: ExpertWeights, cfg: MoEConfig) -> jax.Array:
@@ -66,7 +69,9 @@ def expert_swiglu(xs: jax.Array, group_sizes: jax.Array, ew: ExpertWeights, cfg:
 
     `tiled` runs the fused per-group SwiGLU walk (gmm.grouped_swiglu); other backends three gmms."""
     if resolve_backend(cfg.gmm) == "tiled":
-        return grouped_swiglu(xs, ew.w_gate, ew.w_up, ew.w_down, group_sizes, cfg.gmm_tile)
+        c = xs.dtype
+        return grouped_swiglu(xs, ew.w_gate.astype(c), ew.w_up.astype(c), ew.w_down.astype(c), group_sizes,
+                              cfg.gmm_tile)
     g = gmm(xs, ew.w_gate, group_sizes, cfg.gmm, cfg.gmm_tile)
     u = gmm(xs, ew.w_up, group_sizes, cfg.gmm, cfg.gmm_tile)
     return gmm(jax.nn.silu(g) * u, ew.w_down, group_sizes, cfg.gmm, cfg.gmm_tile)

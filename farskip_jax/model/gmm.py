@@ -314,17 +314,19 @@ def _einsum(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, tile: int) -
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, backend: str = "auto", tile: int = 128) -> jax.Array:
     """Grouped matmul; see the module docstring. Accumulates in float32, returns lhs.dtype.
 
-    lhs: [M, K] rows sorted by group; rhs: [G, K, N]; group_sizes: [G] int, sum <= M.
+    lhs: [M, K] rows sorted by group; rhs: [G, K, N] (any float dtype: used rounded to lhs.dtype);
+    group_sizes: [G] int, sum <= M.
     """
     backend = resolve_backend(backend)
     if lhs.shape[0] == 0:
         return jnp.zeros((0, rhs.shape[2]), lhs.dtype)
     with jax.named_scope(f"gmm_{backend}"):
+        if backend == "blas":  # casts rhs itself (the AMX kernel rounds float32 weights as it packs)
+            return blas_gmm.gmm(lhs, rhs, group_sizes)
+        rhs = rhs.astype(lhs.dtype)
         if backend == "ragged_dot":
             return jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32),
                                       preferred_element_type=jnp.float32).astype(lhs.dtype)
-        if backend == "blas":
-            return blas_gmm.gmm(lhs, rhs, group_sizes)
         if backend == "tiled":
             return _tiled(lhs, rhs, group_sizes, tile)
         return _einsum(lhs, rhs, group_sizes, tile)

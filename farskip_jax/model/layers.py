@@ -23,16 +23,42 @@ def normal_init(rngs: nnx.Rngs, shape, std: float, dtype) -> jax.Array:
 
 
 def matmul_2d(x: jax.Array, w: jax.Array, transpose_w: bool = False) -> jax.Array:
-    """x [..., i] @ w [i, o] (or w [o, i] with transpose_w) -> [..., o], as ONE 2-D dot over the
-    flattened leading dims. Same result as einsum("...i,io->...o"); the point is the backward: with
-    several leading dims XLA:CPU contracts the weight gradient over two dims and inserts a slow
-    transposing copy of the [tokens, out] gradient (2x the cost of a SwiGLU MLP's fwd+bwd measured
-    at [8, 256, 256] x 1024); a 2-D dot has none."""
+    """x [..., i] @ w [i, o] (or w [o, i] with transpose_w) -> [..., o] in x.dtype, with w rounded to
+    x.dtype, as ONE 2-D dot over the flattened leading dims. Same result as einsum("...i,io->...o");
+    the point is the backward: with several leading dims XLA:CPU contracts the weight gradient over
+    two dims and inserts a slow transposing copy of the [tokens, out] gradient (2x the cost of a
+    SwiGLU MLP's fwd+bwd measured at [8, 256, 256] x 1024); a 2-D dot has none.
+
+    bf16 x on a CPU with Intel AMX (i, o multiples of 32, not transposed): the AMX kernel of
+    blas_gmm (one group; float32 accumulation, float32 w rounded as it is packed, float32 weight
+    gradient), chosen when the program is lowered for the CPU (`lax.platform_dependent`; other
+    platforms get the XLA dot). XLA:CPU's own bf16 dot runs below its float32 speed for the weight
+    gradient (benchmarks/matmul_dtypes.py)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    dims = (((1,), (1 if transpose_w else 0,)), ((), ()))
-    y = jax.lax.dot_general(x2, w, dims)
+
+    def xla_dot(x2, w):
+        dims = (((1,), (1 if transpose_w else 0,)), ((), ()))
+        return jax.lax.dot_general(x2, w.astype(x2.dtype), dims)
+
+    if not transpose_w and _amx_matmul_ok(x2, w):
+        from farskip_jax.model import blas_gmm
+
+        def amx_dot(x2, w):
+            return blas_gmm.gmm(x2, w[None], jnp.full((1,), x2.shape[0], jnp.int32))
+
+        y = jax.lax.platform_dependent(x2, w, cpu=amx_dot, default=xla_dot)
+    else:
+        y = xla_dot(x2, w)
     return y.reshape(*lead, y.shape[-1])
+
+
+def _amx_matmul_ok(x2: jax.Array, w: jax.Array) -> bool:
+    if x2.dtype != jnp.bfloat16 or x2.shape[0] == 0 or jax.default_backend() != "cpu":
+        return False  # (a GPU process never builds the CPU kernels for this)
+    from farskip_jax.model import blas_gmm
+
+    return blas_gmm.uses_amx(x2, w[None])
 
 
 class Linear(nnx.Module):
@@ -45,7 +71,7 @@ class Linear(nnx.Module):
         self.compute_dtype = compute_dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = matmul_2d(x.astype(self.compute_dtype), self.w[...].astype(self.compute_dtype))
+        y = matmul_2d(x.astype(self.compute_dtype), self.w[...])  # w used rounded to the compute dtype
         if self.b is not None:
             y = y + self.b[...].astype(self.compute_dtype)
         return y
