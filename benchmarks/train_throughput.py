@@ -3,9 +3,13 @@ same run (so the ratio means something on a shared CPU).
 
     python benchmarks/train_throughput.py                       # configs/tiny.yaml, standard + farskip
     python benchmarks/train_throughput.py --config configs/small.yaml --steps 5 --presets standard
+    python benchmarks/train_throughput.py --presets standard --dtypes float32,bfloat16   # bf16 compute
 
-Prints, per connectivity preset: tokens/s (median step), model FLOPs/token, MFU against the measured
-fp32/bf16 matmul peak of one device x devices. Steps are real optimizer steps on the embedded corpus.
+Each variant (connectivity preset x model.compute_dtype) gets its own model and optimizer state
+from the same seed and the same batches of the embedded corpus; the variants' steps are timed
+interleaved (one step of each in turn), so ratios between them are taken side by side. Prints per
+variant: tokens/s (median step), loss after the same steps, MFU against the measured matmul peak of
+its dtype (one device x devices); then farskip/standard and bfloat16/float32 step-time ratios.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/tiny.yaml")
-    p.add_argument("--steps", type=int, default=20, help="timed steps per preset (after 2 warm-up steps)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per variant (after 2 warm-up steps)")
     p.add_argument("--presets", nargs="*", default=["standard", "farskip"])
+    p.add_argument("--dtypes", default=None,
+                   help="comma list of model.compute_dtype values to compare (default: the config's)")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
 
@@ -40,38 +46,44 @@ def main(argv=None) -> int:
 
     cfg = load_config(a.config, a.overrides)
     t = cfg.train
-    dt = jnp.float32 if cfg.model.compute_dtype == "float32" else jnp.bfloat16
-    peak0 = measure_matmul_peak(dt, seconds=1.0)
+    dtypes = a.dtypes.split(",") if a.dtypes else [cfg.model.compute_dtype]
     flops_tok = train_flops_per_token(cfg, t.seq_len)
     print(f"{a.config}: {total_params(cfg) / 1e6:.2f}M params, {flops_tok / 1e6:.1f} MFLOP/token, "
           f"batch {t.batch_size} x {t.seq_len}, device {jax.devices()[0].device_kind}, "
           f"{os.cpu_count()} cpus", flush=True)
-    results = {}
+    it = make_iterator(cfg.data, "train", batch_size=t.batch_size, seq_len=t.seq_len, seed=0)
+    batches = [{k: jnp.asarray(v) for k, v in next(it).items()} for _ in range(a.steps + 2)]
+    variants = {}
     for preset in a.presets:
-        c = replace(cfg, **{"farskip.preset": preset})
-        tx, schedule = make_optimizer(c.train)
-        graphdef, state = init_state(Transformer(c, rngs=nnx.Rngs(0)), tx, 0)
-        step = jax.jit(make_train_step(graphdef, c, tx, schedule), donate_argnums=0)
-        it = make_iterator(c.data, "train", batch_size=t.batch_size, seq_len=t.seq_len, seed=0)
-        batches = [{k: jnp.asarray(v) for k, v in next(it).items()} for _ in range(a.steps + 2)]
-        times = []
-        for i, b in enumerate(batches):
+        for dtype in dtypes:
+            c = replace(cfg, **{"farskip.preset": preset, "model.compute_dtype": dtype})
+            tx, schedule = make_optimizer(c.train)
+            graphdef, state = init_state(Transformer(c, rngs=nnx.Rngs(0)), tx, 0)
+            variants[(preset, dtype)] = [jax.jit(make_train_step(graphdef, c, tx, schedule), donate_argnums=0),
+                                         state, [], None]
+    for i, b in enumerate(batches):
+        for v in variants.values():
             t0 = time.perf_counter()
-            state, m = step(state, b)
-            jax.block_until_ready(m["loss"])
+            v[1], m = v[0](v[1], b)
+            v[3] = float(jax.block_until_ready(m["loss"]))
             if i >= 2:
-                times.append(time.perf_counter() - t0)
-        med = statistics.median(times)
-        results[preset] = med
-        print(f"  {preset:>9}: {t.batch_size * t.seq_len / med:,.0f} tokens/s (median step {1e3 * med:.1f} ms, "
-              f"loss {float(m['loss']):.3f})", flush=True)
-    peak = max(peak0, measure_matmul_peak(dt, seconds=1.0))
-    print(f"measured matmul peak ({jnp.dtype(dt).name}, 1024^3 chain): {peak / 1e9:.1f} GFLOP/s per device")
-    for preset, med in results.items():
-        tps = t.batch_size * t.seq_len / med
-        print(f"  {preset:>9}: MFU {100 * tps * flops_tok / (peak * jax.device_count()):.1f}%")
-    if "standard" in results and "farskip" in results:
-        print(f"farskip / standard step time: {results['farskip'] / results['standard']:.3f}")
+                v[2].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v[2]) for k, v in variants.items()}
+    peaks = {d: measure_matmul_peak(jnp.float32 if d == "float32" else jnp.bfloat16, seconds=1.0) for d in dtypes}
+    for (preset, dtype), v in variants.items():
+        tps = t.batch_size * t.seq_len / med[(preset, dtype)]
+        mfu = 100 * tps * flops_tok / (peaks[dtype] * jax.device_count())
+        print(f"  {preset:>9} {dtype:>8}: {tps:,.0f} tokens/s (median step {1e3 * med[(preset, dtype)]:.1f} ms), "
+              f"loss {v[3]:.4f} after {len(batches)} steps, MFU {mfu:.1f}%", flush=True)
+    print("measured matmul peak (1024^3 chain) per device: " +
+          ", ".join(f"{d} {pk / 1e9:.0f} GFLOP/s" for d, pk in peaks.items()))
+    for dtype in dtypes:
+        if ("standard", dtype) in med and ("farskip", dtype) in med:
+            print(f"farskip / standard step time ({dtype}): {med[('farskip', dtype)] / med[('standard', dtype)]:.3f}")
+    for preset in a.presets:
+        if "float32" in dtypes and "bfloat16" in dtypes:
+            print(f"bfloat16 / float32 step time ({preset}): "
+                  f"{med[(preset, 'bfloat16')] / med[(preset, 'float32')]:.3f}")
     return 0
 
 

@@ -8,7 +8,9 @@ A random Qwen3-MoE (HF config class, fp32) is saved with save_pretrained and imp
 agreement on the benchmark batch. Then one train step each (forward, cross entropy + load-balance
 loss, backward, global-norm clip 1.0, AdamW) is timed alternately on the same CPU and batch
 (ours: the project's jitted `make_train_step`; HF: model forward with router logits, backward,
-torch AdamW), median of `repeats`. Prints tokens/s and the ratio ours / HF for each HF experts
+torch AdamW), median of `repeats`. --dtype bfloat16: both sides compute in bf16 with float32 weights
+(ours model.compute_dtype: bfloat16, which runs the AMX kernels on CPUs that have them; HF under
+torch.autocast). Prints tokens/s and the ratio ours / HF for each HF experts
 implementation asked for (`eager` is transformers' per-expert loop, `grouped_mm` its grouped GEMM).
 """
 
@@ -64,6 +66,9 @@ def main(argv=None) -> int:
     ap.add_argument("--attention-block", type=int, default=128,
                     help="model.attention_block for the blockwise / causal_blocks cores (they fall back to "
                          "naive when the sequence is not longer than one block)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="compute dtype of both sides: ours model.compute_dtype (float32 master weights), HF "
+                         "under torch.autocast(cpu, bfloat16) (float32 weights too)")
     ap.add_argument("--qwen3-30b-proportions", action="store_true",
                     help="Qwen3-30B-A3B's expert proportions at d_model 256: 128 experts, top-8, expert hidden 96")
     args = ap.parse_args(argv)
@@ -84,6 +89,7 @@ def main(argv=None) -> int:
         impls = args.attention_impl.split(",")
         # one import per attention core: the core is model config, held by the modules themselves
         ours_models = {impl: import_hf(tmp, overrides={"moe.aux_loss_weight": hcfg.router_aux_loss_coef,
+                                                       "model.compute_dtype": args.dtype,
                                                        "model.attention_impl": impl,
                                                        "model.attention_block": args.attention_block})
                        for impl in impls}
@@ -91,7 +97,7 @@ def main(argv=None) -> int:
     cfg = replace(cfg, **{"train.lr": 1e-4, "train.warmup_steps": 1, "train.weight_decay": 0.1,
                           "train.grad_clip": 1.0, "train.batch_size": args.batch, "train.seq_len": args.seq})
     print(f"model: {args.layers} layers, d_model {args.d_model}, {args.experts} experts top-{args.top_k}, expert "
-          f"hidden {args.expert_hidden}, vocab {args.vocab}; batch {args.batch} x seq {args.seq}; "
+          f"hidden {args.expert_hidden}, vocab {args.vocab}; batch {args.batch} x seq {args.seq}; {args.dtype}; "
           f"our gmm backend: {cfg.moe.gmm} (resolves per platform)", flush=True)
 
     rng = np.random.default_rng(0)
@@ -102,10 +108,11 @@ def main(argv=None) -> int:
                  positions=jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)),
                  segment_ids=jnp.ones((b, s), jnp.int32), loss_mask=jnp.ones((b, s), jnp.float32))
 
-    # fp32 logits agreement (before any step changes the weights)
+    # logits agreement (before any step changes the weights; fp32: ~1e-6, bf16: bf16 rounding)
+    autocast = dict(device_type="cpu", dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
     ours_logits = np.asarray(jax.jit(lambda m, t: m(t).logits)(model, batch["tokens"]))
     for impl, hf in hf_models.items():
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast(**autocast):
             ref = hf(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
         diff = np.abs(ours_logits - ref).max()
         print(f"logits agreement vs HF[{impl}]: max |diff| = {diff:.2e} (max |logit| {np.abs(ref).max():.2f})",
@@ -134,9 +141,11 @@ def main(argv=None) -> int:
 
         def hf_step(hf=hf, opt=opt):
             opt.zero_grad(set_to_none=True)
-            out = hf(input_ids=t_tokens, output_router_logits=True)
-            ce = torch.nn.functional.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), t_targets.reshape(-1))
-            loss = ce + hcfg.router_aux_loss_coef * out.aux_loss
+            with torch.autocast(**autocast):
+                out = hf(input_ids=t_tokens, output_router_logits=True)
+            logits = out.logits.float()
+            ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), t_targets.reshape(-1))
+            loss = ce + hcfg.router_aux_loss_coef * out.aux_loss.float()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
             opt.step()
@@ -167,13 +176,14 @@ def main(argv=None) -> int:
         tps_of[name] = tps = tok / statistics.median(times[name])
         print(f"{name:22s} {tps:9.0f} tokens/s   " + "  ".join(
             f"{o}/HF = {t / tps:.2f}x" for o, t in ours_tps.items()))
-    roofline(cfg, s, ours_tps[best], tps_of)
+    roofline(cfg, s, ours_tps[best], tps_of, args.dtype)
     return 0
 
 
-def torch_matmul_peak(n: int = 1024, seconds: float = 1.0) -> float:
-    """Best observed fp32 FLOPs/s of an [n, n] @ [n, n] torch matmul (the CPU's practical peak for torch)."""
-    a, w = torch.randn(n, n), torch.randn(n, n) / n ** 0.5
+def torch_matmul_peak(n: int = 1024, seconds: float = 1.0, dtype=torch.float32) -> float:
+    """Best observed FLOPs/s of an [n, n] @ [n, n] torch matmul in `dtype` (the CPU's practical peak
+    for torch: oneDNN, AMX for bf16 where the CPU has it)."""
+    a, w = torch.randn(n, n).to(dtype), (torch.randn(n, n) / n ** 0.5).to(dtype)
     best, t_end = 0.0, time.perf_counter() + seconds
     while time.perf_counter() < t_end:
         t0 = time.perf_counter()
@@ -182,14 +192,15 @@ def torch_matmul_peak(n: int = 1024, seconds: float = 1.0) -> float:
     return best
 
 
-def roofline(cfg, seq_len: int, ours_tps: float, hf_tps: dict) -> None:
-    """What tokens/s the step's useful FLOPs allow at this CPU's measured fp32 matmul peak, and the
-    largest ours/HF ratio that leaves possible (a ratio target above it cannot be met in fp32)."""
+def roofline(cfg, seq_len: int, ours_tps: float, hf_tps: dict, dtype: str = "float32") -> None:
+    """What tokens/s the step's useful FLOPs allow at this CPU's measured matmul peak in `dtype`, and
+    the largest ours/HF ratio that leaves possible (a ratio target above it cannot be met)."""
     fpt = train_flops_per_token(cfg, seq_len)
-    peak = max(measure_matmul_peak(jnp.float32), torch_matmul_peak())
+    jdt, tdt = (jnp.float32, torch.float32) if dtype == "float32" else (jnp.bfloat16, torch.bfloat16)
+    peak = max(measure_matmul_peak(jdt), torch_matmul_peak(dtype=tdt))
     ceiling = peak / fpt
     print(f"roofline: {fpt / 1e6:.1f} MFLOP per trained token (6 x active matmul params + attention); "
-          f"fp32 matmul peak of this CPU {peak / 1e9:.0f} GFLOP/s (best of XLA and torch) -> at most "
+          f"{dtype} matmul peak of this CPU {peak / 1e9:.0f} GFLOP/s (best of XLA and torch) -> at most "
           f"{ceiling:.0f} tokens/s")
     print(f"  ours at {ours_tps / ceiling:.0%} of that ceiling" + "".join(
         f"; {n} at {t / ceiling:.0%} (ours/{n} can be at most {ceiling / t:.2f}x)" for n, t in hf_tps.items()))
