@@ -1,8 +1,10 @@
 """Routed-expert forward+backward time relative to an equal-FLOP dense SwiGLU MLP, side by side.
 
     python benchmarks/moe_layer.py [--shapes a,b] [--backends blas,tiled,einsum,ragged_dot] [--repeats 5]
+                                   [--dtype bfloat16]
 
-Shapes (fp32):
+Shapes (fp32; --dtype bfloat16: bf16 activations, float32 weights, the dense reference in bf16 too
+through matmul_2d, i.e. on AMX where the CPU has it, plus a float32 dense row):
   a: batch 8 x seq 256, d_model 256, 16 experts, top-2, expert hidden 512
   b: batch 8 x seq 256, d_model 1024, 64 experts, top-6, expert hidden 1408 (DeepSeek-V2-Lite
      proportions; --batch-b 2 is the shrunk variant: only 48 rows per expert, so the 64 expert
@@ -107,7 +109,8 @@ def weight_traffic_estimate(moe_params: dict, dense_params: dict, dense_s: float
           f"{1 + extra / dense_s:.2f}x dense if not hidden under compute", flush=True)
 
 
-def run_shape(name: str, backends: list[str], repeats: int, tile: int) -> list[tuple[str, float, float]]:
+def run_shape(name: str, backends: list[str], repeats: int, tile: int,
+              dtype: str = "float32") -> list[tuple[str, float, float]]:
     s = SHAPES[name]
     b, t, d, e, k, h = s["batch"], s["seq"], s["d"], s["experts"], s["top_k"], s["hidden"]
     rng = np.random.default_rng(0)
@@ -117,6 +120,9 @@ def run_shape(name: str, backends: list[str], repeats: int, tile: int) -> list[t
     moe_params = {"router": f32(d, e, std=0.5), "w_gate": f32(e, d, h), "w_up": f32(e, d, h), "w_down": f32(e, h, d)}
     dense_params = {"w_gate": f32(d, k * h), "w_up": f32(d, k * h), "w_down": f32(k * h, d)}
     variants = {"dense": (make_dense_step(), dense_params)}
+    if dtype != "float32":  # activations in dtype, weights float32 (master weights), as model.compute_dtype does
+        variants["dense[float32]"] = (make_dense_step(), dense_params, x, ct)
+        x, ct = x.astype(dtype), ct.astype(dtype)
     for be in backends:
         cf = None
         label = be
@@ -127,7 +133,7 @@ def run_shape(name: str, backends: list[str], repeats: int, tile: int) -> list[t
         if be in ("tiled", "blas") and cf is None:  # the same routing's group sizes, rows pre-sorted
             idx = np.argsort(-np.asarray(matmul_2d(x, moe_params["router"])), -1)[..., :k]
             sizes = jnp.asarray(np.bincount(idx.reshape(-1), minlength=e).astype(np.int32))
-            xs, cts = f32(b * t * k, d, std=1.0), f32(b * t * k, d, std=1.0)
+            xs, cts = f32(b * t * k, d, std=1.0).astype(dtype), f32(b * t * k, d, std=1.0).astype(dtype)
             variants[f"{be}:experts"] = (make_experts_only_step(sizes, cfg), moe_params, xs, cts)
     times: dict[str, list[float]] = {v: [] for v in variants}
     dropped: dict[str, float] = {}
@@ -135,7 +141,7 @@ def run_shape(name: str, backends: list[str], repeats: int, tile: int) -> list[t
     for label, (fn, params, *inputs) in variants.items():  # compile + warm up
         t0 = time.perf_counter()
         out = jax.block_until_ready(fn(params, *(inputs or (x, ct))))
-        if label != "dense":
+        if not label.startswith("dense"):
             dropped[label] = float(out[0][1]) / (b * t * k)
         print(f"  compiled {label:16s} {time.perf_counter() - t0:6.1f}s", flush=True)
     for r in range(repeats):
@@ -147,8 +153,11 @@ def run_shape(name: str, backends: list[str], repeats: int, tile: int) -> list[t
     dense = statistics.median(times["dense"])
     weight_traffic_estimate(moe_params, dense_params, dense)
     rows = []
+    if "dense[float32]" in variants:
+        print(f"  dense in {dtype} / dense in float32: {dense / statistics.median(times['dense[float32]']):.2f}x",
+              flush=True)
     for label in variants:
-        if label == "dense":
+        if label.startswith("dense"):
             continue
         ratio = statistics.median(times[label]) / dense
         rows.append((label, ratio, dropped[label]))
@@ -164,6 +173,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tile", type=int, default=MoEConfig.gmm_tile)
     ap.add_argument("--batch-b", type=int, default=SHAPES["b"]["batch"], help="batch of shape b")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="activations' dtype (weights stay float32 master weights, as with model.compute_dtype); "
+                         "bfloat16 adds a dense[float32] row to compare against")
     ap.add_argument("--malloc", choices=["default", "resident"], default="default",
                     help="resident: glibc keeps freed memory (no fresh-page faults for either side); see above")
     args = ap.parse_args(argv)
@@ -176,7 +188,7 @@ def main(argv=None) -> int:
     print(f"jax {jax.__version__} on {jax.default_backend()}, {os.cpu_count()} CPUs, malloc {args.malloc}", flush=True)
     for name in args.shapes.split(","):
         default = "blas,tiled,einsum,ragged_dot,tiled@cf1.25" if name == "a" else "blas,tiled,einsum"
-        run_shape(name, (args.backends or default).split(","), args.repeats, args.tile)
+        run_shape(name, (args.backends or default).split(","), args.repeats, args.tile, args.dtype)
     return 0
 
 
