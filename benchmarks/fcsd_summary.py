@@ -84,25 +84,26 @@ def main(argv=None) -> int:
     by_budget = {k: v for k, v in by_budget.items() if len({r["budget"] for r in v}) > 1}
     fig, axes = plt.subplots(2 if by_budget else 1, 2, figsize=(10, 8 if by_budget else 4), squeeze=False)
     (ax1, ax2) = axes[0]
+
+    def plot(ax_gap, ax_top1, label, pts):  # pts: (x, gap %, top-1 %)
+        pts = sorted(pts)
+        ax_gap.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
+        ax_top1.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=label)
+        for ax in (ax_gap, ax_top1):
+            ax.set_xscale("log")
+
     for budget in sorted({r["budget"] for r in plain}):
         for batch in sorted({r["batch"] for r in plain if r["budget"] == budget}):
-            pts = sorted((r["lr"], r["gap"] * 100, r["top1"] * 100) for r in plain
-                         if r["budget"] == budget and r["batch"] == batch)
-            label = f"{budget:.0%} budget, batch {batch}"
-            ax1.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
-            ax2.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=label)
+            rs = [r for r in plain if r["budget"] == budget and r["batch"] == batch]
+            plot(ax1, ax2, f"{budget:.0%} budget, batch {batch}", [(r["lr"], r["gap"] * 100, r["top1"] * 100) for r in rs])
     for ax in (ax1, ax2):
-        ax.set_xscale("log")
         ax.set_xlabel("FCSD learning rate")
     if by_budget:
         ax3, ax4 = axes[1]
         for (batch, lr), rs in sorted(by_budget.items()):
-            pts = sorted((r["budget"] * 100, r["gap"] * 100, r["top1"] * 100) for r in rs)
-            label = f"batch {batch}, lr {lr:g}"
-            ax3.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
-            ax4.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=label)
+            plot(ax3, ax4, f"batch {batch}, lr {lr:g}",
+                 [(r["budget"] * 100, r["gap"] * 100, r["top1"] * 100) for r in rs])
         for ax in (ax3, ax4):
-            ax.set_xscale("log")
             ax.set_xlabel("FCSD tokens (% of the teacher's pretraining tokens)")
         ax3.legend(fontsize=8)
     for ax in axes[:, 0]:

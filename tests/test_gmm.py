@@ -201,9 +201,9 @@ def test_amx_kernels_match_group_loop(m, sizes, k, n):
     dy = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((len(sizes), k, n)) * 0.1, jnp.float32)
     g = jnp.asarray(sizes, jnp.int32)
-    y = jax.jit(lambda x, w: blas_gmm._gmm_bf16_call(x, w, g, False))(x, w)
-    dx = jax.jit(lambda d, w: blas_gmm._gmm_bf16_call(d, w, g, True))(dy, w)
-    dw = jax.jit(lambda x, d: blas_gmm._tgmm_bf16_call(x, d, g))(x, dy)
+    y = jax.jit(lambda x, w: blas_gmm._gmm_call(x, w, g, False, bf16=True))(x, w)
+    dx = jax.jit(lambda d, w: blas_gmm._gmm_call(d, w, g, True, bf16=True))(dy, w)
+    dw = jax.jit(lambda x, d: blas_gmm._tgmm_call(x, d, g, bf16=True))(x, dy)
     xf, dyf = np.asarray(x, np.float64), np.asarray(dy, np.float64)
     wf = np.asarray(w.astype(jnp.bfloat16), np.float64)
     y_ref, dx_ref, dw_ref, s = np.zeros((m, n)), np.zeros((m, k)), np.zeros(wf.shape), 0

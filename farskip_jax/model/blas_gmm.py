@@ -25,15 +25,19 @@ import jax.numpy as jnp
 from farskip_jax.model import cpu_kernels
 
 
-def _gmm_call(lhs, rhs, group_sizes, transpose_rhs: bool):
+def _gmm_call(lhs, rhs, group_sizes, transpose_rhs: bool, bf16: bool = False):
+    """farskip_gmm (float32 operands) or, with bf16, farskip_gmm_bf16 (bf16 lhs, float32 rhs, AMX)."""
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    return jax.ffi.ffi_call("farskip_gmm", jax.ShapeDtypeStruct((lhs.shape[0], n), jnp.float32))(
+    target = "farskip_gmm_bf16" if bf16 else "farskip_gmm"
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((lhs.shape[0], n), jnp.float32))(
         lhs, rhs, group_sizes, transpose_rhs=transpose_rhs)
 
 
-def _tgmm_call(lhs, dy, group_sizes):
+def _tgmm_call(lhs, dy, group_sizes, bf16: bool = False):
+    """farskip_tgmm (float32) or, with bf16, farskip_tgmm_bf16 (bf16 lhs and dy, AMX) -> float32 [G, K, N]."""
     shape = (group_sizes.shape[0], lhs.shape[1], dy.shape[1])
-    return jax.ffi.ffi_call("farskip_tgmm", jax.ShapeDtypeStruct(shape, jnp.float32))(lhs, dy, group_sizes)
+    target = "farskip_tgmm_bf16" if bf16 else "farskip_tgmm"
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(shape, jnp.float32))(lhs, dy, group_sizes)
 
 
 @jax.custom_vjp
@@ -53,33 +57,22 @@ def _gmm_f32_bwd(res, dy):
 _gmm_f32.defvjp(_gmm_f32_fwd, _gmm_f32_bwd)
 
 
-def _gmm_bf16_call(lhs, rhs, group_sizes, transpose_rhs: bool):
-    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    return jax.ffi.ffi_call("farskip_gmm_bf16", jax.ShapeDtypeStruct((lhs.shape[0], n), jnp.float32))(
-        lhs, rhs, group_sizes, transpose_rhs=transpose_rhs)
-
-
-def _tgmm_bf16_call(lhs, dy, group_sizes):
-    shape = (group_sizes.shape[0], lhs.shape[1], dy.shape[1])
-    return jax.ffi.ffi_call("farskip_tgmm_bf16", jax.ShapeDtypeStruct(shape, jnp.float32))(lhs, dy, group_sizes)
-
-
 @jax.custom_vjp
 def _gmm_bf16(lhs, rhs, group_sizes):
     """bf16 lhs [M, K], float32 rhs [G, K, N] (rounded to bf16 in the kernel) -> float32 [M, N] on AMX;
     the weight gradient comes back in float32 with no cast pass over the weights."""
-    return _gmm_bf16_call(lhs, rhs, group_sizes, False)
+    return _gmm_call(lhs, rhs, group_sizes, False, bf16=True)
 
 
 def _gmm_bf16_fwd(lhs, rhs, group_sizes):
-    return _gmm_bf16_call(lhs, rhs, group_sizes, False), (lhs, rhs, group_sizes)
+    return _gmm_call(lhs, rhs, group_sizes, False, bf16=True), (lhs, rhs, group_sizes)
 
 
 def _gmm_bf16_bwd(res, dy):
     lhs, rhs, group_sizes = res
     dy = dy.astype(jnp.bfloat16)
-    return (_gmm_bf16_call(dy, rhs, group_sizes, True).astype(jnp.bfloat16),
-            _tgmm_bf16_call(lhs, dy, group_sizes), None)
+    return (_gmm_call(dy, rhs, group_sizes, True, bf16=True).astype(jnp.bfloat16),
+            _tgmm_call(lhs, dy, group_sizes, bf16=True), None)
 
 
 _gmm_bf16.defvjp(_gmm_bf16_fwd, _gmm_bf16_bwd)
