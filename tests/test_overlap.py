@@ -179,6 +179,27 @@ def test_ragged_backend_compiles_for_gpu():
     assert any(s.collective == "ragged-all-to-all" for s in r.report.stats)
 
 
+@gpu
+def test_bf16_gpu_train_step_reduces_expert_gradients_in_bf16():
+    """EP x data parallel, compute_dtype bf16: the expert weights are cast to bf16 outside the
+    expert-parallel shard_map, so their gradients are all-reduced over `data` in bf16; the only f32
+    all-reduce is the embedding table's (f32 gather -> f32 scatter-add gradient)."""
+    import re
+
+    from farskip_jax.analysis.overlap import run_overlap
+
+    cfg = _tiny(**{"mesh.data": 2, "mesh.expert": 4, "train.seq_len": 256, "farskip.preset": "farskip"})
+    (r,) = run_overlap(cfg, ("farskip",), ("train",))
+    nbytes = {"bf16": 0, "f32": 0}
+    for line in r.hlo_text.splitlines():
+        if "all-reduce-start(" in line or " all-reduce(" in line:
+            for dt, dims in re.findall(r"(bf16|f32)\[([\d,]*)\]", line.split("=", 1)[1].split("all-reduce")[0]):
+                nbytes[dt] += int(np.prod([int(d) for d in dims.split(",") if d])) * (2 if dt == "bf16" else 4)
+    expert_bf16 = 3 * (8 // 4) * 256 * 512 * 2 * cfg.model.num_layers  # this device's experts, bf16
+    assert nbytes["bf16"] >= expert_bf16
+    assert nbytes["f32"] <= 512 * 256 * 4 + 64 * 1024  # the embedding table + norm scales
+
+
 def test_target_lines_verdicts():
     from farskip_jax.analysis.overlap import target_lines
 

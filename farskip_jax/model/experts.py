@@ -46,8 +46,7 @@ class RoutedCompute(Protocol):
 
 class RoutedExperts(nnx.Module):
     """The E routed experts' weights (stored in param_dtype, used in the compute dtype: the MoE casts
-    the routed rows to `compute_dtype` and the grouped matmul rounds the weights to the rows' dtype,
-    so `weights()` hands them over as stored)."""
+    the routed rows to `compute_dtype`; `weights(gmm)` says where the weights are rounded)."""
 
     def __init__(self, d_model: int, hidden: int, num_experts: int, *, rngs: nnx.Rngs, std: float = 0.02,
                  param_dtype=jnp.float32, compute_dtype=jnp.float32):
@@ -58,10 +57,15 @@ class RoutedExperts(nnx.Module):
                                 axes=("expert", "mlp", "embed"))
         self.compute_dtype = compute_dtype
 
-    def weights(self) -> ExpertWeights:
-        """The weights as stored: gmm casts them to the rows' (compute) dtype, except the AMX kernel,
-        which rounds float32 weights to bf16 as it packs them (no cast pass, float32 gradients)."""
-        return ExpertWeights(self.w_gate[...], self.w_up[...], self.w_down[...])
+    def weights(self, gmm: str = "auto") -> ExpertWeights:
+        """The weights for the grouped-matmul backend `gmm` (cfg.moe.gmm): as stored for the CPU
+        kernels (`blas`: the AMX kernel rounds float32 weights to bf16 as it packs them, so no cast
+        pass and float32 gradients), else cast to the compute dtype here, outside any expert-parallel
+        shard_map, so that GPU programs reduce the weight gradients in the compute dtype."""
+        if resolve_backend(gmm) == "blas":
+            return ExpertWeights(self.w_gate[...], self.w_up[...], self.w_down[...])
+        c = self.compute_dtype
+        return ExpertWeights(self.w_gate[...].astype(c), self.w_up[...].astype(c), self.w_down[...].astype(c))
 
 
 def expert_swiglu(xs: jax.Array, group_sizes: jax.Array, ew: ExpertWeights, cfg: MoEConfig) -> jax.Array:

@@ -267,7 +267,8 @@ def foe_block(block: Block, x_h: jax.Array, full: jax.Array, positions, segment_
         moe = block.moe
         with jax.named_scope("router"):
             route = group_route(moe.router, h, num_groups)
-        m_h, dropped = group_routed(moe.routed_compute, h, route, moe.experts.weights(), moe.cfg, num_groups)
+        m_h, dropped = group_routed(moe.routed_compute, h, route, moe.experts.weights(moe.cfg.gmm), moe.cfg,
+                                    num_groups)
         m_h = checkpoint_name(m_h, "routed_out")
         m = None
         if not defer_routed:

@@ -59,7 +59,8 @@ class MoEBlock(nnx.Module):
         if self.cfg.route_on_input:  # Llama-4: expert(w * x) instead of w * expert(x) (top_k == 1)
             x_routed = (x * route.weights.astype(x.dtype)).astype(x.dtype)
             route = route.replace(weights=jnp.ones_like(route.weights))
-        out = self.routed_compute(x_routed.astype(self.experts.compute_dtype), route, self.experts.weights(), self.cfg)
+        out = self.routed_compute(x_routed.astype(self.experts.compute_dtype), route, self.experts.weights(self.cfg.gmm),
+                                  self.cfg)
         return MoEOutput(shared=self.shared_out(x), routed=out.y.astype(x.dtype), aux_loss=route.aux_loss,
                          z_loss=route.z_loss, load=route.load, dropped=out.dropped)
 
