@@ -236,8 +236,9 @@ def test_amx_gmm_equals_float32_path_with_gradients(monkeypatch):
     monkeypatch.setenv("FARSKIP_NO_AMX", "1")
     (v_f32, (dx_f32, dw_f32)) = run()
     assert dw_amx.dtype == jnp.float32 and dx_amx.dtype == jnp.bfloat16
-    assert _rel(v_amx, v_f32) < 1e-3
-    assert _rel(dx_amx, dx_f32) < 1e-2 and _rel(dw_amx, dw_f32) < 1e-5
+    # measured: values 2.7e-7, row gradient 0 (same bf16 rounding), weight gradient 1.1e-7
+    assert _rel(v_amx, v_f32) < 1e-5
+    assert _rel(dx_amx, dx_f32) < 4e-3 and _rel(dw_amx, dw_f32) < 1e-5  # dx: within one bf16 ulp
 
 
 def test_bf16_dense_matmul_on_amx_lowers_per_platform():
@@ -254,7 +255,7 @@ def test_bf16_dense_matmul_on_amx_lowers_per_platform():
     assert "farskip_gmm_bf16" in text and "farskip_tgmm_bf16" in text and "dot_general" not in text
     v, (dx, dw) = f(x, w)
     ref = jnp.dot(x.astype(jnp.float32), w.astype(jnp.bfloat16).astype(jnp.float32))
-    assert _rel(matmul_2d(x, w), ref) < 1e-2 and dw.dtype == jnp.float32
+    assert _rel(matmul_2d(x, w), ref) < 4e-3 and dw.dtype == jnp.float32  # bf16 output: measured 2.2e-3
     assert _rel(v, jnp.sum(ref.astype(jnp.bfloat16).astype(jnp.float32) ** 2)) < 1e-3
 
 

@@ -190,17 +190,19 @@ def load() -> str:
     jax.ffi.register_ffi_target("farskip_attention_bwd", jax.ffi.pycapsule(lib.FarskipAttentionBwd), platform="cpu")
     jax.ffi.register_ffi_target("farskip_gmm_bf16", jax.ffi.pycapsule(lib.FarskipGmmBf16), platform="cpu")
     jax.ffi.register_ffi_target("farskip_tgmm_bf16", jax.ffi.pycapsule(lib.FarskipTgmmBf16), platform="cpu")
-    _AMX[0] = bool(lib.farskip_amx_usable())
     return desc
 
 
-_AMX = [False]  # set by load(): the CPU and OS allow AMX-BF16 tiles
+@functools.lru_cache(maxsize=1)
+def _amx_usable() -> bool:
+    """The loaded library's answer: the CPU has AMX-BF16 and Linux granted the tile state."""
+    return bool(ctypes.CDLL(str(build())).farskip_amx_usable())  # the handle load() opened
 
 
 def amx_available() -> bool:
     """The bf16 grouped GEMM on Intel AMX can run here: the kernels are available, the CPU has AMX-BF16,
     Linux granted the tile state, and FARSKIP_NO_AMX is not set (it forces the float32 kernels)."""
-    return available() and _AMX[0] and not os.environ.get("FARSKIP_NO_AMX")
+    return available() and not os.environ.get("FARSKIP_NO_AMX") and _amx_usable()
 
 
 _KEEP_ALIVE: list = []

@@ -73,9 +73,7 @@ def expert_swiglu(xs: jax.Array, group_sizes: jax.Array, ew: ExpertWeights, cfg:
 
     `tiled` runs the fused per-group SwiGLU walk (gmm.grouped_swiglu); other backends three gmms."""
     if resolve_backend(cfg.gmm) == "tiled":
-        c = xs.dtype
-        return grouped_swiglu(xs, ew.w_gate.astype(c), ew.w_up.astype(c), ew.w_down.astype(c), group_sizes,
-                              cfg.gmm_tile)
+        return grouped_swiglu(xs, ew.w_gate, ew.w_up, ew.w_down, group_sizes, cfg.gmm_tile)
     g = gmm(xs, ew.w_gate, group_sizes, cfg.gmm, cfg.gmm_tile)
     u = gmm(xs, ew.w_up, group_sizes, cfg.gmm, cfg.gmm_tile)
     return gmm(jax.nn.silu(g) * u, ew.w_down, group_sizes, cfg.gmm, cfg.gmm_tile)

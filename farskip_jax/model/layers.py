@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from farskip_jax.model import blas_gmm
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -42,8 +44,6 @@ def matmul_2d(x: jax.Array, w: jax.Array, transpose_w: bool = False) -> jax.Arra
         return jax.lax.dot_general(x2, w.astype(x2.dtype), dims)
 
     if not transpose_w and _amx_matmul_ok(x2, w):
-        from farskip_jax.model import blas_gmm
-
         def amx_dot(x2, w):
             return blas_gmm.gmm(x2, w[None], jnp.full((1,), x2.shape[0], jnp.int32))
 
@@ -56,8 +56,6 @@ def matmul_2d(x: jax.Array, w: jax.Array, transpose_w: bool = False) -> jax.Arra
 def _amx_matmul_ok(x2: jax.Array, w: jax.Array) -> bool:
     if x2.dtype != jnp.bfloat16 or x2.shape[0] == 0 or jax.default_backend() != "cpu":
         return False  # (a GPU process never builds the CPU kernels for this)
-    from farskip_jax.model import blas_gmm
-
     return blas_gmm.uses_amx(x2, w[None])
 
 

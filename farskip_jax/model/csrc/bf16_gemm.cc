@@ -60,15 +60,9 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void PackTile(const T* sr
     for (int64_t r = 0; r < 16; ++r)
       _mm512_storeu_si512(t + r * 32, _mm512_permutexvar_epi16(idx, Pair(src + 2 * r * rs, src + (2 * r + 1) * rs)));
   } else {  // rs == 1: column c's k values in order = 16 (even, odd) pairs = tile column c
-    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(16));
-    for (int64_t c = 0; c < 16; ++c) {
-      const __m512i v = _mm512_permutexvar_epi16(  // Pair() gives [k0..k15 | k16..k31]: already in pair order
-          _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9,
-                           8, 7, 6, 5, 4, 3, 2, 1, 0),
-          Pair(src + c * cs, src + c * cs + 16));
-      _mm512_i32scatter_epi32(reinterpret_cast<int*>(t) + c, rows, v, 4);
-    }
+    const __m512i rows = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
+    for (int64_t c = 0; c < 16; ++c)  // Pair() gives [k0..k15 | k16..k31]: already the 16 (even, odd) pairs
+      _mm512_i32scatter_epi32(reinterpret_cast<int*>(t) + c, rows, Pair(src + c * cs, src + c * cs + 16), 4);
   }
 }
 #endif
