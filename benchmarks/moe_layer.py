@@ -17,7 +17,10 @@ ratio is variant / dense. `tiled@cf1.25` is the dropping variant (capacity facto
 `tiled:experts` / `blas:experts` are that backend's expert SwiGLU alone on pre-sorted rows (no
 router/sort/un-sort).
 
---malloc resident keeps freed memory in the process (glibc mallopt: no mmap for large blocks, no trim)
+--malloc resident (the default, as in train.py) keeps freed memory in the process
+(farskip_jax/host_memory.py: glibc mallopt, one arena, no mmap for large blocks, no trim); `default`
+leaves glibc as it is: every step then page-faults its big buffers afresh (shape b: 1.2 s of system
+time per 2.1 s step)
 before JAX allocates anything. With glibc's defaults every step's large temporaries are fresh mmap'd
 pages, and the page faults cost the dense reference more than the MoE layer (measured at shape a:
 dense 66 -> 53 ms, MoE layer 113 -> 112 ms), so the default-allocator ratio flatters the MoE layer;
@@ -27,7 +30,6 @@ report both.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import statistics
 import sys
@@ -41,6 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from farskip_jax.config import MoEConfig  # noqa: E402
+from farskip_jax.host_memory import keep_freed_memory  # noqa: E402
 from farskip_jax.model.experts import ExpertWeights, expert_swiglu, local_routed_compute  # noqa: E402
 from farskip_jax.model.layers import matmul_2d  # noqa: E402
 from farskip_jax.model.router import RouteResult  # noqa: E402
@@ -176,15 +179,12 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="activations' dtype (weights stay float32 master weights, as with model.compute_dtype); "
                          "bfloat16 adds a dense[float32] row to compare against")
-    ap.add_argument("--malloc", choices=["default", "resident"], default="default",
+    ap.add_argument("--malloc", choices=["default", "resident"], default="resident",
                     help="resident: glibc keeps freed memory (no fresh-page faults for either side); see above")
     args = ap.parse_args(argv)
     SHAPES["b"]["batch"] = args.batch_b
-    if args.malloc == "resident":
-        libc = ctypes.CDLL("libc.so.6")
-        M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc malloc.h
-        if not (libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, 2 ** 30)):
-            raise SystemExit("--malloc resident: glibc mallopt refused (not a glibc system?)")
+    if args.malloc == "resident" and not keep_freed_memory():
+        raise SystemExit("--malloc resident: glibc mallopt refused or FARSKIP_HOST_MALLOC=default (not glibc?)")
     print(f"jax {jax.__version__} on {jax.default_backend()}, {os.cpu_count()} CPUs, malloc {args.malloc}", flush=True)
     for name in args.shapes.split(","):
         default = "blas,tiled,einsum,ragged_dot,tiled@cf1.25" if name == "a" else "blas,tiled,einsum"

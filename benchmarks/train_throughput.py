@@ -30,8 +30,13 @@ def main(argv=None) -> int:
     p.add_argument("--presets", nargs="*", default=["standard", "farskip"])
     p.add_argument("--dtypes", default=None,
                    help="comma list of model.compute_dtype values to compare (default: the config's)")
+    p.add_argument("--malloc", choices=["resident", "default"], default="resident",
+                   help="resident (as train.py on CPU): glibc keeps freed memory (farskip_jax/host_memory.py)")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
+    if a.malloc == "resident":
+        from farskip_jax.host_memory import keep_freed_memory
+        keep_freed_memory()
 
     import jax
     import jax.numpy as jnp

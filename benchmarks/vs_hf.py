@@ -32,6 +32,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+from farskip_jax.host_memory import keep_freed_memory  # noqa: E402
+
 from farskip_jax.config import replace  # noqa: E402
 from farskip_jax.convert import import_hf  # noqa: E402
 from farskip_jax.train.flops import measure_matmul_peak, train_flops_per_token  # noqa: E402
@@ -71,7 +73,12 @@ def main(argv=None) -> int:
                          "under torch.autocast(cpu, bfloat16) (float32 weights too)")
     ap.add_argument("--qwen3-30b-proportions", action="store_true",
                     help="Qwen3-30B-A3B's expert proportions at d_model 256: 128 experts, top-8, expert hidden 96")
+    ap.add_argument("--malloc", choices=["resident", "default"], default="resident",
+                    help="resident (as train.py on CPU): glibc keeps freed memory for both sides "
+                         "(farskip_jax/host_memory.py); default: every step page-faults its big buffers afresh")
     args = ap.parse_args(argv)
+    if args.malloc == "resident" and not keep_freed_memory():
+        raise SystemExit("--malloc resident: glibc mallopt refused or FARSKIP_HOST_MALLOC=default")
     if args.qwen3_30b_proportions:
         args.experts, args.top_k, args.expert_hidden = 128, 8, 96
     torch.manual_seed(0)

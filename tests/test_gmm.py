@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from farskip_jax.config import MoEConfig
 from farskip_jax.model import gmm as gmm_mod
-from farskip_jax.model.experts import ExpertWeights, inverse_permutation, local_routed_compute
+from farskip_jax.model.experts import ExpertWeights, inverse_permutation, local_routed_compute, weighted_combine
 from farskip_jax.model.gmm import gmm, resolve_backend
 from farskip_jax.model.router import RouteResult
 
@@ -263,6 +263,25 @@ def test_inverse_permutation():
     perm = jnp.asarray(np.random.default_rng(0).permutation(50), jnp.int32)
     inv = inverse_permutation(perm)
     np.testing.assert_array_equal(np.asarray(perm)[np.asarray(inv)], np.arange(50))
+
+
+def test_weighted_combine_and_its_vjp_match_the_plain_formula():
+    rng = np.random.default_rng(1)
+    t, k, d = 12, 3, 8
+    order = jnp.asarray(rng.permutation(t * k), jnp.int32)
+    inv = inverse_permutation(order)
+    ys = jnp.asarray(rng.standard_normal((t * k, d)), jnp.float32)
+    w = jnp.asarray(rng.random((t, k)), jnp.float32)
+
+    def plain(ys, w):  # un-sort every row, weight, sum the k choices of each token
+        return (ys[inv] * w.reshape(-1, 1)).reshape(t, k, d).sum(1)
+
+    ct = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
+    got, got_vjp = jax.vjp(lambda a, b: weighted_combine(a, inv, order, b, k), ys, w)
+    ref, ref_vjp = jax.vjp(plain, ys, w)
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6)
+    for g, r in zip(got_vjp(ct), ref_vjp(ct)):
+        np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------ routed compute

@@ -103,25 +103,6 @@ def inverse_permutation(perm: jax.Array) -> jax.Array:
     return jnp.zeros((n,), jnp.int32).at[perm].set(jnp.arange(n, dtype=jnp.int32), unique_indices=True)
 
 
-@jax.custom_vjp
-def permute_rows(x: jax.Array, perm: jax.Array, inv: jax.Array) -> jax.Array:
-    """x[perm] for a permutation perm [N] with inverse inv; x: [N, d]. The VJP is a gather (g[inv])
-    instead of autodiff's scatter-add, which XLA:CPU runs as a serial loop."""
-    return x[perm]
-
-
-def _permute_rows_fwd(x, perm, inv):
-    return x[perm], (perm, inv)
-
-
-def _permute_rows_bwd(res, g):
-    perm, inv = res
-    return g[inv], None, None
-
-
-permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
-
-
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
 def expand_rows(x: jax.Array, order: jax.Array, inv: jax.Array, k: int) -> jax.Array:
     """x [T, d] -> x[order // k] [T*k, d]: the T*k (token, choice) assignments in `order`.
@@ -141,6 +122,36 @@ def _expand_rows_bwd(k, res, g):
 
 
 expand_rows.defvjp(_expand_rows_fwd, _expand_rows_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def weighted_combine(ys: jax.Array, inv: jax.Array, order: jax.Array, w: jax.Array, k: int) -> jax.Array:
+    """Expert outputs back to tokens: ys [N = T*k, d] in sorted order, inv [N] the sorted position of
+    assignment a = t*k + j (order its inverse), w [T, k] the routing weights ->
+    y [T, d] = sum_j w[t, j] * ys[inv[t*k + j]].
+
+    One gather-multiply-reduce pass (no [N, d] un-sorted copy); the VJP is gathers too:
+    d ys[i] = w.flat[order[i]] * g[order[i] // k], d w[t, j] = <g[t], ys[inv[t*k + j]]>."""
+    return _combine(ys, inv, w, k)
+
+
+def _combine(ys, inv, w, k):
+    return (ys[inv].reshape(-1, k, ys.shape[-1]) * w[..., None]).sum(1)
+
+
+def _weighted_combine_fwd(ys, inv, order, w, k):
+    return _combine(ys, inv, w, k), (ys, inv, order, w)
+
+
+def _weighted_combine_bwd(k, res, g):
+    ys, inv, order, w = res
+    d_ys = g[order // k] * w.reshape(-1)[order][:, None]
+    f32 = jnp.float32  # the dot over d accumulates in float32 whatever the compute dtype
+    d_w = (ys[inv].reshape(-1, k, ys.shape[-1]).astype(f32) * g[:, None, :].astype(f32)).sum(-1)
+    return d_ys, None, None, d_w.astype(w.dtype)
+
+
+weighted_combine.defvjp(_weighted_combine_fwd, _weighted_combine_bwd)
 
 
 def local_routed_compute(x: jax.Array, route: RouteResult, experts: ExpertWeights, cfg: MoEConfig) -> RoutedOutput:
@@ -173,9 +184,8 @@ def local_routed_compute(x: jax.Array, route: RouteResult, experts: ExpertWeight
     with jax.named_scope("expert_compute"):
         ys = expert_swiglu(xs, kept_sizes, experts, cfg)  # dropped rows (past the groups) are 0
     with jax.named_scope("combine"):
-        y = permute_rows(ys, inv, order)  # [N, d] in assignment order
-        w = route.weights.reshape(n, 1).astype(ys.dtype)
-        y = (y * w).reshape(b * s, k, d).sum(1).reshape(b, s, d)
+        w = route.weights.reshape(b * s, k).astype(ys.dtype)
+        y = weighted_combine(ys, inv, order, w, k).reshape(b, s, d)
     dropped = jnp.sum(~kept).astype(jnp.int32)
     return RoutedOutput(y=y, dropped=dropped)
 
