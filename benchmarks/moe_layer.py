@@ -17,20 +17,20 @@ ratio is variant / dense. `tiled@cf1.25` is the dropping variant (capacity facto
 `tiled:experts` / `blas:experts` are that backend's expert SwiGLU alone on pre-sorted rows (no
 router/sort/un-sort).
 
---malloc resident (the default, as in train.py) keeps freed memory in the process
-(farskip_jax/host_memory.py: glibc mallopt, one arena, no mmap for large blocks, no trim); `default`
-leaves glibc as it is: every step then page-faults its big buffers afresh (shape b: 1.2 s of system
-time per 2.1 s step)
-before JAX allocates anything. With glibc's defaults every step's large temporaries are fresh mmap'd
-pages, and the page faults cost the dense reference more than the MoE layer (measured at shape a:
-dense 66 -> 53 ms, MoE layer 113 -> 112 ms), so the default-allocator ratio flatters the MoE layer;
-report both.
+--malloc resident (the default, as in train.py) keeps freed memory in the process before JAX
+allocates anything (farskip_jax/host_memory.py: glibc mallopt, one arena, no mmap for large blocks,
+trim only past 2 GiB of free heap); `default` leaves glibc as it is: every step then page-faults its
+big buffers afresh (shape b: 1.2 s of system time per 2.1 s step). Even resident, a call now and then
+finds the heap too fragmented for its 1.1 GB of shape-b weight gradients and grows it: this VM hands
+out and zeroes fresh pages at about 0.3 GB/s of system time, so such a call takes ~2x. Those calls are
+marked `*` (system time > 20% of the call) and a second ratio in brackets leaves them out.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import time
@@ -147,13 +147,21 @@ def run_shape(name: str, backends: list[str], repeats: int, tile: int,
         if not label.startswith("dense"):
             dropped[label] = float(out[0][1]) / (b * t * k)
         print(f"  compiled {label:16s} {time.perf_counter() - t0:6.1f}s", flush=True)
+    fresh: dict[str, list[bool]] = {v: [] for v in variants}  # the call faulted in fresh host memory
     for r in range(repeats):
         for label, (fn, params, *inputs) in variants.items():
-            t0 = time.perf_counter()
+            sys0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_stime, time.perf_counter()
             jax.block_until_ready(fn(params, *(inputs or (x, ct))))
             times[label].append(time.perf_counter() - t0)
-        print(f"  repeat {r + 1}/{repeats}: " + " ".join(f"{v}={times[v][-1] * 1e3:.0f}ms" for v in variants), flush=True)
+            fresh[label].append(resource.getrusage(resource.RUSAGE_SELF).ru_stime - sys0 > 0.2 * times[label][-1])
+        print(f"  repeat {r + 1}/{repeats}: " + " ".join(f"{v}={times[v][-1] * 1e3:.0f}ms{'*' if fresh[v][-1] else ''}"
+                                                        for v in variants), flush=True)
+    n_fresh = sum(map(sum, fresh.values()))
+    if n_fresh:
+        print(f"  * {n_fresh} calls spent > 20% of their time in the kernel (system time): malloc grew the heap "
+              "and the OS handed out and zeroed fresh pages; the ratio in brackets leaves those calls out", flush=True)
     dense = statistics.median(times["dense"])
+    clean = lambda v: [t for t, f in zip(times[v], fresh[v]) if not f] or times[v]  # noqa: E731
     weight_traffic_estimate(moe_params, dense_params, dense)
     rows = []
     if "dense[float32]" in variants:
@@ -164,7 +172,8 @@ def run_shape(name: str, backends: list[str], repeats: int, tile: int,
             continue
         ratio = statistics.median(times[label]) / dense
         rows.append((label, ratio, dropped[label]))
-        print(f"  {label:16s} {ratio:5.2f}x dense   dropped {dropped[label]:.2%}", flush=True)
+        steady = f" [{statistics.median(clean(label)) / statistics.median(clean('dense')):.2f}x]" if n_fresh else ""
+        print(f"  {label:16s} {ratio:5.2f}x dense{steady}   dropped {dropped[label]:.2%}", flush=True)
     return rows
 
 

@@ -10,9 +10,14 @@ zeroing of every page it writes (`clear_page`): at DeepSeek-V2-Lite expert propo
 `keep_freed_memory()` sets, at run time through `mallopt`:
     M_ARENA_MAX = 1         threads share the main arena (no per-thread heaps that fall back to mmap)
     M_MMAP_MAX = 0          big blocks come from the heap instead of mmap
-    M_TRIM_THRESHOLD = max  freed memory at the top of the heap is kept, not given back to the OS
+    M_TRIM_THRESHOLD = 2 GiB freed memory at the top of the heap is kept up to 2 GiB (mallopt's
+                            largest value), beyond that given back to the OS
 so steady-state steps reuse already-mapped pages. Peak memory is unchanged in steady state (the same
-buffers recur every step); memory freed between phases stays mapped to the process.
+buffers recur every step); memory freed between phases stays mapped to the process. Not "never
+trim": XLA frees and allocates a step's buffers in a slightly varying order, the heap fragments, and
+without a trim it grows instead (shape b, 14 steps: resident set 4.2 -> 6.3 GB); with the 2 GiB
+threshold a step now and then re-faults its largest buffers instead (benchmarks/moe_layer.py marks
+those calls).
 
 Call it before JAX starts its CPU backend (the entry points do; threads created earlier keep their
 arenas). `FARSKIP_HOST_MALLOC=default` leaves malloc alone. A no-op (returns False) where the C

@@ -163,6 +163,57 @@ def test_blas_unavailable_falls_back_to_tiled_and_explicit_blas_fails_clearly(tm
     assert not list(tmp_path.glob("*.so")), "a failed build must not leave a library behind"
 
 
+_BLAS_CHECK = (
+    "import numpy as np, jax, jax.numpy as jnp\n"
+    "from farskip_jax.model import cpu_kernels\n"
+    "from farskip_jax.model.gmm import gmm\n"
+    "print(cpu_kernels.load())\n"
+    "rng = np.random.default_rng(0)\n"
+    "sizes = np.array([37, 0, 90, 1]); x = rng.standard_normal((128, 48), np.float32)\n"
+    "w = rng.standard_normal((4, 48, 72), np.float32); g = rng.standard_normal((128, 72), np.float32)\n"
+    "f = lambda x, w: jnp.vdot(gmm(x, w, jnp.asarray(sizes), 'blas'), g)\n"
+    "dx, dw = jax.grad(f, argnums=(0, 1))(x, w)\n"
+    "y = np.asarray(gmm(x, w, jnp.asarray(sizes), 'blas'))\n"
+    "ends = np.cumsum(sizes); starts = ends - sizes\n"
+    "ry = np.concatenate([x[s:e].astype(np.float64) @ w[i] for i, (s, e) in enumerate(zip(starts, ends))])\n"
+    "rdx = np.concatenate([g[s:e].astype(np.float64) @ w[i].T for i, (s, e) in enumerate(zip(starts, ends))])\n"
+    "rdw = np.stack([x[s:e].T.astype(np.float64) @ g[s:e] for s, e in zip(starts, ends)])\n"
+    "rel = lambda a, b: float(np.abs(np.asarray(a) - b).max() / np.abs(b).max())\n"
+    "print(max(rel(y, ry), rel(dx, rdx), rel(dw, rdw)))\n"
+)
+
+
+@pytest.mark.parametrize("choice", ["openblas", "mkl"])
+def test_each_blas_library_gives_the_group_loop_result(choice):
+    """FARSKIP_BLAS picks the sgemm library (fresh process: the load is cached); OpenBLAS and, where the
+    `mkl` extra is installed, MKL both give the float64 group loop's values and gradients to fp32
+    rounding (1e-5 of the largest entry)."""
+    import glob
+    import subprocess
+    import sys
+
+    if choice == "mkl" and not glob.glob(os.path.join(sys.prefix, "lib", "libmkl_rt.so*")):
+        pytest.skip("the `mkl` extra is not installed in this environment")
+    env = {k: v for k, v in os.environ.items() if k != "FARSKIP_BLAS_LIB"}
+    env.update(FARSKIP_BLAS=choice, JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", _BLAS_CHECK], env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    desc, err = out.stdout.strip().splitlines()[-2:]
+    assert ("libmkl_rt" in desc) == (choice == "mkl"), desc
+    assert float(err) < 1e-5, (desc, err)
+
+
+def test_bad_blas_choice_is_one_clear_error():
+    import subprocess
+    import sys
+
+    code = "from farskip_jax.model import cpu_kernels\ncpu_kernels.load()\n"
+    env = {**os.environ, "FARSKIP_BLAS": "acml", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "FARSKIP_BLAS='acml'" in out.stderr and "mkl, openblas" in out.stderr, out.stderr[-1500:]
+
+
 def test_blas_backend_bf16_inputs():
     """bf16 operands are computed in float32 BLAS and returned in bf16 (the tiled/einsum convention)."""
     m, sizes = 64, [0, 21, 9, 0, 3, 1]

@@ -5,9 +5,11 @@ On first use the library is compiled with the system C++ compiler ($CXX, else g+
 about 4 s) against jaxlib's FFI headers into a cache folder ($FARSKIP_KERNEL_CACHE, default
 ~/.cache/farskip_jax), keyed by the sources, the jaxlib version and the flags. It links no BLAS: at
 load time it is handed the address of cblas_sgemm from the first library that has one, in order:
-$FARSKIP_BLAS_LIB, numpy's bundled OpenBLAS (scipy-openblas, ILP64), the scipy_openblas32/64 wheels,
-a system OpenBLAS/CBLAS; that library is loaded from a private copy set to one thread per call (the
-kernels run one sgemm per XLA thread) so numpy's copy keeps its threads. `available()` says whether
+$FARSKIP_BLAS_LIB, Intel MKL from the `mkl` wheel (the `mkl` extra; on Intel CPUs, or anywhere with
+FARSKIP_BLAS=mkl; never with FARSKIP_BLAS=openblas), numpy's bundled OpenBLAS (scipy-openblas, ILP64), the scipy_openblas32/64
+wheels, a system OpenBLAS/CBLAS; OpenBLAS is loaded from a private copy set to one thread per call
+(the kernels run one sgemm per XLA thread) so numpy's copy keeps its threads, MKL in its sequential
+threading layer. `available()` says whether
 all of this worked; `amx_available()` whether the bf16 grouped GEMM (Intel AMX tiles) can run too;
 `pick()` is how `moe.gmm` and `model.attention_impl` choose a CPU kernel or their fallback.
 Users: model/blas_gmm.py, model/blas_attention.py.
@@ -97,10 +99,49 @@ def build() -> Path:
     return out
 
 
+def _intel_cpu() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "GenuineIntel" in f.read(4096)
+    except OSError:
+        return False
+
+
+BLAS_ENV = "FARSKIP_BLAS"
+_BLAS_CHOICES = ("auto", "mkl", "openblas")
+
+
+def _blas_choice() -> str:
+    """$FARSKIP_BLAS: `auto` (default: MKL on Intel CPUs when the `mkl` extra is installed, else
+    OpenBLAS), `mkl` (MKL or an error saying how to install it), `openblas` (never MKL)."""
+    choice = os.environ.get(BLAS_ENV, "auto").strip().lower() or "auto"
+    if choice not in _BLAS_CHOICES:
+        from farskip_jax.errors import ConfigError
+        raise ConfigError(f"{BLAS_ENV}={os.environ[BLAS_ENV]!r}: expected one of {', '.join(_BLAS_CHOICES)} "
+                          "(or point FARSKIP_BLAS_LIB at a CBLAS library)")
+    return choice
+
+
+def _mkl_libraries() -> list[str]:
+    """libmkl_rt of the `mkl` wheel (the `mkl` extra) in this environment; under `auto` only on Intel
+    CPUs, where its sgemm is 1.2-1.4x OpenBLAS's on the expert shapes (benchmarks/moe_layer.py) --
+    MKL takes slower paths on other vendors' CPUs."""
+    choice = _blas_choice()
+    if choice == "openblas" or (choice == "auto" and not _intel_cpu()):
+        return []
+    import sys
+    found = sorted(glob.glob(os.path.join(sys.prefix, "lib", "libmkl_rt.so*")))[:1]
+    if choice == "mkl" and not found:
+        raise KernelUnavailable(f"{BLAS_ENV}=mkl but no libmkl_rt under {sys.prefix}/lib; install the extra "
+                                f"(pip install -e '.[mkl]') or unset {BLAS_ENV}")
+    return found
+
+
 def _blas_candidates() -> list[str]:
     paths = []
     if os.environ.get("FARSKIP_BLAS_LIB"):
         paths.append(os.environ["FARSKIP_BLAS_LIB"])
+    paths += _mkl_libraries()
     np_root = Path(np.__file__).resolve().parent
     for pattern in ("../numpy.libs/libscipy_openblas*.so*", ".dylibs/libscipy_openblas*.dylib", "../numpy.libs/*openblas*.so*"):
         paths += sorted(glob.glob(str(np_root / pattern)))
@@ -126,9 +167,10 @@ def _private_copy(path: str) -> str:
     """A copy of the BLAS library file in the kernel cache, so that loading it gives this kernel its
     own BLAS state: its thread count is set to 1 (the kernel runs one sgemm per XLA thread) without
     touching the copy numpy and the rest of the process use. A bare library name (no file) is used
-    as it is."""
+    as it is, and so is MKL (its single dispatch library loads its siblings from its own folder; no
+    one else in the process uses that file: numpy has OpenBLAS, torch links its MKL statically)."""
     src = Path(path)
-    if not src.is_file():
+    if not src.is_file() or src.name.startswith("libmkl_rt"):
         return path
     data_key = hashlib.sha256(f"{src.resolve()}:{src.stat().st_size}:{src.stat().st_mtime_ns}".encode()).hexdigest()[:16]
     dst = _cache_dir() / f"blas_{data_key}{''.join(src.suffixes[-1:]) or '.so'}"
@@ -157,6 +199,10 @@ def _find_sgemm() -> tuple[ctypes.CDLL, int, int, str]:
         lib = ctypes.CDLL(_private_copy(path))
         fn = getattr(lib, sym)
         threads = "its own threads"
+        if getattr(lib, "MKL_Set_Threading_Layer", None) is not None:  # before its first call
+            lib.MKL_Set_Threading_Layer.argtypes = (ctypes.c_int,)
+            lib.MKL_Set_Threading_Layer(1)  # MKL_THREADING_SEQUENTIAL: one thread per call
+            threads = "sequential"
         for set_sym in _SET_THREADS_SYMBOLS:
             setter = getattr(lib, set_sym, None)
             if setter is not None:
