@@ -310,6 +310,43 @@ def test_bf16_dense_matmul_on_amx_lowers_per_platform():
     assert _rel(v, jnp.sum(ref.astype(jnp.bfloat16).astype(jnp.float32) ** 2)) < 1e-3
 
 
+@pytest.mark.parametrize("transpose_w", [False, True])
+def test_float32_dense_matmul_on_blas_equals_float64_with_gradients(transpose_w, monkeypatch):
+    """matmul_2d on float32 in a CPU program runs blas_gmm.matmul (one-group kernels, no XLA dot):
+    values and both gradients equal the float64 products to 1e-5 of the largest entry (measured
+    ~3e-7); FARSKIP_DENSE_MATMUL=xla gives back XLA's dot, a bad value is one clear error."""
+    from farskip_jax.errors import ConfigError
+    from farskip_jax.model import cpu_kernels, layers
+    from farskip_jax.model.layers import matmul_2d
+
+    if not cpu_kernels.available():
+        pytest.skip("CPU kernels unavailable")
+    monkeypatch.setattr(layers, "_single_device", lambda: True)  # the suite's process has 8 CPU devices
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, 41, 64)).astype(np.float32)
+    w = (rng.standard_normal((96, 64) if transpose_w else (64, 96)) * 0.1).astype(np.float32)
+    g = rng.standard_normal((3, 41, 96)).astype(np.float32)
+    f = jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(matmul_2d(x, w, transpose_w) * g), argnums=(0, 1)))
+    text = f.lower(x, w).as_text()
+    assert "farskip_gmm" in text and "farskip_tgmm" in text and "dot_general" not in text
+    _, (dx, dw) = f(x, w)
+    w64 = w.astype(np.float64).T if transpose_w else w.astype(np.float64)
+    x2, g2 = x.reshape(-1, 64).astype(np.float64), g.reshape(-1, 96).astype(np.float64)
+    rel = lambda a, b: float(np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max())  # noqa: E731
+    assert rel(matmul_2d(jnp.asarray(x), jnp.asarray(w), transpose_w).reshape(-1, 96), x2 @ w64) < 1e-5
+    assert rel(dx.reshape(-1, 64), g2 @ w64.T) < 1e-5
+    ref_dw = x2.T @ g2
+    assert rel(dw, ref_dw.T if transpose_w else ref_dw) < 1e-5
+    monkeypatch.setenv("FARSKIP_DENSE_MATMUL", "xla")
+    assert "farskip_gmm" not in jax.jit(lambda x, w: matmul_2d(x, w, transpose_w)).lower(x, w).as_text()
+    monkeypatch.setenv("FARSKIP_DENSE_MATMUL", "auto")
+    monkeypatch.setattr(layers, "_single_device", lambda: False)  # sharded programs keep XLA's dot
+    assert "farskip_gmm" not in jax.jit(lambda x, w: matmul_2d(x, w, transpose_w)).lower(x, w).as_text()
+    monkeypatch.setenv("FARSKIP_DENSE_MATMUL", "mkl")
+    with pytest.raises(ConfigError, match="FARSKIP_DENSE_MATMUL='mkl'"):
+        matmul_2d(jnp.asarray(x), jnp.asarray(w), transpose_w)
+
+
 def test_inverse_permutation():
     perm = jnp.asarray(np.random.default_rng(0).permutation(50), jnp.int32)
     inv = inverse_permutation(perm)

@@ -7,11 +7,13 @@ Parameters are stored in `param_dtype`; matmuls run in `compute_dtype`.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from farskip_jax.model import blas_gmm
+from farskip_jax.model import blas_gmm, cpu_kernels
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -35,7 +37,12 @@ def matmul_2d(x: jax.Array, w: jax.Array, transpose_w: bool = False) -> jax.Arra
     blas_gmm (one group; float32 accumulation, float32 w rounded as it is packed, float32 weight
     gradient), chosen when the program is lowered for the CPU (`lax.platform_dependent`; other
     platforms get the XLA dot). XLA:CPU's own bf16 dot runs below its float32 speed for the weight
-    gradient (benchmarks/matmul_dtypes.py)."""
+    gradient (benchmarks/matmul_dtypes.py).
+
+    float32 x and w on the CPU: blas_gmm.matmul (BLAS sgemm per thread part, forward and both
+    gradients; 1.15-1.7x faster than XLA:CPU's dot at the projection shapes of the small configs,
+    benchmarks/dense_matmul.py), chosen the same way in a one-device process; FARSKIP_DENSE_MATMUL=xla
+    keeps XLA's dot."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
 
@@ -48,15 +55,41 @@ def matmul_2d(x: jax.Array, w: jax.Array, transpose_w: bool = False) -> jax.Arra
             return blas_gmm.gmm(x2, w[None], jnp.full((1,), x2.shape[0], jnp.int32))
 
         y = jax.lax.platform_dependent(x2, w, cpu=amx_dot, default=xla_dot)
+    elif _blas_matmul_ok(x2, w):
+        y = jax.lax.platform_dependent(x2, w, cpu=lambda x2, w: blas_gmm.matmul(x2, w, transpose_w), default=xla_dot)
     else:
         y = xla_dot(x2, w)
     return y.reshape(*lead, y.shape[-1])
 
 
+DENSE_MATMUL_ENV = "FARSKIP_DENSE_MATMUL"
+
+
+def _cpu_kernel_ok(x2: jax.Array) -> bool:
+    return x2.shape[0] > 0 and jax.default_backend() == "cpu"  # (a GPU process never builds the CPU kernels)
+
+
 def _amx_matmul_ok(x2: jax.Array, w: jax.Array) -> bool:
-    if x2.dtype != jnp.bfloat16 or x2.shape[0] == 0 or jax.default_backend() != "cpu":
-        return False  # (a GPU process never builds the CPU kernels for this)
-    return blas_gmm.uses_amx(x2, w[None])
+    return x2.dtype == jnp.bfloat16 and _cpu_kernel_ok(x2) and blas_gmm.uses_amx(x2, w[None])
+
+
+def _blas_matmul_ok(x2: jax.Array, w: jax.Array) -> bool:
+    """float32 dots on the CPU take the BLAS kernel unless $FARSKIP_DENSE_MATMUL=xla (the A/B switch of
+    the benchmarks) or the kernels are unavailable (then XLA's dot, after cpu_kernels' one warning)."""
+    choice = os.environ.get(DENSE_MATMUL_ENV, "auto").strip().lower() or "auto"
+    if choice not in ("auto", "xla"):
+        from farskip_jax.errors import ConfigError
+        raise ConfigError(f"{DENSE_MATMUL_ENV}={os.environ[DENSE_MATMUL_ENV]!r}: expected 'auto' (BLAS kernel "
+                          "for float32 dots on the CPU when it is available) or 'xla' (XLA's dot)")
+    return (choice == "auto" and x2.dtype == jnp.float32 and w.dtype == jnp.float32 and _cpu_kernel_ok(x2)
+            and _single_device() and cpu_kernels.available())
+
+
+def _single_device() -> bool:
+    """The process has one device. An XLA custom call has no partitioning rule, so in a program
+    auto-sharded over several (simulated) CPU devices the partitioner would gather its operands and
+    run it replicated; XLA's dot partitions."""
+    return jax.device_count() == 1
 
 
 class Linear(nnx.Module):
