@@ -292,12 +292,14 @@ def test_amx_gmm_equals_float32_path_with_gradients(monkeypatch):
     assert _rel(dx_amx, dx_f32) < 4e-3 and _rel(dw_amx, dw_f32) < 1e-5  # dx: within one bf16 ulp
 
 
-def test_bf16_dense_matmul_on_amx_lowers_per_platform():
+def test_bf16_dense_matmul_on_amx_lowers_per_platform(monkeypatch):
     """matmul_2d on bf16 rows: the AMX kernel in a program lowered for the CPU, XLA's dot otherwise;
     equal values (bf16 output rounding) and float32 weight gradients either way."""
+    from farskip_jax.model import layers
     from farskip_jax.model.layers import matmul_2d
 
     _amx_or_skip()
+    monkeypatch.setattr(layers, "_single_device", lambda: True)  # the suite's process has 8 CPU devices
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.standard_normal((4, 40, 64)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((64, 96)) * 0.1, jnp.float32)

@@ -72,10 +72,11 @@ def test_bf16_compute_on_amx_matches_the_float32_kernels(monkeypatch):
     """bf16 compute on a CPU with AMX runs the experts and the dense projections on the AMX kernels
     (seen in the lowered program) and matches the same model on the float32 kernels (FARSKIP_NO_AMX:
     the same bf16-rounded operands) to bf16 rounding: logits and every parameter gradient."""
-    from farskip_jax.model import cpu_kernels
+    from farskip_jax.model import cpu_kernels, layers
 
     if not cpu_kernels.amx_available():
         pytest.skip("no usable AMX-BF16 on this CPU")
+    monkeypatch.setattr(layers, "_single_device", lambda: True)  # the suite's process has 8 CPU devices
     cfg = load_config(None, BASE + ["model.compute_dtype=bfloat16"])
     tokens = jax.random.randint(jax.random.key(2), (2, 8), 0, 64)
     graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))

@@ -1,5 +1,6 @@
 """Mesh sizing, logical-axis rules and batch placement (no compilation of the model)."""
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -54,3 +55,23 @@ def test_shard_batch_splits_rows_over_token_axes():
     assert x.sharding.spec == P(("data", "fsdp", "expert"), None)
     assert {s.data.shape for s in x.addressable_shards} == {(2, 3)}
     np.testing.assert_array_equal(np.asarray(x), np.arange(48).reshape(16, 3))
+
+
+def test_auto_attention_is_the_partitionable_core_on_a_multi_device_cpu_mesh():
+    """config_on: `auto` attention is the fused CPU kernel on one CPU device and the naive core on a
+    mesh of several (a custom call would be gathered onto every device and run replicated); the
+    experts keep their kernel (they run inside the expert-parallel shard_map)."""
+    from farskip_jax.config import load_config
+    from farskip_jax.model import cpu_kernels
+    from farskip_jax.parallel.build import config_on
+
+    if not cpu_kernels.available():
+        pytest.skip("CPU kernels unavailable")
+    cfg = load_config("configs/tiny.yaml", [])
+    one = config_on(cfg, make_mesh(MeshConfig(data=1), devices=jax.devices()[:1]))
+    many = config_on(cfg, make_mesh(MeshConfig(data=2, expert=2), devices=jax.devices()[:4]))
+    assert (one.model.attention_impl, one.moe.gmm) == ("fused_cpu", "blas")
+    assert (many.model.attention_impl, many.moe.gmm) == ("naive", "blas")
+    pinned = config_on(load_config("configs/tiny.yaml", ["model.attention_impl=fused_cpu"]),
+                       make_mesh(MeshConfig(data=2, expert=2), devices=jax.devices()[:4]))
+    assert pinned.model.attention_impl == "fused_cpu"  # asked for by name: kept

@@ -70,7 +70,7 @@ def _cpu_kernel_ok(x2: jax.Array) -> bool:
 
 
 def _amx_matmul_ok(x2: jax.Array, w: jax.Array) -> bool:
-    return x2.dtype == jnp.bfloat16 and _cpu_kernel_ok(x2) and blas_gmm.uses_amx(x2, w[None])
+    return x2.dtype == jnp.bfloat16 and _cpu_kernel_ok(x2) and _single_device() and blas_gmm.uses_amx(x2, w[None])
 
 
 def _blas_matmul_ok(x2: jax.Array, w: jax.Array) -> bool:

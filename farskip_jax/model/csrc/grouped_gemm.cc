@@ -12,8 +12,8 @@
 // tgmm by whole groups (or by output columns when there are few groups); each part calls sgemm,
 // which the Python side has set to one thread. The
 // sgemm is a cblas function pointer handed in at load time (farskip_set_sgemm), so this file needs
-// no BLAS headers or link-time library: the Python side loads a private copy of numpy's bundled
-// OpenBLAS (or another) and passes its cblas_sgemm, LP64 or ILP64.
+// no BLAS headers or link-time library: the Python side loads MKL (sequential) or a private copy of
+// numpy's bundled OpenBLAS (or another) and passes its cblas_sgemm, LP64 or ILP64.
 
 #include "blas_common.h"
 
