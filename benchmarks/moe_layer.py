@@ -19,11 +19,11 @@ router/sort/un-sort).
 
 --malloc resident (the default, as in train.py) keeps freed memory in the process before JAX
 allocates anything (farskip_jax/host_memory.py: glibc mallopt, one arena, no mmap for large blocks,
-trim only past 2 GiB of free heap); `default` leaves glibc as it is: every step then page-faults its
-big buffers afresh (shape b: 1.2 s of system time per 2.1 s step). Even resident, a call now and then
-finds the heap too fragmented for its 1.1 GB of shape-b weight gradients and grows it: this VM hands
-out and zeroes fresh pages at about 0.3 GB/s of system time, so such a call takes ~2x. Those calls are
-marked `*` (system time > 20% of the call) and a second ratio in brackets leaves them out.
+no trim); `default` leaves glibc as it is: every step then page-faults its big buffers afresh (shape
+b: 1.2 s of system time per 2.1 s step). Even resident, the first calls grow the heap until it fits
+the interleaved variants (on this VM fresh pages cost about 0.3 GB/s of system time, so such a call
+can take ~2x). Calls that faulted in more than FRESH_PAGES pages are marked `*` and a second ratio in
+brackets leaves them out.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ SHAPES = {
     "b": dict(batch=8, seq=256, d=1024, experts=64, top_k=6, hidden=1408),
 }
 
+
+FRESH_PAGES = 16384  # minor page faults (64 MiB of 4 KiB pages) that mark a call as having grown the heap
 
 def make_moe_step(cfg: MoEConfig):
     def loss(params, x, ct):
@@ -150,16 +152,16 @@ def run_shape(name: str, backends: list[str], repeats: int, tile: int,
     fresh: dict[str, list[bool]] = {v: [] for v in variants}  # the call faulted in fresh host memory
     for r in range(repeats):
         for label, (fn, params, *inputs) in variants.items():
-            sys0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_stime, time.perf_counter()
+            flt0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
             jax.block_until_ready(fn(params, *(inputs or (x, ct))))
             times[label].append(time.perf_counter() - t0)
-            fresh[label].append(resource.getrusage(resource.RUSAGE_SELF).ru_stime - sys0 > 0.2 * times[label][-1])
+            fresh[label].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - flt0 > FRESH_PAGES)
         print(f"  repeat {r + 1}/{repeats}: " + " ".join(f"{v}={times[v][-1] * 1e3:.0f}ms{'*' if fresh[v][-1] else ''}"
                                                         for v in variants), flush=True)
     n_fresh = sum(map(sum, fresh.values()))
     if n_fresh:
-        print(f"  * {n_fresh} calls spent > 20% of their time in the kernel (system time): malloc grew the heap "
-              "and the OS handed out and zeroed fresh pages; the ratio in brackets leaves those calls out", flush=True)
+        print(f"  * {n_fresh} calls faulted in more than {FRESH_PAGES} fresh pages (malloc grew the heap, the OS "
+              "zeroed the pages); the ratio in brackets leaves those calls out", flush=True)
     dense = statistics.median(times["dense"])
     clean = lambda v: [t for t, f in zip(times[v], fresh[v]) if not f] or times[v]  # noqa: E731
     weight_traffic_estimate(moe_params, dense_params, dense)
