@@ -4,8 +4,10 @@ same run (so the ratio means something on a shared CPU).
     python benchmarks/train_throughput.py                       # configs/tiny.yaml, standard + farskip
     python benchmarks/train_throughput.py --config configs/small.yaml --steps 5 --presets standard
     python benchmarks/train_throughput.py --presets standard --dtypes float32,bfloat16   # bf16 compute
+    python benchmarks/train_throughput.py --presets standard --dense-matmul xla,auto     # BLAS projections
 
-Each variant (connectivity preset x model.compute_dtype) gets its own model and optimizer state
+Each variant (connectivity preset x model.compute_dtype [x FARSKIP_DENSE_MATMUL, set while the
+variant's step is traced: `xla` = XLA's dot for the float32 projections, `auto` = the BLAS kernel]) gets its own model and optimizer state
 from the same seed and the same batches of the embedded corpus; the variants' steps are timed
 interleaved (one step of each in turn), so ratios between them are taken side by side. Prints per
 variant: tokens/s (median step), loss after the same steps, MFU against the measured matmul peak of
@@ -32,6 +34,8 @@ def main(argv=None) -> int:
                    help="comma list of model.compute_dtype values to compare (default: the config's)")
     p.add_argument("--malloc", choices=["resident", "default"], default="resident",
                    help="resident (as train.py on CPU): glibc keeps freed memory (farskip_jax/host_memory.py)")
+    p.add_argument("--dense-matmul", default=None,
+                   help="comma list of FARSKIP_DENSE_MATMUL values to compare (xla,auto); default: as set")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
     if a.malloc == "resident":
@@ -58,16 +62,20 @@ def main(argv=None) -> int:
           f"{os.cpu_count()} cpus", flush=True)
     it = make_iterator(cfg.data, "train", batch_size=t.batch_size, seq_len=t.seq_len, seed=0)
     batches = [{k: jnp.asarray(v) for k, v in next(it).items()} for _ in range(a.steps + 2)]
+    dense = a.dense_matmul.split(",") if a.dense_matmul else [None]
     variants = {}
     for preset in a.presets:
         for dtype in dtypes:
-            c = replace(cfg, **{"farskip.preset": preset, "model.compute_dtype": dtype})
-            tx, schedule = make_optimizer(c.train)
-            graphdef, state = init_state(Transformer(c, rngs=nnx.Rngs(0)), tx, 0)
-            variants[(preset, dtype)] = [jax.jit(make_train_step(graphdef, c, tx, schedule), donate_argnums=0),
-                                         state, [], None]
+            for dm in dense:
+                c = replace(cfg, **{"farskip.preset": preset, "model.compute_dtype": dtype})
+                tx, schedule = make_optimizer(c.train)
+                graphdef, state = init_state(Transformer(c, rngs=nnx.Rngs(0)), tx, 0)
+                variants[(preset, dtype, dm)] = [jax.jit(make_train_step(graphdef, c, tx, schedule), donate_argnums=0),
+                                                 state, [], None]
     for i, b in enumerate(batches):
-        for v in variants.values():
+        for (_, _, dm), v in variants.items():
+            if dm is not None:  # read when the step is traced (its first call)
+                os.environ["FARSKIP_DENSE_MATMUL"] = dm
             t0 = time.perf_counter()
             v[1], m = v[0](v[1], b)
             v[3] = float(jax.block_until_ready(m["loss"]))
@@ -75,20 +83,29 @@ def main(argv=None) -> int:
                 v[2].append(time.perf_counter() - t0)
     med = {k: statistics.median(v[2]) for k, v in variants.items()}
     peaks = {d: measure_matmul_peak(jnp.float32 if d == "float32" else jnp.bfloat16, seconds=1.0) for d in dtypes}
-    for (preset, dtype), v in variants.items():
-        tps = t.batch_size * t.seq_len / med[(preset, dtype)]
+    for (preset, dtype, dm), v in variants.items():
+        tps = t.batch_size * t.seq_len / med[(preset, dtype, dm)]
         mfu = 100 * tps * flops_tok / (peaks[dtype] * jax.device_count())
-        print(f"  {preset:>9} {dtype:>8}: {tps:,.0f} tokens/s (median step {1e3 * med[(preset, dtype)]:.1f} ms), "
-              f"loss {v[3]:.4f} after {len(batches)} steps, MFU {mfu:.1f}%", flush=True)
+        tag = f" dense={dm}" if dm else ""
+        print(f"  {preset:>9} {dtype:>8}{tag}: {tps:,.0f} tokens/s (median step {1e3 * med[(preset, dtype, dm)]:.1f} "
+              f"ms), loss {v[3]:.4f} after {len(batches)} steps, MFU {mfu:.1f}%", flush=True)
     print("measured matmul peak (1024^3 chain) per device: " +
           ", ".join(f"{d} {pk / 1e9:.0f} GFLOP/s" for d, pk in peaks.items()))
-    for dtype in dtypes:
-        if ("standard", dtype) in med and ("farskip", dtype) in med:
-            print(f"farskip / standard step time ({dtype}): {med[('farskip', dtype)] / med[('standard', dtype)]:.3f}")
-    for preset in a.presets:
-        if "float32" in dtypes and "bfloat16" in dtypes:
-            print(f"bfloat16 / float32 step time ({preset}): "
-                  f"{med[(preset, 'bfloat16')] / med[(preset, 'float32')]:.3f}")
+    for dm in dense:
+        tag = f", dense={dm}" if dm else ""
+        for dtype in dtypes:
+            if ("standard", dtype, dm) in med and ("farskip", dtype, dm) in med:
+                print(f"farskip / standard step time ({dtype}{tag}): "
+                      f"{med[('farskip', dtype, dm)] / med[('standard', dtype, dm)]:.3f}")
+        for preset in a.presets:
+            if "float32" in dtypes and "bfloat16" in dtypes:
+                print(f"bfloat16 / float32 step time ({preset}{tag}): "
+                      f"{med[(preset, 'bfloat16', dm)] / med[(preset, 'float32', dm)]:.3f}")
+    if len(dense) > 1:
+        for preset in a.presets:
+            for dtype in dtypes:
+                print(f"{dense[1]} / {dense[0]} dense-matmul step time ({preset}, {dtype}): "
+                      f"{med[(preset, dtype, dense[1])] / med[(preset, dtype, dense[0])]:.3f}")
     return 0
 
 
