@@ -6,13 +6,13 @@ about 4 s) against jaxlib's FFI headers into a cache folder ($FARSKIP_KERNEL_CAC
 ~/.cache/farskip_jax), keyed by the sources, the jaxlib version and the flags. It links no BLAS: at
 load time it is handed the address of cblas_sgemm from the first library that has one, in order:
 $FARSKIP_BLAS_LIB, Intel MKL from the `mkl` wheel (the `mkl` extra; on Intel CPUs, or anywhere with
-FARSKIP_BLAS=mkl; never with FARSKIP_BLAS=openblas), numpy's bundled OpenBLAS (scipy-openblas, ILP64), the scipy_openblas32/64
-wheels, a system OpenBLAS/CBLAS; OpenBLAS is loaded from a private copy set to one thread per call
-(the kernels run one sgemm per XLA thread) so numpy's copy keeps its threads, MKL in its sequential
-threading layer. `available()` says whether
-all of this worked; `amx_available()` whether the bf16 grouped GEMM (Intel AMX tiles) can run too;
-`pick()` is how `moe.gmm` and `model.attention_impl` choose a CPU kernel or their fallback.
-Users: model/blas_gmm.py, model/blas_attention.py.
+FARSKIP_BLAS=mkl; never with FARSKIP_BLAS=openblas), numpy's bundled OpenBLAS (scipy-openblas,
+ILP64), the scipy_openblas32/64 wheels, a system OpenBLAS/CBLAS. OpenBLAS is loaded from a private
+copy set to one thread per call (the kernels run one sgemm per XLA thread) so numpy's copy keeps its
+threads; MKL runs in its sequential threading layer. `available()` says whether all of this worked;
+`amx_available()` whether the bf16 grouped GEMM (Intel AMX tiles) can run too; `pick()` is how
+`moe.gmm` and `model.attention_impl` choose a CPU kernel or their fallback.
+Users: model/blas_gmm.py (and layers.matmul_2d through it), model/blas_attention.py.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@
 Rows of `lhs` are sorted by group: the first group_sizes[0] rows use rhs[0], and so on; rows past
 sum(group_sizes) give zeros. Backends:
 - `blas` (CPU default): a C++ XLA FFI kernel calling BLAS sgemm (MKL or OpenBLAS, see
-  model/cpu_kernels.py) on each group's rows and weight slice in place, the work split over XLA's CPU threads (model/blas_gmm.py; built on first use).
+  model/cpu_kernels.py) on each group's rows and weight slice in place, the work split over XLA's
+  CPU threads (model/blas_gmm.py; built on first use).
 - `ragged_dot`: jax.lax.ragged_dot (grouped GEMM on GPU/TPU; on CPU XLA expands it to a dense dot
   over every group, G x the useful work).
 - `tiled` (CPU fallback when the BLAS kernel cannot be built): a flat walk over the groups. Each group's rows are one masked window of a
