@@ -36,10 +36,12 @@ from farskip_jax.model.layers import DENSE_MATMUL_ENV, matmul_2d  # noqa: E402
 DEFAULT_SHAPES = "2048x256x256,2048x256x128,2048x256x1024,2048x1024x256,2048x256x4096"
 
 
-def step_for(choice: str, g: jax.Array):
-    """jit(value_and_grad) of sum(matmul_2d(x, w) * g), traced with FARSKIP_DENSE_MATMUL=choice."""
+def step_for(choice: str, g: jax.Array, x: jax.Array, w: jax.Array):
+    """jit(grad) of sum(matmul_2d(x, w) * g) w.r.t. x and w, traced (first call) with
+    FARSKIP_DENSE_MATMUL=choice."""
     os.environ[DENSE_MATMUL_ENV] = choice
     f = jax.jit(jax.grad(lambda x, w: jnp.sum(matmul_2d(x, w) * g), argnums=(0, 1)))
+    jax.block_until_ready(f(x, w))
     return f
 
 
@@ -56,10 +58,7 @@ def main(argv=None) -> int:
         x = jnp.asarray(rng.standard_normal((m, k), np.float32))
         w = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.05)
         g = jnp.asarray(rng.standard_normal((m, n), np.float32))
-        fns = {}
-        for choice in ("xla", "auto"):
-            fns[choice] = step_for(choice, g)
-            jax.block_until_ready(fns[choice](x, w))
+        fns = {choice: step_for(choice, g, x, w) for choice in ("xla", "auto")}
         times = {c: [] for c in fns}
         for _ in range(args.repeats):
             for c, f in fns.items():

@@ -7,9 +7,10 @@ same run (so the ratio means something on a shared CPU).
     python benchmarks/train_throughput.py --presets standard --dense-matmul xla,auto     # BLAS projections
 
 Each variant (connectivity preset x model.compute_dtype [x FARSKIP_DENSE_MATMUL, set while the
-variant's step is traced: `xla` = XLA's dot for the float32 projections, `auto` = the BLAS kernel]) gets its own model and optimizer state
-from the same seed and the same batches of the embedded corpus; the variants' steps are timed
-interleaved (one step of each in turn), so ratios between them are taken side by side. Prints per
+variant's step is traced: `xla` = XLA's dot for the float32 projections, `auto` = the BLAS kernel])
+gets its own model and optimizer state from the same seed and the same batches of the embedded
+corpus; the variants' steps are timed interleaved (one step of each in turn), so ratios between
+them are taken side by side. Prints per
 variant: tokens/s (median step), loss after the same steps, MFU against the measured matmul peak of
 its dtype (one device x devices); then farskip/standard and bfloat16/float32 step-time ratios.
 """
@@ -48,6 +49,7 @@ def main(argv=None) -> int:
 
     from farskip_jax.config import load_config, replace
     from farskip_jax.data.pipeline import make_iterator
+    from farskip_jax.model.layers import DENSE_MATMUL_ENV
     from farskip_jax.model.transformer import Transformer
     from farskip_jax.train.flops import measure_matmul_peak, total_params, train_flops_per_token
     from farskip_jax.train.optimizer import make_optimizer
@@ -75,7 +77,7 @@ def main(argv=None) -> int:
     for i, b in enumerate(batches):
         for (_, _, dm), v in variants.items():
             if dm is not None:  # read when the step is traced (its first call)
-                os.environ["FARSKIP_DENSE_MATMUL"] = dm
+                os.environ[DENSE_MATMUL_ENV] = dm
             t0 = time.perf_counter()
             v[1], m = v[0](v[1], b)
             v[3] = float(jax.block_until_ready(m["loss"]))

@@ -23,3 +23,16 @@ class DataError(FarSkipError):
 
 class BackendError(FarSkipError):
     """A feature requested on a platform that cannot run it (e.g. ragged all-to-all on CPU)."""
+
+
+def env_choice(name: str, choices: dict[str, str]) -> str:
+    """The value of environment switch `name`, lower-cased; unset or empty gives the first choice.
+    `choices` maps each allowed value to what it does; any other value raises one ConfigError naming
+    them all."""
+    import os
+
+    value = os.environ.get(name, "").strip().lower() or next(iter(choices))
+    if value not in choices:
+        listed = "; ".join(f"{k!r}: {v}" for k, v in choices.items())
+        raise ConfigError(f"{name}={os.environ[name]!r} is not a choice; expected one of {listed}")
+    return value

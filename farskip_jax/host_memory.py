@@ -13,11 +13,13 @@ zeroing of every page it writes (`clear_page`): at DeepSeek-V2-Lite expert propo
     M_TRIM_THRESHOLD = -1   (read by glibc as SIZE_MAX) freed memory is never given back to the OS
 so steady-state steps reuse already-mapped pages. The cost is memory: the process keeps its
 high-water mark plus some fragmentation (XLA frees and allocates a step's buffers in a slightly
-varying order), measured at +9% resident set on a 2-layer DeepSeek-V2-Lite-shaped train step
-(12.9 vs 11.8 GB peak) and +37% on benchmarks/moe_layer.py's shape b (6.3 vs 4.6 GB), flat after a
-few steps. The largest threshold mallopt takes as a positive int, 2 GiB, is not enough: that train
-step frees 4.3 GB at the top of the heap, glibc gave it back and the next step faulted it in again,
-1.1M page faults and 4-6 s of system time per 7-9 s step, against 4.0 s per step without the trim.
+varying order), flat after a few steps. Measured on a 2-layer train step at DeepSeek-V2-Lite
+expert proportions (d 1024, 64 experts top-6, 8 x 256 tokens): 3.8-4.3 s per step at 12.8 GB
+resident, against 5.6-6.2 s at 11.3-11.5 GB with glibc's defaults (1.1M page faults per step).
+The largest threshold mallopt takes as a positive int, 2 GiB, is not enough: that step frees 4.3
+GB at the top of the heap, glibc gave it back and the next step faulted it in again (7-9 s per
+step, its peak 11.8 GB). benchmarks/moe_layer.py's shape b: 6.3 GB resident here against 4.6 GB
+with the 2 GiB trim.
 
 Call it before JAX starts its CPU backend (the entry points do; threads created earlier keep their
 arenas). `FARSKIP_HOST_MALLOC=default` leaves malloc alone. A no-op (returns False) where the C
@@ -30,6 +32,8 @@ import ctypes
 import ctypes.util
 import os
 import sys
+
+from farskip_jax.errors import env_choice
 
 ENV = "FARSKIP_HOST_MALLOC"
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8  # glibc malloc.h
@@ -57,11 +61,7 @@ def keep_freed_memory() -> bool:
     global _applied
     if _applied is not None:
         return _applied
-    mode = os.environ.get(ENV, "resident").strip().lower()
-    if mode not in ("resident", "default"):
-        from farskip_jax.errors import ConfigError
-        raise ConfigError(f"{ENV}={os.environ[ENV]!r}: expected 'resident' (keep freed memory, the default) "
-                          "or 'default' (leave glibc malloc as it is)")
+    mode = env_choice(ENV, {"resident": "keep freed memory (the default)", "default": "leave glibc malloc as it is"})
     libc = _glibc() if mode == "resident" else None
     ok = libc is not None
     if ok:

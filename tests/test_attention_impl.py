@@ -106,6 +106,7 @@ def test_fused_cpu_bf16_and_resolution():
     b = attention_core(q, k, v, mask, 0.3).astype(jnp.float32)
     assert float(jnp.max(jnp.abs(a.astype(jnp.float32) - b))) < 2e-2  # bf16 output rounding
     assert resolve_attention_impl("auto", "cpu") == "fused_cpu"  # the kernel builds wherever the tests run
+    assert resolve_attention_impl("auto", "cpu", devices=4) == "naive"  # partitioned: a custom call would be gathered
     assert resolve_attention_impl("auto", "gpu") == "naive"
     assert resolve_attention_impl("blockwise", "gpu") == "blockwise"
     with pytest.raises(ValueError, match="CPU kernel"):

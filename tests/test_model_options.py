@@ -76,7 +76,7 @@ def test_bf16_compute_on_amx_matches_the_float32_kernels(monkeypatch):
 
     if not cpu_kernels.amx_available():
         pytest.skip("no usable AMX-BF16 on this CPU")
-    monkeypatch.setattr(layers, "_single_device", lambda: True)  # the suite's process has 8 CPU devices
+    monkeypatch.setattr(layers, "_process_devices", lambda: 1)  # the suite's process has 8 CPU devices
     cfg = load_config(None, BASE + ["model.compute_dtype=bfloat16"])
     tokens = jax.random.randint(jax.random.key(2), (2, 8), 0, 64)
     graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))

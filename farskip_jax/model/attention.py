@@ -170,10 +170,11 @@ def causal_blocks_attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask:
     return jnp.concatenate(outs, axis=1)
 
 
-def resolve_attention_impl(impl: str, platform: str | None = None) -> str:
-    """`auto` -> `fused_cpu` on CPU when the CPU kernels build here, else `naive`; other names are
-    returned as they are (`fused_cpu` only runs on CPU)."""
-    return cpu_kernels.pick(impl, "model.attention_impl", "fused_cpu", "naive", "naive", platform)
+def resolve_attention_impl(impl: str, platform: str | None = None, devices: int = 1) -> str:
+    """`auto` -> `fused_cpu` on CPU when the CPU kernels build here and the program runs on one
+    device (`devices`: what it is partitioned over), else `naive`; other names are returned as they
+    are (`fused_cpu` only runs on CPU)."""
+    return cpu_kernels.pick(impl, "model.attention_impl", "fused_cpu", "naive", "naive", platform, devices)
 
 
 def core_attention(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,

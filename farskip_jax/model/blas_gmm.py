@@ -43,18 +43,20 @@ def _tgmm_call(lhs, dy, group_sizes, bf16: bool = False):
     return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(shape, jnp.float32))(lhs, dy, group_sizes)
 
 
-@jax.custom_vjp
-def _gmm_f32(lhs, rhs, group_sizes):
-    return _gmm_call(lhs, rhs, group_sizes, False)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gmm_f32(lhs, rhs, group_sizes, transpose_rhs=False):
+    """rhs [G, K, N], or [G, N, K] used transposed."""
+    return _gmm_call(lhs, rhs, group_sizes, transpose_rhs)
 
 
-def _gmm_f32_fwd(lhs, rhs, group_sizes):
-    return _gmm_call(lhs, rhs, group_sizes, False), (lhs, rhs, group_sizes)
+def _gmm_f32_fwd(lhs, rhs, group_sizes, transpose_rhs=False):
+    return _gmm_call(lhs, rhs, group_sizes, transpose_rhs), (lhs, rhs, group_sizes)
 
 
-def _gmm_f32_bwd(res, dy):
+def _gmm_f32_bwd(transpose_rhs, res, dy):
     lhs, rhs, group_sizes = res
-    return _gmm_call(dy, rhs, group_sizes, True), _tgmm_call(lhs, dy, group_sizes), None
+    d_rhs = _tgmm_call(dy, lhs, group_sizes) if transpose_rhs else _tgmm_call(lhs, dy, group_sizes)
+    return _gmm_call(dy, rhs, group_sizes, not transpose_rhs), d_rhs, None
 
 
 _gmm_f32.defvjp(_gmm_f32_fwd, _gmm_f32_bwd)
@@ -81,36 +83,18 @@ def _gmm_bf16_bwd(res, dy):
 _gmm_bf16.defvjp(_gmm_bf16_fwd, _gmm_bf16_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _matmul_f32(x, w, transpose_w):
-    return _gmm_call(x, w[None], _one_group(x), transpose_w)
-
-
-def _matmul_f32_fwd(x, w, transpose_w):
-    return _gmm_call(x, w[None], _one_group(x), transpose_w), (x, w)
-
-
-def _matmul_f32_bwd(transpose_w, res, dy):
-    x, w = res
-    dx = _gmm_call(dy, w[None], _one_group(x), not transpose_w)
-    dw = _tgmm_call(dy, x, _one_group(x))[0] if transpose_w else _tgmm_call(x, dy, _one_group(x))[0]
-    return dx, dw
-
-
-_matmul_f32.defvjp(_matmul_f32_fwd, _matmul_f32_bwd)
-
-
-def _one_group(x):
-    return jnp.full((1,), x.shape[0], jnp.int32)
-
-
 def matmul(x: jax.Array, w: jax.Array, transpose_w: bool = False) -> jax.Array:
-    """Dense float32 x [M, K] @ w [K, N] (or w [N, K] with transpose_w) -> [M, N]: the grouped kernels
-    with one group, so one BLAS sgemm per thread part, forward and both gradients (d x = dy @ w^T,
-    d w = x^T dy, or dy^T x when transposed). At the projection shapes of the small configs this is
-    1.15-1.7x faster than XLA:CPU's own dot, forward + backward (benchmarks/dense_matmul.py)."""
+    """Dense x [M, K] @ w [K, N] (or w [N, K] with transpose_w) -> [M, N] in x.dtype: `gmm` with one
+    group (AMX for bf16 rows where `uses_amx`, not transposed), else float32 BLAS, one sgemm per thread
+    part, forward and both gradients. float32 at the projection shapes of the small configs: 1.1-1.8x
+    faster than XLA:CPU's own dot, forward + backward (benchmarks/dense_matmul.py)."""
+    sizes = jnp.full((1,), x.shape[0], jnp.int32)
+    if not transpose_w:
+        return gmm(x, w[None], sizes)
+    if x.dtype != jnp.float32:
+        raise ValueError(f"blas_gmm.matmul(transpose_w=True) takes float32 rows, not {x.dtype}")
     cpu_kernels.require()
-    return _matmul_f32(x.astype(jnp.float32), w.astype(jnp.float32), transpose_w)
+    return _gmm_f32(x.astype(jnp.float32), w.astype(jnp.float32)[None], sizes, True).astype(x.dtype)
 
 
 def uses_amx(lhs: jax.Array, rhs: jax.Array) -> bool:

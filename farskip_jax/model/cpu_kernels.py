@@ -25,12 +25,15 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
 from pathlib import Path
 
 import jax
 import numpy as np
+
+from farskip_jax.errors import env_choice
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "grouped_gemm.cc", CSRC / "attention.cc", CSRC / "bf16_gemm.cc")  # one library: the CPU kernels
@@ -108,28 +111,17 @@ def _intel_cpu() -> bool:
 
 
 BLAS_ENV = "FARSKIP_BLAS"
-_BLAS_CHOICES = ("auto", "mkl", "openblas")
-
-
-def _blas_choice() -> str:
-    """$FARSKIP_BLAS: `auto` (default: MKL on Intel CPUs when the `mkl` extra is installed, else
-    OpenBLAS), `mkl` (MKL or an error saying how to install it), `openblas` (never MKL)."""
-    choice = os.environ.get(BLAS_ENV, "auto").strip().lower() or "auto"
-    if choice not in _BLAS_CHOICES:
-        from farskip_jax.errors import ConfigError
-        raise ConfigError(f"{BLAS_ENV}={os.environ[BLAS_ENV]!r}: expected one of {', '.join(_BLAS_CHOICES)} "
-                          "(or point FARSKIP_BLAS_LIB at a CBLAS library)")
-    return choice
+BLAS_CHOICES = {"auto": "MKL on Intel CPUs when the `mkl` extra is installed, else OpenBLAS",
+                "mkl": "MKL (the `mkl` extra)", "openblas": "never MKL"}
 
 
 def _mkl_libraries() -> list[str]:
     """libmkl_rt of the `mkl` wheel (the `mkl` extra) in this environment; under `auto` only on Intel
     CPUs, where its sgemm is 1.2-1.4x OpenBLAS's on the expert shapes (benchmarks/moe_layer.py) --
     MKL takes slower paths on other vendors' CPUs."""
-    choice = _blas_choice()
+    choice = env_choice(BLAS_ENV, BLAS_CHOICES)
     if choice == "openblas" or (choice == "auto" and not _intel_cpu()):
         return []
-    import sys
     found = sorted(glob.glob(os.path.join(sys.prefix, "lib", "libmkl_rt.so*")))[:1]
     if choice == "mkl" and not found:
         raise KernelUnavailable(f"{BLAS_ENV}=mkl but no libmkl_rt under {sys.prefix}/lib; install the extra "
@@ -277,11 +269,16 @@ def require() -> None:
         raise KernelUnavailable(reason)
 
 
-def pick(value: str, key: str, kernel: str, cpu_fallback: str, elsewhere: str, platform: str | None = None) -> str:
+def pick(value: str, key: str, kernel: str, cpu_fallback: str, elsewhere: str, platform: str | None = None,
+         devices: int = 1) -> str:
     """Resolve the config value `value` of `key` on `platform` (default: JAX's default backend):
     `auto` -> `kernel` on CPU when the kernels are available here (`cpu_fallback` when not),
     `elsewhere` on other platforms; the CPU kernel asked for by name on another platform is refused;
-    any other value is returned as it is."""
+    any other value is returned as it is. `devices`: how many devices the program that calls the
+    kernel is auto-partitioned over. Above 1, `auto` gives `cpu_fallback`: a custom call has no
+    partitioning rule, so XLA would gather its operands onto every device and run it replicated
+    (3 all-gathers for the attention core in a 4-device data-parallel program). Kernels called
+    inside a shard_map (the routed experts) see their device's shard and leave it at 1."""
     platform = platform or jax.default_backend()
     if value == kernel and platform != "cpu":
         raise ValueError(f"{key}={kernel} is a CPU kernel and this program runs on {platform}; "
@@ -290,4 +287,4 @@ def pick(value: str, key: str, kernel: str, cpu_fallback: str, elsewhere: str, p
         return value
     if platform != "cpu":
         return elsewhere
-    return kernel if available() else cpu_fallback
+    return kernel if devices == 1 and available() else cpu_fallback

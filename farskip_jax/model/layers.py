@@ -7,12 +7,11 @@ Parameters are stored in `param_dtype`; matmuls run in `compute_dtype`.
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from farskip_jax.errors import env_choice
 from farskip_jax.model import blas_gmm, cpu_kernels
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -40,9 +39,9 @@ def matmul_2d(x: jax.Array, w: jax.Array, transpose_w: bool = False) -> jax.Arra
     gradient (benchmarks/matmul_dtypes.py).
 
     float32 x and w on the CPU: blas_gmm.matmul (BLAS sgemm per thread part, forward and both
-    gradients; 1.15-1.7x faster than XLA:CPU's dot at the projection shapes of the small configs,
+    gradients; 1.1-1.8x faster than XLA:CPU's dot at the projection shapes of the small configs,
     benchmarks/dense_matmul.py), chosen the same way in a one-device process; FARSKIP_DENSE_MATMUL=xla
-    keeps XLA's dot."""
+    keeps XLA's dot. Both through blas_gmm.matmul, see `_kernel_matmul`."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
 
@@ -50,12 +49,7 @@ def matmul_2d(x: jax.Array, w: jax.Array, transpose_w: bool = False) -> jax.Arra
         dims = (((1,), (1 if transpose_w else 0,)), ((), ()))
         return jax.lax.dot_general(x2, w.astype(x2.dtype), dims)
 
-    if not transpose_w and _amx_matmul_ok(x2, w):
-        def amx_dot(x2, w):
-            return blas_gmm.gmm(x2, w[None], jnp.full((1,), x2.shape[0], jnp.int32))
-
-        y = jax.lax.platform_dependent(x2, w, cpu=amx_dot, default=xla_dot)
-    elif _blas_matmul_ok(x2, w):
+    if _kernel_matmul(x2, w, transpose_w):
         y = jax.lax.platform_dependent(x2, w, cpu=lambda x2, w: blas_gmm.matmul(x2, w, transpose_w), default=xla_dot)
     else:
         y = xla_dot(x2, w)
@@ -63,33 +57,27 @@ def matmul_2d(x: jax.Array, w: jax.Array, transpose_w: bool = False) -> jax.Arra
 
 
 DENSE_MATMUL_ENV = "FARSKIP_DENSE_MATMUL"
+DENSE_MATMUL_CHOICES = {"auto": "the BLAS kernel for float32 dots on a one-device CPU program",
+                        "xla": "XLA's dot (the A/B switch of the benchmarks)"}
 
 
-def _cpu_kernel_ok(x2: jax.Array) -> bool:
-    return x2.shape[0] > 0 and jax.default_backend() == "cpu"  # (a GPU process never builds the CPU kernels)
+def _kernel_matmul(x2: jax.Array, w: jax.Array, transpose_w: bool) -> bool:
+    """Whether a CPU program runs this dot as blas_gmm.matmul: bf16 rows on AMX (not transposed), or
+    float32 unless FARSKIP_DENSE_MATMUL=xla; in a process with several devices never (cpu_kernels.pick:
+    a custom call cannot be partitioned)."""
+    float32_choice = env_choice(DENSE_MATMUL_ENV, DENSE_MATMUL_CHOICES)  # a bad value errors on any path
+    if x2.shape[0] == 0 or cpu_kernels.pick("auto", DENSE_MATMUL_ENV, "kernel", "xla", "xla",
+                                            devices=_process_devices()) != "kernel":
+        return False
+    if x2.dtype == jnp.bfloat16:
+        return not transpose_w and blas_gmm.uses_amx(x2, w[None])
+    return x2.dtype == w.dtype == jnp.float32 and float32_choice == "auto"
 
 
-def _amx_matmul_ok(x2: jax.Array, w: jax.Array) -> bool:
-    return x2.dtype == jnp.bfloat16 and _cpu_kernel_ok(x2) and _single_device() and blas_gmm.uses_amx(x2, w[None])
-
-
-def _blas_matmul_ok(x2: jax.Array, w: jax.Array) -> bool:
-    """float32 dots on the CPU take the BLAS kernel unless $FARSKIP_DENSE_MATMUL=xla (the A/B switch of
-    the benchmarks) or the kernels are unavailable (then XLA's dot, after cpu_kernels' one warning)."""
-    choice = os.environ.get(DENSE_MATMUL_ENV, "auto").strip().lower() or "auto"
-    if choice not in ("auto", "xla"):
-        from farskip_jax.errors import ConfigError
-        raise ConfigError(f"{DENSE_MATMUL_ENV}={os.environ[DENSE_MATMUL_ENV]!r}: expected 'auto' (BLAS kernel "
-                          "for float32 dots on the CPU when it is available) or 'xla' (XLA's dot)")
-    return (choice == "auto" and x2.dtype == jnp.float32 and w.dtype == jnp.float32 and _cpu_kernel_ok(x2)
-            and _single_device() and cpu_kernels.available())
-
-
-def _single_device() -> bool:
-    """The process has one device. An XLA custom call has no partitioning rule, so in a program
-    auto-sharded over several (simulated) CPU devices the partitioner would gather its operands and
-    run it replicated; XLA's dot partitions."""
-    return jax.device_count() == 1
+def _process_devices() -> int:
+    """Devices of this process's programs: a model traced here cannot tell whether its program will be
+    partitioned, so several devices in the process count as partitioned."""
+    return jax.device_count()
 
 
 class Linear(nnx.Module):

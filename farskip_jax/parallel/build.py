@@ -88,16 +88,14 @@ def state_shardings_on(state, mesh: Mesh):
 def config_on(cfg: Config, mesh: Mesh) -> Config:
     """cfg with moe.gmm=auto and model.attention_impl=auto resolved for the mesh's platform: a GPU
     program compiled from a CPU process (deviceless analysis) runs the GPU expert backend and
-    attention core, as a GPU run would (the CPU kernels cannot run there). On a CPU mesh of several
-    devices `auto` attention is the naive core: the fused CPU kernel is an XLA custom call, which
-    the partitioner cannot split, so it would gather q, k, v onto every device and run replicated
-    (the routed experts are fine: they run inside the expert-parallel shard_map, per device)."""
+    attention core, as a GPU run would (the CPU kernels cannot run there). Attention runs in the
+    program partitioned over the whole mesh (so on several CPU devices `auto` is the naive core, see
+    cpu_kernels.pick); the routed experts run inside the expert-parallel shard_map, per device."""
     platform = mesh_platform(mesh)
     if cfg.moe.gmm == "auto":
         cfg = replace(cfg, **{"moe.gmm": resolve_backend("auto", platform)})
     if cfg.model.attention_impl == "auto":
-        impl = resolve_attention_impl("auto", platform)
-        cfg = replace(cfg, **{"model.attention_impl": "naive" if impl == "fused_cpu" and mesh.size > 1 else impl})
+        cfg = replace(cfg, **{"model.attention_impl": resolve_attention_impl("auto", platform, mesh.size)})
     return cfg
 
 
