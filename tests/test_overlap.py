@@ -285,3 +285,45 @@ def test_bandwidth_sweep_and_implied_bandwidth():
     assert lo_bw == pytest.approx(1.4e9, rel=1e-3) and hi_bw == pytest.approx(35e9, rel=1e-3)
     assert sweep_point(std, fs, TOY_HW, lo_bw).speedup_vs_no_overlap == pytest.approx(1.2, rel=1e-3)
     assert implied_bandwidth(std, fs, TOY_HW, 100.0, lo=1e8, hi=1e12) == []  # never reached
+
+
+# ---------------------------------------------------------------- headline model (issue 20 item 6)
+
+
+def _program_result(preset, spec, hw=TOY_HW):
+    from farskip_jax.analysis.overlap import ProgramResult
+
+    xla = _sched(spec, [("s", "d")])
+    sched_hw, durs = simulate(xla, hw, group_size=8)
+    return ProgramResult(preset, "forward", analyze(xla, durations=[30.0], label=preset),
+                         analyze(sched_hw, durs, label=f"{preset}@toy"), xla, 0.0,
+                         modelled_schedule=sched_hw, hardware="toy")
+
+
+def test_headline_is_the_two_stream_model_and_disagreement_is_flagged(tmp_path, monkeypatch):
+    """XLA's deviceless model prices the hand-built ops at 38 us of compute, the two-stream toy model
+    at 6 us: the report leads with the two-stream figures, draws its timeline, and warns (> 2x)."""
+    from farskip_jax.analysis import timeline
+    from farskip_jax.analysis.overlap import compute_disagreement, format_results, to_json, write_timelines
+
+    res = [_program_result("standard", STD_SPEC), _program_result("farskip", SPEC)]
+    std = res[0]
+    rep, sched, name = std.headline
+    assert rep is std.modelled and sched is std.modelled_schedule and name == "two-stream toy"
+    assert compute_disagreement(std.report, std.modelled) == pytest.approx(38.0 / 6.0)
+    text = format_results(res, ["forward"])
+    head, xla = text.index("two-stream cost model (toy) [headline]"), text.index("XLA's deviceless cost model")
+    assert head < xla  # the realistic model comes first
+    warn = [l for l in text.splitlines() if l.startswith("WARNING forward")]
+    assert len(warn) == 2 and "6.3x" in warn[0] and "expert_compute" in warn[0]
+    assert to_json(res)["forward"]["standard"]["headline_model"] == "two-stream toy"
+    drawn = []
+    monkeypatch.setattr(timeline, "plot_layer_timelines", lambda items, *a, **k: drawn.extend(items))
+    assert write_timelines(res, ["forward"], str(tmp_path)) == [str(tmp_path / "timeline_forward_fwd.png")]
+    assert [s for _, s, _ in drawn] == [r.modelled_schedule for r in res]
+    # the two models agree within 2x: no warning; without the two-stream model XLA's is the headline
+    close = Hardware(**{**TOY_HW.__dict__, "hbm_bw": TOY_HW.hbm_bw / 6})  # 12 us per op: 36 us of compute
+    agree = [_program_result("standard", STD_SPEC, close)]
+    assert "WARNING" not in format_results(agree, ["forward"])
+    agree[0].modelled = agree[0].modelled_schedule = None
+    assert agree[0].headline[2] == "XLA" and "[headline]" not in format_results(agree, ["forward"])

@@ -50,6 +50,7 @@ HARDWARE = {
     "mi300x": Hardware("MI300X", peak_flops=1307.4e12, hbm_bw=5.3e12, a2a_bw=0.7 * 448e9, coll_bw=0.7 * 448e9),
     "mi325x": Hardware("MI325X", peak_flops=1307.4e12, hbm_bw=6.0e12, a2a_bw=0.7 * 448e9, coll_bw=0.7 * 448e9),
     "h100_sxm": Hardware("H100-SXM", peak_flops=989.4e12, hbm_bw=3.35e12, a2a_bw=0.7 * 450e9, coll_bw=0.7 * 450e9),
+    "h200": Hardware("H200", peak_flops=989.4e12, hbm_bw=4.8e12, a2a_bw=0.7 * 450e9, coll_bw=0.7 * 450e9),
 }
 
 
