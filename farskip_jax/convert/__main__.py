@@ -3,6 +3,8 @@
     import HF_DIR OUT_DIR [--dtype bfloat16] [--overwrite] [key=value ...]
         HF folder -> our folder (config.yaml, params.safetensors, hf_config.json, tokenizer files),
         streamed tensor by tensor; key=value overrides the imported config (farskip.preset=farskip).
+        The connectivity is the one an export saved in config.json ("farskip_jax"), else the family's
+        (standard; FarSkip-native keys), overrides win; one line names it and its source.
     export CKPT_DIR HF_DIR [--dtype bfloat16] [--family MODEL_TYPE] [--max-shard-size 5GB] [--overwrite]
         our import folder, or a training run folder (its latest checkpoint), -> an HF folder that
         transformers loads, with our FarSkip settings in config.json.
@@ -67,7 +69,8 @@ def main(argv=None) -> int:
                 print(f"[{i + 1}/{n}] {'.'.join(map(str, spec.path))} <- {spec.hf[0]}{' ...' if len(spec.hf) > 1 else ''} "
                       f"{tuple(spec.shape)} ({time.time() - t0:.1f}s)", flush=True)
 
-            cfg = write_native_from_hf(a.hf_dir, a.out_dir, a.overrides, dtype=a.dtype, overwrite=a.overwrite, progress=show)
+            cfg = write_native_from_hf(a.hf_dir, a.out_dir, a.overrides, dtype=a.dtype, overwrite=a.overwrite, progress=show,
+                                       report=lambda line: print(line, flush=True))
             print(f"imported {a.hf_dir} -> {a.out_dir} (layers {cfg.model.num_layers}, experts {cfg.moe.num_experts}, "
                   f"farskip preset {cfg.farskip.preset}) in {time.time() - t0:.1f}s")
         else:

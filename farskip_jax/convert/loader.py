@@ -3,6 +3,8 @@
     cfg, model = import_hf("path/to/hf", mesh=None, overrides=["farskip.preset=farskip"])
 
 1. config.json -> our Config through the family module (overrides applied on top, then validated);
+   the connectivity defaults to the "farskip_jax" section an export wrote (convert/connectivity.py),
+   so an exported FCSD student re-imports as the FarSkip model it was trained as;
 2. an abstract model (`nnx.eval_shape`, no memory) gives every parameter's shape and dtype;
 3. every parameter is checked against the family's tensor specs (missing / unexpected HF tensors and
    shape mismatches raise CheckpointError naming the tensor), then built with
@@ -31,6 +33,7 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from farskip_jax.config import Config, apply_overrides, from_dict
+from farskip_jax.convert.connectivity import describe, import_connectivity
 from farskip_jax.convert.families import family_for, text_part
 from farskip_jax.convert.reader import HFCheckpoint
 from farskip_jax.convert.spec import TensorSpec
@@ -49,12 +52,17 @@ def open_checkpoint(path: str) -> HFCheckpoint:
     return ckpt.view(prefix, hf) if prefix else ckpt
 
 
-def hf_to_config(hf: dict, overrides: Overrides = None, *, source: Optional[str] = None) -> Config:
-    """Our Config for an HF config.json dict; `overrides`: ["a.b=v", ...] or {"a.b": v}."""
+def import_config(hf: dict, overrides: Overrides = None, *, source: Optional[str] = None) -> tuple[Config, str]:
+    """(our Config, origin of its connectivity) for an HF config.json dict; `overrides`: ["a.b=v", ...]
+    or {"a.b": v}. The farskip section defaults to the one export_hf saved under "farskip_jax", else
+    the family's (standard, or the Instella keys of a FarSkip-native layout); overrides win
+    (convert/connectivity.py). origin: "family default" | "exported config.json ..." | "override ..."."""
     if hf.get("quantization_config"):
         q = hf["quantization_config"].get("quant_method", "?")
         raise CheckpointError(f"quantized checkpoints ({q}) are not supported; dequantize to bf16/fp32 safetensors first")
     tree = family_for(hf).config_tree(hf)
+    section, origin = import_connectivity(hf, tree.get("farskip"), overrides)
+    tree["farskip"] = section
     if source:
         tree["init_from_hf"] = source
     if isinstance(overrides, dict):
@@ -66,7 +74,12 @@ def hf_to_config(hf: dict, overrides: Overrides = None, *, source: Optional[str]
             node[parts[-1]] = value
     elif overrides:
         tree = apply_overrides(tree, list(overrides))
-    return from_dict(Config, tree)
+    return from_dict(Config, tree), origin
+
+
+def hf_to_config(hf: dict, overrides: Overrides = None, *, source: Optional[str] = None) -> Config:
+    """Our Config for an HF config.json dict (import_config without the origin)."""
+    return import_config(hf, overrides, source=source)[0]
 
 
 def abstract_model(cfg: Config, routed_compute=None) -> Transformer:
@@ -156,11 +169,13 @@ def load_params(ckpt: HFCheckpoint, cfg: Config, *, mesh=None, routed_compute=No
 
 
 def import_hf(path: str, mesh=None, overrides: Overrides = None, *, dtype: Optional[str] = None, routed_compute=None,
-              progress: Union[bool, Callable] = False) -> tuple[Config, Transformer]:
+              progress: Union[bool, Callable] = False,
+              report: Optional[Callable[[str], None]] = None) -> tuple[Config, Transformer]:
     """(Config, Transformer) of the HF checkpoint folder `path` (see module docstring).
 
     dtype: "float32" | "bfloat16" parameter dtype (default: the config's, float32); progress: True
-    prints one line per tensor to stderr, or a callable(i, n, spec)."""
+    prints one line per tensor to stderr, or a callable(i, n, spec); report: called once, before any
+    tensor is read, with the line naming the connectivity and its source (connectivity.describe)."""
     ckpt = open_checkpoint(path)
     ov = dict(overrides) if isinstance(overrides, dict) else list(overrides or [])
     if dtype is not None:
@@ -168,6 +183,8 @@ def import_hf(path: str, mesh=None, overrides: Overrides = None, *, dtype: Optio
             ov["model.param_dtype"] = dtype
         else:
             ov.append(f"model.param_dtype={dtype}")
-    cfg = hf_to_config(ckpt.config, ov, source=ckpt.path)
+    cfg, origin = import_config(ckpt.config, ov, source=ckpt.path)
+    if report:
+        report(describe(cfg, origin))
     prog = _progress_printer() if progress is True else (progress or None)
     return cfg, load_params(ckpt, cfg, mesh=mesh, routed_compute=routed_compute, progress=prog)

@@ -22,8 +22,9 @@ import numpy as np
 from flax import nnx
 
 from farskip_jax.config import Config, dump_config, load_config
+from farskip_jax.convert.connectivity import describe
 from farskip_jax.convert.families import family_for
-from farskip_jax.convert.loader import abstract_model, hf_to_config, open_checkpoint, target_shardings, validate
+from farskip_jax.convert.loader import abstract_model, import_config, open_checkpoint, target_shardings, validate
 from farskip_jax.convert.safetensors_io import read_header, MappedTensor, write_file
 from farskip_jax.errors import CheckpointError
 from farskip_jax.model.transformer import Transformer
@@ -45,14 +46,20 @@ def _commit(tmp: str, out_dir: str, overwrite: bool) -> None:
 
 
 def write_native_from_hf(hf_dir: str, out_dir: str, overrides=None, *, dtype: Optional[str] = None,
-                         overwrite: bool = False, progress: Optional[Callable] = None) -> Config:
-    """Convert an HF folder into our folder format, one tensor at a time; returns the Config."""
+                         overwrite: bool = False, progress: Optional[Callable] = None,
+                         report: Optional[Callable[[str], None]] = None) -> Config:
+    """Convert an HF folder into our folder format, one tensor at a time; returns the Config.
+
+    The connectivity is import_config's (an exported "farskip_jax" section, else the family's;
+    overrides win); `report` gets the line naming it and its source before any tensor is read."""
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and not overwrite:
         raise CheckpointError(f"{out_dir} already exists; pass --overwrite or choose a new folder")
     ckpt = open_checkpoint(hf_dir)
     ov = list(overrides or []) + ([f"model.param_dtype={dtype}"] if dtype else [])
-    cfg = hf_to_config(ckpt.config, ov, source=ckpt.path)
+    cfg, origin = import_config(ckpt.config, ov, source=ckpt.path)
+    if report:
+        report(describe(cfg, origin))
     fam = family_for(ckpt.config)
     params = dict(nnx.to_flat_state(nnx.state(abstract_model(cfg))))
     specs = fam.specs(cfg)
