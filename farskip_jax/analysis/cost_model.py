@@ -68,9 +68,11 @@ def collective_time_us(kind: str, payload: float, group: int, hw: Hardware) -> f
 
 
 def simulate(schedule: Schedule, hw: Hardware, group_size: int = 8,
-             serialize: tuple[str, ...] = ()) -> tuple[Schedule, list[float]]:
+             serialize: tuple[str, ...] = (), topology=None) -> tuple[Schedule, list[float]]:
     """Re-time `schedule` on `hw` with the two-stream model; collectives whose kind is in `serialize`
-    block the compute stream from their start to their end (no overlap).
+    block the compute stream from their start to their end (no overlap). With `topology`
+    (analysis/topology.Topology) a collective's time depends on which of its replica-group members
+    share a node (intra-node links vs NICs); without, the single-node formula above.
 
     Returns (the re-timed copy, modelled duration of every entry of `.pairs`)."""
     sched = copy.deepcopy(schedule)
@@ -87,7 +89,10 @@ def simulate(schedule: Schedule, hw: Hardware, group_size: int = 8,
             i = pair_of_start[o.id]
             p = sched.pairs[i]
             payload = sched.by_id[p.start.operands[0]].out_bytes if p.collective == "ragged-all-to-all" else p.bytes
-            durations[i] = collective_time_us(p.collective, payload, p.group_size or group_size, hw)
+            if topology is not None:
+                durations[i] = topology.collective_time_us(p.collective, payload, p.groups)
+            else:
+                durations[i] = collective_time_us(p.collective, payload, p.group_size or group_size, hw)
             begin = max(t, comm_free)
             finish[i] = comm_free = begin + durations[i]
             o.start = o.end = t

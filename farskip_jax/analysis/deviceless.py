@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,8 +56,10 @@ def preset_options(name: str) -> dict[str, Any]:
     return out
 
 
-def target_config_text(target: str) -> str:
-    """GpuTargetConfigProto text of a known target (h100_sxm, h200) or of a .txtpb path."""
+def target_config_text(target: str, memory_gb: Optional[float] = None) -> str:
+    """GpuTargetConfigProto text of a known target (h100_sxm, h200) or of a .txtpb path; with
+    `memory_gb` its device_memory_size replaced (e.g. 256 for MI325X-sized HBM under an H200 spec:
+    the latency-hiding scheduler stops overlapping when a schedule exceeds its memory limit)."""
     path = Path(target)
     if not path.exists():
         path = SPECS_DIR / f"{target}.txtpb"
@@ -64,18 +67,31 @@ def target_config_text(target: str) -> str:
         known = sorted(p.stem for p in SPECS_DIR.glob("*.txtpb"))
         raise BackendError(f"unknown GPU target {target!r}; use one of {known} or a path to a "
                            "GpuTargetConfigProto text file")
-    return path.read_text()
+    text = path.read_text()
+    if memory_gb is not None:
+        if "device_memory_size:" not in text:
+            raise BackendError(f"target {target!r} has no device_memory_size to replace; drop memory_gb")
+        text = re.sub(r"device_memory_size: \d+", f"device_memory_size: {int(memory_gb * 2**30)}", text)
+    return text
 
 
-def gpu_devices(target: str = "h100_sxm", num_devices: int = 8, platform: Optional[str] = None) -> list:
-    """Compile-only devices of a single-host GPU topology with `num_devices` GPUs."""
+def gpu_devices(target: str = "h100_sxm", num_devices: int = 8, platform: Optional[str] = None,
+                gpus_per_node: Optional[int] = None, memory_gb: Optional[float] = None) -> list:
+    """Compile-only devices of a GPU topology with `num_devices` GPUs: one host (default), or
+    num_devices / gpus_per_node hosts of gpus_per_node GPUs each (topology "1 x nodes x gpus";
+    jax 0.10.2 accepts e.g. 1x2x8, 1x4x8, 1x4x4, 1x8x4). Device ids run host-major: device i is on
+    host i // gpus_per_node (its `process_index`)."""
     from jax.experimental import topologies
 
     platform = platform or TARGETS.get(target, "cuda")
-    text = target_config_text(target)
+    text = target_config_text(target, memory_gb)
+    per = gpus_per_node or num_devices
+    if per < 1 or num_devices % per:
+        raise BackendError(f"{num_devices} GPUs cannot be split into nodes of gpus_per_node={per}; choose a "
+                           f"divisor of {num_devices} (e.g. 8)")
     try:
         topo = topologies.get_topology_desc(platform=platform, target_config=text,
-                                            topology=f"1x1x{num_devices}")
+                                            topology=f"1x{num_devices // per}x{per}")
     except Exception as e:  # plugin missing or proto not understood by this jaxlib
         raise BackendError(
             f"cannot create a deviceless {platform} topology for target {target!r}: {e}. Install the "

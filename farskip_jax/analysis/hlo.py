@@ -81,6 +81,7 @@ class CollectivePair:
     operand_shapes: tuple = ()  # ((element_type, dims), ...) per operand
     dims: tuple = ()  # the collective's split/concat dimensions attribute
     group_size: int = 0  # devices per replica group (0 = unknown)
+    groups: Optional[tuple[tuple[int, ...], ...]] = None  # replica groups (logical device ids); None = unknown
 
 
 @dataclass
@@ -179,6 +180,43 @@ def _wrapped_collective(ins: dict, comps: dict[int, dict]) -> Optional[str]:
     return base if base in COLLECTIVES else None
 
 
+def replica_groups_of(ins: dict) -> Optional[tuple[tuple[int, ...], ...]]:
+    """Replica groups of a collective instruction as logical device ids: explicit lists, iota lists
+    (`iota_replica_group_list`) or mesh-axes lists (`mesh_axes_replica_group_list`, whole axes
+    only); None when absent or in a form not read here."""
+    import numpy as np
+
+    groups = ins.get("replica_groups")
+    if groups:
+        return tuple(tuple(int(x) for x in g.get("replica_ids", [])) for g in groups)
+    cdl = first(ins, "collective_device_list") or {}
+    if cdl.get("replica_groups"):
+        return tuple(tuple(int(x) for x in g.get("replica_ids", [])) for g in cdl["replica_groups"])
+    iota = first(cdl, "iota_replica_group_list") or {}
+    if iota:
+        g, n = int(first(iota, "num_replica_groups", 0)), int(first(iota, "num_devices_per_group", 0))
+        dims = [int(d) for d in iota.get("iota_reshape_dims", [])] or [g * n]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        perm = [int(d) for d in iota.get("iota_transpose_perm", [])]
+        if perm:
+            ids = ids.transpose(perm)
+        return tuple(tuple(int(x) for x in row) for row in ids.reshape(g, n))
+    mal = first(ins, "mesh_axes_replica_group_list") or {}
+    if mal:
+        mesh = first(mal, "mesh") or {}
+        sizes = [int(first(a, "size", 1)) for a in mesh.get("axes", [])]
+        refs = mal.get("axes", [])
+        if not sizes or any(first(r, "sub_axis_info") for r in refs):
+            return None
+        dev = [int(d) for d in mesh.get("device_ids", [])]
+        ids = (np.asarray(dev) if dev else np.arange(math.prod(sizes))).reshape(sizes)
+        along = [int(first(r, "mesh_axis_index", 0)) for r in refs]
+        keep = [i for i in range(len(sizes)) if i not in along]
+        t = ids.transpose(keep + along).reshape(-1, math.prod(sizes[i] for i in along))
+        return tuple(tuple(int(x) for x in row) for row in t)
+    return None
+
+
 def _group_size(ins: dict) -> int:
     """Devices per replica group of a collective instruction (explicit or iota group lists)."""
     groups = ins.get("replica_groups")
@@ -213,8 +251,10 @@ def load_schedule(text: str) -> Schedule:
     shapes = {first(i, "id"): first(i, "shape") for i in entry.get("instructions", [])}
     flop_cache: dict[int, float] = {}
     ops: list[HloOp] = []
+    own_groups: dict[int, Optional[tuple]] = {}  # native *-start ops carry their replica groups themselves
     for ins in entry.get("instructions", []):
         iid = first(ins, "id")
+        own_groups[iid] = replica_groups_of(ins)
         opcode = first(ins, "opcode")
         operands = tuple(ins.get("operand_ids", []))
         op_name = first(first(ins, "metadata", {}) or {}, "op_name", "")
@@ -260,12 +300,15 @@ def load_schedule(text: str) -> Schedule:
         o.collective = s.collective
         opnd_shapes = tuple((first(shapes.get(x) or {}, "element_type", "F32"), tuple(shape_dims(shapes.get(x))))
                             for x in s.operands)
-        dims, group = (), 0
+        dims, group, groups = (), 0, own_groups.get(s.id)
         for cid in s.called:
             for sub in comps.get(cid, {}).get("instructions", []):
                 if first(sub, "opcode") == s.collective:
                     dims = tuple(int(d) for d in sub.get("dimensions", []))
                     group = _group_size(sub)
+                    groups = replica_groups_of(sub)
+        if groups and not group:
+            group = len(groups[0])
         pairs.append(CollectivePair(start=s, done=o, collective=s.collective, bytes=s.in_bytes,
-                                    operand_shapes=opnd_shapes, dims=dims, group_size=group))
+                                    operand_shapes=opnd_shapes, dims=dims, group_size=group, groups=groups))
     return Schedule(ops=ops, by_id=by_id, pairs=pairs, module_name=first(module, "name", ""), peak_memory=peak)
