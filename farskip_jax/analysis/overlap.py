@@ -20,6 +20,7 @@ on the headline model's timeline) into --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -63,6 +64,7 @@ class ProgramResult:
     mesh: object = None
     modelled_schedule: object = None  # the schedule re-timed by the two-stream model (`modelled`'s timeline)
     hardware: Optional[str] = None
+    topology: object = None  # analysis/topology.Topology the two-stream model priced collectives with
 
     @property
     def headline(self) -> tuple[OverlapReport, object, str]:
@@ -77,12 +79,20 @@ class ProgramResult:
 def run_overlap(cfg, presets: Sequence[str] = ("standard", "farskip"), programs: Sequence[str] = PROGRAMS,
                 batch: Optional[int] = None, seq: Optional[int] = None, target: str = "h100_sxm",
                 num_devices: int = 8, flags: Optional[dict] = None, hardware: Optional[str] = None,
-                log=None) -> list[ProgramResult]:
+                log=None, gpus_per_node: Optional[int] = None, memory_gb: Optional[float] = None,
+                links=None, grouped_gemm: bool = False, cfg_for=None) -> list[ProgramResult]:
     """Compile and analyse every (preset, program); `log(msg)` receives progress lines.
 
-    flags: compile options (default: the cuda_hopper preset + LHS_FLAGS)."""
+    flags: compile options (default: the cuda_hopper preset + LHS_FLAGS).
+    gpus_per_node: split the num_devices GPUs over hosts of this many (topology 1 x nodes x gpus).
+    memory_gb: the target's device memory (LHS stops overlapping past its memory limit).
+    links: a topology.Links (or a key of topology.LINKS): the two-stream model prices collectives by
+      which members share a node (analysis/topology.py); default LINKS[hardware] on several nodes.
+    grouped_gemm: trace ragged_dot as a grouped GEMM's cost proxy (programs.grouped_gemm_proxy).
+    cfg_for(preset, cfg) -> cfg: per-preset config (e.g. FoE's moe.num_groups); default sets the preset."""
     from farskip_jax.analysis.cost_model import HARDWARE, simulate
-    from farskip_jax.analysis.programs import analysis_mesh, forward_program, train_program
+    from farskip_jax.analysis.programs import analysis_mesh, forward_program, grouped_gemm_proxy, train_program
+    from farskip_jax.analysis.topology import LINKS, Topology
     from farskip_jax.config import replace
 
     log = log or (lambda m: None)
@@ -90,22 +100,34 @@ def run_overlap(cfg, presets: Sequence[str] = ("standard", "farskip"), programs:
         flags = dict(preset_options("cuda_hopper"), **LHS_FLAGS)
     batch = batch or cfg.train.batch_size
     seq = seq or cfg.train.seq_len
-    devices = gpu_devices(target, num_devices)
-    if cfg.moe.num_experts and resolve_backend(cfg.moe.gmm, "cuda") == "ragged_dot":
+    devices = gpu_devices(target, num_devices, gpus_per_node=gpus_per_node, memory_gb=memory_gb)
+    multinode = len({d.process_index for d in devices}) > 1
+    if isinstance(links, str):
+        links = LINKS[links]
+    if links is None and hardware and multinode:
+        links = LINKS[hardware]
+    cfg_for = cfg_for or (lambda p, c: replace(c, **{"farskip.preset": p}))
+    if grouped_gemm:
+        log("[overlap] ragged_dot traced as a grouped-GEMM cost proxy (useful FLOPs; analysis only)")
+    elif cfg.moe.num_experts and resolve_backend(cfg.moe.gmm, "cuda") == "ragged_dot":
         log(f"[overlap] NOTE: the routed experts run ragged_dot (moe.gmm={cfg.moe.gmm}). A deviceless compile has "
             "no cuDNN / hipBLASLt grouped GEMM, so XLA expands it to a dense dot over every local expert "
             "(E/EP x the expert FLOPs): hidden fractions stand, modelled step times are inflated and step "
             "speedups understated. moe.gmm=tiled prices the experts at their useful FLOPs (docs/overlap.md).")
     results = []
     for preset in presets:
-        c = replace(cfg, **{"farskip.preset": preset})
+        c = cfg_for(preset, cfg)
         mesh = analysis_mesh(c, devices)
+        topo = Topology.of_mesh(links, mesh) if links is not None else None
         for prog in programs:
             build = {"forward": forward_program, "train": train_program}[prog]
             t0 = time.time()
-            log(f"[overlap] compiling {prog} ({preset}, batch {batch} x seq {seq}, {target} x{num_devices}) ...")
-            fn, args = build(c, mesh, batch, seq)
-            compiled = compile_deviceless(fn, *args, flags=flags)
+            log(f"[overlap] compiling {prog} ({preset}, batch {batch} x seq {seq}, {target} x{num_devices}"
+                f"{f' over {len({d.process_index for d in devices})} nodes' if multinode else ''}, "
+                f"mesh {dict(mesh.shape)}) ...")
+            with grouped_gemm_proxy() if grouped_gemm else contextlib.nullcontext():
+                fn, args = build(c, mesh, batch, seq)
+                compiled = compile_deviceless(fn, *args, flags=flags)
             dt = time.time() - t0
             log(f"[overlap]   compiled in {dt:.1f}s: {len(compiled.schedule.ops)} ops, "
                 f"{len(compiled.schedule.pairs)} async collectives; analysing ...")
@@ -114,13 +136,14 @@ def run_overlap(cfg, presets: Sequence[str] = ("standard", "farskip"), programs:
             modelled = serial = sched_hw = None
             if hardware:
                 ep = mesh.shape.get("expert", 1)
-                sched_hw, durs_hw = simulate(compiled.schedule, HARDWARE[hardware], ep)
+                sched_hw, durs_hw = simulate(compiled.schedule, HARDWARE[hardware], ep, topology=topo)
                 modelled = analyze(sched_hw, durs_hw, label=f"{preset}@{hardware}")
-                sched_s, durs_s = simulate(compiled.schedule, HARDWARE[hardware], ep, serialize=ALL_TO_ALLS)
+                sched_s, durs_s = simulate(compiled.schedule, HARDWARE[hardware], ep, serialize=ALL_TO_ALLS,
+                                           topology=topo)
                 serial = analyze(sched_s, durs_s, label=f"{preset}-no-overlap@{hardware}")
             results.append(ProgramResult(preset, prog, rep, modelled, compiled.schedule, dt, serial,
                                          hlo_text=compiled.hlo_text, mesh=mesh, modelled_schedule=sched_hw,
-                                         hardware=hardware))
+                                         hardware=hardware, topology=topo))
             log(f"[overlap]   done in {time.time() - t0:.1f}s")
     return results
 
@@ -329,6 +352,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--seq", type=int, default=None, help="sequence length (default train.seq_len)")
     ap.add_argument("--target", default="h100_sxm", help="GPU target spec: h100_sxm, h200 or a .txtpb path")
     ap.add_argument("--devices", type=int, default=8)
+    ap.add_argument("--gpus-per-node", type=int, default=None,
+                    help="split --devices over nodes of this many GPUs (e.g. --devices 32 --gpus-per-node 8: 4 "
+                         "nodes); the two-stream model then prices collectives with analysis/topology.py")
+    ap.add_argument("--memory-gb", type=float, default=None, help="override the target's device memory (GB)")
+    ap.add_argument("--grouped-gemm", action="store_true",
+                    help="trace ragged_dot as a grouped-GEMM cost proxy (useful FLOPs; analysis only)")
     ap.add_argument("--preset", default="cuda_hopper",
                     help="XLA flag preset of parallel/xla_flags.py compiled with (none, cuda_hopper, rocm_mi300)")
     ap.add_argument("--xla", action="append", default=[], metavar="FLAG=VALUE",
@@ -367,7 +396,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise FarSkipError(f"--programs: unknown {bad}; choose from {list(PROGRAMS)}")
         log = lambda m: print(m, file=sys.stderr, flush=True)
         results = run_overlap(cfg, [p.strip() for p in a.presets.split(",")], progs, a.batch, a.seq, a.target,
-                              a.devices, flags, a.hardware, log)
+                              a.devices, flags, a.hardware, log, gpus_per_node=a.gpus_per_node,
+                              memory_gb=a.memory_gb, grouped_gemm=a.grouped_gemm)
     except FarSkipError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
