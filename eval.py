@@ -43,7 +43,7 @@ def run(a) -> dict:
     import dataclasses
 
     from farskip_jax.config import replace
-    from farskip_jax.data.tokenizer import load_tokenizer
+    from farskip_jax.data.tokenizer import check_vocab, load_tokenizer
     from farskip_jax.errors import ConfigError
     from farskip_jax.eval.loading import load_hf, load_run
     from farskip_jax.eval.metrics import (STANDARD, evaluate_loss, evaluate_pair, make_compare_fn, make_loss_fn,
@@ -60,6 +60,7 @@ def run(a) -> dict:
         if ov:
             cfg = replace(cfg, **ov)
     tok = load_tokenizer(a.tokenizer or cfg.data.tokenizer)
+    check_vocab(tok, cfg.model.vocab_size, f"the model of {a.run or a.hf}")
     res: dict = {"mode": a.mode, "source": a.run or a.hf, "farskip": dataclasses.asdict(cfg.farskip)}
     n_batches = a.batches or cfg.eval.batches
     if a.mode == "loss":

@@ -6,3 +6,7 @@ export), data/, train/, eval/, analysis/.
 """
 
 __version__ = "0.1.0"
+
+from farskip_jax.quiet_start import quiet_jax_start as _quiet_jax_start
+
+_quiet_jax_start()  # no CUDA-plugin noise on machines without a GPU (farskip_jax/quiet_start.py)

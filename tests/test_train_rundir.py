@@ -6,7 +6,7 @@ import pytest
 
 from farskip_jax.config import Config, replace
 from farskip_jax.errors import ConfigError
-from farskip_jax.train.rundir import prepare_run_dir
+from farskip_jax.train.rundir import check_run_dir, prepare_run_dir
 
 
 def test_run_folder_ownership(tmp_path):
@@ -18,8 +18,12 @@ def test_run_folder_ownership(tmp_path):
     again = replace(cfg, **{"train.steps": 900, "train.log_every": 3, "mesh.data": 2,
                             "model.attention_impl": "naive", "moe.gmm": "tiled", "model.remat": "full"})
     assert prepare_run_dir(again) == (run_dir, True)
-    # a different experiment is refused with the differing keys named
+    # a different experiment is refused with the differing keys named, once the folder holds a step
     other = replace(cfg, **{"model.num_layers": 2, "farskip.preset": "farskip"})
+    folder = check_run_dir(other)  # before: the folder never ran a step, so it would be reclaimed
+    assert folder.wipe and not folder.resume and "never finished a step" in folder.note
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        f.write('{"kind": "train", "step": 1, "loss": 5.0}\n')
     with pytest.raises(ConfigError, match=r"belongs to another run.*farskip.preset.*model.num_layers"):
         prepare_run_dir(other)
     open(os.path.join(run_dir, "marker"), "w").close()

@@ -78,12 +78,33 @@ class _TakeRows:
         return {k: v[self.start:self.start + self.n] for k, v in batch.items()}
 
 
+class _CheckIds:
+    """DataError when a batch holds a token id outside [0, vocab_size) (a model would read garbage rows
+    of its embedding, or NaN): names the data source and the fix."""
+
+    def __init__(self, vocab_size: int, where: str):
+        self.vocab_size, self.where = vocab_size, where
+
+    def __call__(self, batch: dict) -> dict:
+        for key in ("tokens", "targets"):
+            ids = batch[key]
+            bad = (ids < 0) | (ids >= self.vocab_size)
+            if bad.any():
+                raise DataError(f"{self.where} holds token id {int(ids[bad].flat[0])} (in {key!r}), outside the "
+                                f"model's vocabulary [0, {self.vocab_size}): re-tokenize the data with the model's "
+                                "tokenizer (python -m farskip_jax.data.prepare --tokenizer ...) or use a model whose "
+                                "vocab_size covers it")
+        return batch
+
+
 def make_dataset(cfg: DataConfig, split: str, *, batch_size: int, seq_len: int, seed: int,
-                 process_index: int = 0, process_count: int = 1, tokenizer=None) -> grain.IterDataset:
+                 process_index: int = 0, process_count: int = 1, tokenizer=None,
+                 vocab_size: Optional[int] = None) -> grain.IterDataset:
     """Batched grain IterDataset for `split`; `batch_size` is the GLOBAL batch (rows over all processes).
 
     Train: shuffled by `seed`, repeated forever. Val: file order, repeated (the evaluator takes the
     first `eval_batches` batches of a fresh iterator, so the validation set is fixed).
+    vocab_size: every batch is checked to hold ids below it (DataError naming the source otherwise).
     """
     if batch_size % process_count:
         raise DataError(f"global batch {batch_size} is not divisible by the {process_count} processes")
@@ -93,14 +114,30 @@ def make_dataset(cfg: DataConfig, split: str, *, batch_size: int, seq_len: int, 
     shuffle_seed = seed if (split == "train" and cfg.shuffle) else None
     if cfg.shard_by == "docs" and process_count > 1:
         rows = packed_rows(source, seq_len, seed=shuffle_seed, repeat=True, shard=(process_index, process_count))
-        return rows.batch(local, drop_remainder=True)
-    rows = packed_rows(source, seq_len, seed=shuffle_seed, repeat=True)
-    ds = rows.batch(batch_size, drop_remainder=True)
-    if process_count > 1:
-        ds = ds.map(_TakeRows(process_index * local, local))
+        ds = rows.batch(local, drop_remainder=True)
+    else:
+        rows = packed_rows(source, seq_len, seed=shuffle_seed, repeat=True)
+        ds = rows.batch(batch_size, drop_remainder=True)
+        if process_count > 1:
+            ds = ds.map(_TakeRows(process_index * local, local))
+    if vocab_size is not None:
+        ds = ds.map(_CheckIds(vocab_size, f"the {split!r} split of data.source={cfg.source!r} ({source!r})"))
     return ds
 
 
 def make_iterator(cfg: DataConfig, split: str, **kw) -> grain.DatasetIterator:
     """`iter(make_dataset(...))`: a grain iterator with get_state()/set_state()."""
     return iter(make_dataset(cfg, split, **kw))
+
+
+def first_batches(*datasets: grain.IterDataset) -> list[dict]:
+    """The first batch of each dataset (fresh iterators, nothing consumed): empty or unreadable data and
+    out-of-vocabulary ids fail here, before a run writes anything."""
+    out = []
+    for ds in datasets:
+        try:
+            out.append(next(iter(ds)))
+        except StopIteration:
+            raise DataError("the data yields no full batch: add documents, or lower train.batch_size / "
+                            "train.seq_len") from None
+    return out

@@ -6,11 +6,13 @@ Byte-level ids (documented, fixed):
     257     EOS (ends every document)
     258     PAD (never a training target; rows are padded only at the end of a finite stream)
 so `ByteTokenizer.vocab_size == 259` and a model needs `model.vocab_size >= 259`.
+`raw_bytes` (RawByteTokenizer) is the same without special tokens: ids 0..255 only, for byte-level
+checkpoints with exactly 256 ids; documents are kept apart by the packer's segment ids alone.
 
 An HF tokenizer keeps its own ids; BOS/EOS are taken from its special tokens when it has them
 (`<s>`/`</s>`, `<|begin_of_text|>`/`<|end_of_text|>`, `<|endoftext|>` ...), PAD falls back to EOS.
 
-    tok = load_tokenizer("byte")            # or load_tokenizer("path/to/tokenizer.json")
+    tok = load_tokenizer("byte")            # or "raw_bytes", or load_tokenizer("path/to/tokenizer.json")
     ids = tok.encode_document("print(1)\n")  # np.int32 [n + 2]: BOS, tokens..., EOS
 """
 
@@ -21,7 +23,7 @@ from typing import Optional
 
 import numpy as np
 
-from farskip_jax.errors import DataError
+from farskip_jax.errors import ConfigError, DataError
 
 
 class ByteTokenizer:
@@ -47,6 +49,20 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         b = bytes(int(i) for i in np.asarray(ids).reshape(-1) if 0 <= int(i) < 256)
         return b.decode("utf-8", errors="replace")
+
+
+class RawByteTokenizer(ByteTokenizer):
+    """UTF-8 bytes as ids 0..255 and nothing else (no BOS/EOS; PAD = 0, never a target)."""
+
+    name = "raw_bytes"
+    bos_id = None
+    eos_id = None
+    pad_id = 0
+    vocab_size = 256
+
+    def encode_document(self, text: str) -> np.ndarray:
+        """text -> int32 [n]: the bytes alone."""
+        return self.encode(text)
 
 
 _BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>", "<｜begin▁of▁sentence｜>")
@@ -95,11 +111,27 @@ class HFTokenizer:
 
 
 def load_tokenizer(spec: str):
-    """'byte' -> ByteTokenizer; a path to tokenizer.json (or a folder holding one) -> HFTokenizer."""
+    """'byte' -> ByteTokenizer; 'raw_bytes' -> RawByteTokenizer; a path to tokenizer.json (or a folder
+    holding one) -> HFTokenizer."""
     if spec == "byte":
         return ByteTokenizer()
+    if spec == "raw_bytes":
+        return RawByteTokenizer()
     path = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
     if not os.path.isfile(path):
-        raise DataError(f"data.tokenizer={spec!r}: no such tokenizer.json; use 'byte' or the path of an HF "
+        raise DataError(f"data.tokenizer={spec!r}: no such tokenizer.json; use 'byte', 'raw_bytes' or the path of an HF "
                         "tokenizer.json (or the folder of an HF checkpoint that ships one)")
     return HFTokenizer(path)
+
+
+def check_vocab(tok, vocab_size: int, model: str) -> None:
+    """ConfigError unless every id of `tok` fits a model of `vocab_size` rows (`model` names where that
+    model comes from, for the message)."""
+    if tok.vocab_size <= vocab_size:
+        return
+    fix = "give the model's own tokenizer.json as data.tokenizer"
+    if isinstance(tok, ByteTokenizer) and vocab_size >= RawByteTokenizer.vocab_size:
+        fix = (f"use data.tokenizer=raw_bytes (the {RawByteTokenizer.vocab_size} byte ids without BOS/EOS), or "
+               + fix)
+    raise ConfigError(f"data.tokenizer={getattr(tok, 'name', tok)!r} produces ids up to {tok.vocab_size - 1} but "
+                      f"{model} has model.vocab_size={vocab_size}: {fix}")

@@ -117,13 +117,14 @@ def put_batch(batch: dict, mesh=None) -> dict:
 
 def val_batches(cfg: Config, n: int, *, mesh=None, tokenizer=None, batch_size: Optional[int] = None,
                 seq_len: Optional[int] = None) -> list:
-    """The first `n` validation batches of cfg.data (fixed: file order), placed on the mesh."""
+    """The first `n` validation batches of cfg.data (fixed: file order), placed on the mesh; every id is
+    checked against cfg.model.vocab_size (DataError naming the source)."""
     from farskip_jax.data.pipeline import make_dataset
 
     t = cfg.train
     ds = make_dataset(cfg.data, "val", batch_size=batch_size or t.batch_size, seq_len=seq_len or t.seq_len,
                       seed=t.seed, process_index=jax.process_index(), process_count=jax.process_count(),
-                      tokenizer=tokenizer)
+                      tokenizer=tokenizer, vocab_size=cfg.model.vocab_size)
     it = iter(ds)
     return [put_batch({k: np.asarray(v) for k, v in next(it).items()}, mesh) for _ in range(n)]
 

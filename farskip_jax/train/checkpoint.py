@@ -134,10 +134,23 @@ class Checkpointer:
         try:
             out = self.mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
         except Exception as e:
-            raise CheckpointError(f"cannot restore checkpoint step {step} from {self.dir}: {e}") from None
-        with open(self._data_path(step)) as f:
-            data_state = json.load(f)
+            raise CheckpointError(self._unreadable(step, e)) from None
+        try:
+            with open(self._data_path(step)) as f:
+                data_state = json.load(f)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(self._unreadable(step, e)) from None
         return unflatten_state(dict(out["state"]), template), data_state
+
+    def _unreadable(self, step: int, e: Exception) -> str:
+        """The message for a step whose files do not restore (truncated, corrupted, another model)."""
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        older = [s for s in self.complete_steps() if s < step]
+        fix = (f"delete {os.path.join(self.dir, str(step))} to resume from step {older[-1]}" if older
+               else f"delete {self.dir} to start from step 0")
+        return (f"checkpoint step {step} in {self.dir} cannot be restored ({type(e).__name__}: {first}); its files "
+                f"are truncated or were written by another model/optimizer config: {fix}, or set "
+                "train.overwrite=true to start the run over")
 
     def wait(self) -> None:
         self.mngr.wait_until_finished()

@@ -38,8 +38,8 @@ import optax
 from flax import nnx
 
 from farskip_jax.config import Config, dump_config, replace
-from farskip_jax.data.pipeline import make_dataset
-from farskip_jax.data.tokenizer import load_tokenizer
+from farskip_jax.data.pipeline import first_batches, make_dataset
+from farskip_jax.data.tokenizer import check_vocab, load_tokenizer
 from farskip_jax.errors import ConfigError
 from farskip_jax.eval.divergence import hidden_l2, masked_mean, token_divergence
 from farskip_jax.eval.metrics import STANDARD, cast_state, evaluate_pair, forward, make_compare_fn, put_batch, val_batches
@@ -49,7 +49,7 @@ from farskip_jax.train.checkpoint import Checkpointer
 from farskip_jax.train.early_stopping import EarlyStopper
 from farskip_jax.train.logger import RunLogger, format_eta
 from farskip_jax.train.optimizer import make_optimizer
-from farskip_jax.train.rundir import prepare_run_dir
+from farskip_jax.train.rundir import check_run_dir, claim_run_dir
 from farskip_jax.train.step import accumulate_grads, init_state, load_stats, token_ce, update_state
 from farskip_jax.train.trainer import _StopFlag, _saved_train_steps, place_state, schedule_change_warning
 
@@ -199,11 +199,25 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
                           "the weights do not come from init_from_hf")
     mesh = model_mesh(cfg)  # the FoE group x expert mesh when num_groups > 1 with EP
     cfg, graphdef, src = load_source(cfg, mesh)
+    # everything that can be validated is, before the run folder is touched (see trainer.train)
     tok = load_tokenizer(cfg.data.tokenizer)
-    saved_steps = _saved_train_steps(cfg)  # before prepare_run_dir rewrites config.yaml
-    run_dir, resumed = prepare_run_dir(cfg)
-    log = RunLogger(run_dir, tensorboard=t.tensorboard, stream=stream)
-    log.print("resolved config:\n" + dump_config(cfg))
+    check_vocab(tok, cfg.model.vocab_size,
+                f"the model to convert ({cfg.init_from_hf or cfg.distill.init_from_run})")
+    train_ds = make_dataset(cfg.data, "train", batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed,
+                            process_index=jax.process_index(), process_count=jax.process_count(), tokenizer=tok,
+                            vocab_size=cfg.model.vocab_size)
+    first_batches(train_ds)
+    val = val_batches(cfg, t.eval_batches, mesh=mesh, tokenizer=tok)
+    task_score = None
+    if d.metric == "task":
+        from farskip_jax.eval.tasks import load_task, score_tasks
+
+        for path in cfg.eval.tasks:  # missing or malformed task files fail now
+            load_task(path)
+        task_score = lambda: float(np.mean([r["acc"] for r in score_tasks(
+            graphdef, state, cfg.eval.tasks, tok, cfg.farskip).values()]))
+    folder = check_run_dir(cfg)
+    saved_steps = _saved_train_steps(cfg)  # before claim_run_dir rewrites config.yaml
 
     tx, schedule = make_optimizer(t)
     model = nnx.merge(graphdef, src["params"], src["bias"], src["rest"])
@@ -211,30 +225,31 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     state = place_state(state, mesh)  # counters/optimizer leaves on the mesh too: a restored state must match
     teacher = cast_state(state, dtype_of(d.teacher_dtype))  # a copy: the student's buffers are donated
     del model, src
+    train_it = iter(train_ds)
+    es = EarlyStopper("max" if d.metric == "task" else "min", d.patience, d.max_drop)
+    es_path = os.path.join(folder.path, "early_stopping.json")
+    step = 0
+    if folder.resume:  # restored before anything is written: an unreadable checkpoint fails cleanly
+        ckpt = Checkpointer(folder.path, keep=t.keep_checkpoints)
+        if ckpt.latest_step() is not None:
+            step = ckpt.latest_step()
+            state, data_state = ckpt.restore(step, state)
+            train_it.set_state(data_state)
+            if os.path.isfile(es_path):
+                with open(es_path) as f:  # evaluations after the checkpoint will run again
+                    es.load_state_dict(json.load(f), upto=step)
+    claim_run_dir(cfg, folder)
+    run_dir = folder.path
+    if not folder.resume:
+        ckpt = Checkpointer(run_dir, keep=t.keep_checkpoints)
+    best = Checkpointer(os.path.join(run_dir, "best"), keep=1, async_save=False)
+    log = RunLogger(run_dir, tensorboard=t.tensorboard, stream=stream)
+    if folder.note:
+        log.print(folder.note)
+    log.print("resolved config:\n" + dump_config(cfg))
     step_fn = jax.jit(make_distill_step(graphdef, cfg, tx, schedule), donate_argnums=0)
     cmp_fn = make_compare_fn(graphdef, cfg.farskip)
-    val = val_batches(cfg, t.eval_batches, mesh=mesh, tokenizer=tok)
-    task_score = None
-    if d.metric == "task":
-        from farskip_jax.eval.tasks import score_tasks
-
-        task_score = lambda: float(np.mean([r["acc"] for r in score_tasks(
-            graphdef, state, cfg.eval.tasks, tok, cfg.farskip).values()]))
-
-    train_it = iter(make_dataset(cfg.data, "train", batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed,
-                                 process_index=jax.process_index(), process_count=jax.process_count(), tokenizer=tok))
-    ckpt = Checkpointer(run_dir, keep=t.keep_checkpoints)
-    best = Checkpointer(os.path.join(run_dir, "best"), keep=1, async_save=False)
-    es = EarlyStopper("max" if d.metric == "task" else "min", d.patience, d.max_drop)
-    es_path = os.path.join(run_dir, "early_stopping.json")
-    step = 0
-    if resumed and ckpt.latest_step() is not None:
-        step = ckpt.latest_step()
-        state, data_state = ckpt.restore(step, state)
-        train_it.set_state(data_state)
-        if os.path.isfile(es_path):
-            with open(es_path) as f:  # evaluations after the checkpoint will run again
-                es.load_state_dict(json.load(f), upto=step)
+    if step:
         log.print(f"resumed distillation from step {step}")
         if saved_steps is not None and saved_steps != t.steps:
             log.print(schedule_change_warning(saved_steps, t, step))

@@ -3,16 +3,20 @@
 A folder is reused (resumed) only by the same experiment: its saved config must equal the new one
 except for the keys in RESUMABLE_KEYS (run length, logging cadence, and implementation choices that
 compute the same function: attention core, expert matmul backend, remat) and the mesh section.
-Anything else raises ConfigError unless `train.overwrite=true`, which deletes the folder first.
+Anything else raises ConfigError unless `train.overwrite=true`, which deletes the folder first, or
+the folder was left by a run that never finished a step (reclaimed). `check_run_dir` only reads, so
+the entry points validate everything else before `claim_run_dir` writes: a run that fails on bad
+input leaves no trace.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 
 from farskip_jax.config import Config, config_from_dict, dump_config, to_dict
-from farskip_jax.errors import ConfigError
+from farskip_jax.errors import ConfigError, FarSkipError
 
 RESUMABLE_KEYS = {"train.steps", "train.time_limit_s", "train.log_every", "train.eval_every", "train.tensorboard",
                   "train.checkpoint_every", "train.keep_checkpoints", "train.max_nonfinite", "train.overwrite",
@@ -38,33 +42,81 @@ def config_diff(a: Config, b: Config) -> list[str]:
     return sorted(k for k in set(fa) | set(fb) if fa.get(k) != fb.get(k))
 
 
-def prepare_run_dir(cfg: Config, *, is_primary: bool = True) -> tuple[str, bool]:
-    """Create or validate the run folder. Returns (absolute path, whether it already held this run)."""
+def _finished_a_step(run_dir: str) -> bool:
+    """Whether the folder holds any result of a run: a checkpoint step folder or a logged train step."""
+    ck = os.path.join(run_dir, "checkpoints")
+    if os.path.isdir(ck) and any(d.isdigit() for d in os.listdir(ck)):
+        return True
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return False
+    with open(path, errors="replace") as f:
+        return any('"kind": "train"' in line for line in f)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFolder:
+    """What `check_run_dir` found at train.run_dir (nothing is written until `claim_run_dir`)."""
+    path: str        # absolute
+    resume: bool     # holds this run: resume from its newest complete checkpoint
+    wipe: bool       # delete it when claimed (train.overwrite=true, or left by a run that never ran a step)
+    note: str = ""   # one line for the log when the folder is reclaimed
+
+
+def check_run_dir(cfg: Config) -> RunFolder:
+    """Validate train.run_dir for `cfg` without touching it.
+
+    - missing or empty: a fresh run;
+    - holds this run (config equal up to RESUMABLE_KEYS and mesh.*): resume;
+    - train.overwrite=true: wiped when claimed;
+    - holds another run that never finished a step (no checkpoint, no logged train step: e.g. one
+      that failed while compiling): reclaimed, with a note;
+    - holds another run's results, or is not a run folder: ConfigError naming the fix."""
     import yaml
 
     run_dir = os.path.abspath(cfg.train.run_dir)
-    if not is_primary:
-        return run_dir, True
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise ConfigError(f"train.run_dir={run_dir} is a file, not a folder; choose another train.run_dir")
+    if not (os.path.isdir(run_dir) and os.listdir(run_dir)):
+        return RunFolder(run_dir, resume=False, wipe=False)
     cfg_path = os.path.join(run_dir, "config.yaml")
-    existed = os.path.isdir(run_dir) and bool(os.listdir(run_dir))
-    if existed and cfg.train.overwrite:
-        if is_primary:
-            shutil.rmtree(run_dir)
-        existed = False
-    elif existed:
-        if not os.path.isfile(cfg_path):
-            raise ConfigError(f"train.run_dir={run_dir} exists and is not a farskip_jax run folder (no config.yaml); "
-                              "choose another train.run_dir or set train.overwrite=true to delete it")
+    if not os.path.isfile(cfg_path):
+        raise ConfigError(f"train.run_dir={run_dir} exists and is not a farskip_jax run folder (no config.yaml); "
+                          "choose another train.run_dir or set train.overwrite=true to delete it")
+    if cfg.train.overwrite:
+        return RunFolder(run_dir, resume=False, wipe=True)
+    try:
         with open(cfg_path) as f:
             old = config_from_dict(yaml.safe_load(f))
+    except FarSkipError as e:  # written by another version of the project
+        diff, why = None, f"its config.yaml does not load ({e})"
+    else:
         # the mesh may change between runs (orbax restores onto any sharding; the data order does not
         # depend on the process count in the default shard_by=rows)
         diff = [k for k in config_diff(old, cfg) if k not in RESUMABLE_KEYS and not k.startswith("mesh.")]
-        if diff:
-            raise ConfigError(f"train.run_dir={run_dir} belongs to another run (config differs at {diff}); "
-                              "choose another train.run_dir, or set train.overwrite=true to delete it")
-    if is_primary:
-        os.makedirs(run_dir, exist_ok=True)
-        with open(cfg_path, "w") as f:
-            f.write(dump_config(cfg))
-    return run_dir, existed
+        why = f"config differs at {diff}"
+        if not diff:
+            return RunFolder(run_dir, resume=True, wipe=False)
+    if not _finished_a_step(run_dir):
+        return RunFolder(run_dir, resume=False, wipe=True,
+                         note=f"reclaimed {run_dir}: it was left by a run that never finished a step ({why})")
+    raise ConfigError(f"train.run_dir={run_dir} belongs to another run ({why}); "
+                      "choose another train.run_dir, or set train.overwrite=true to delete it")
+
+
+def claim_run_dir(cfg: Config, folder: RunFolder) -> None:
+    """Make `folder` this run's: wipe it if check_run_dir said so, create it, write config.yaml."""
+    if folder.wipe and os.path.isdir(folder.path):
+        shutil.rmtree(folder.path)
+    os.makedirs(folder.path, exist_ok=True)
+    path = os.path.join(folder.path, "config.yaml")
+    with open(path + ".tmp", "w") as f:
+        f.write(dump_config(cfg))
+    os.replace(path + ".tmp", path)
+
+
+def prepare_run_dir(cfg: Config) -> tuple[str, bool]:
+    """check_run_dir + claim_run_dir in one call: (absolute path, whether it already held this run)."""
+    folder = check_run_dir(cfg)
+    claim_run_dir(cfg, folder)
+    return folder.path, folder.resume

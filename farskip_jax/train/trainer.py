@@ -25,8 +25,8 @@ import yaml
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from farskip_jax.config import Config, TrainConfig, dump_config
-from farskip_jax.data.pipeline import make_dataset
-from farskip_jax.data.tokenizer import load_tokenizer
+from farskip_jax.data.pipeline import first_batches, make_dataset
+from farskip_jax.data.tokenizer import check_vocab, load_tokenizer
 from farskip_jax.errors import ConfigError
 from farskip_jax.parallel.build import create_model, model_mesh
 from farskip_jax.parallel.distributed import maybe_initialize
@@ -35,7 +35,7 @@ from farskip_jax.train.checkpoint import Checkpointer
 from farskip_jax.train.flops import measure_matmul_peak, total_params, train_flops_per_token
 from farskip_jax.train.logger import RunLogger
 from farskip_jax.train.optimizer import make_optimizer, make_schedule
-from farskip_jax.train.rundir import prepare_run_dir
+from farskip_jax.train.rundir import check_run_dir, claim_run_dir
 from farskip_jax.train.step import init_state, make_eval_step, make_train_step
 
 
@@ -95,7 +95,7 @@ def _saved_train_steps(cfg: Config) -> Optional[int]:
         with open(path) as f:
             steps = (yaml.safe_load(f) or {}).get("train", {}).get("steps")
         return int(steps) if steps is not None else None
-    except Exception:  # a foreign folder: prepare_run_dir reports it
+    except Exception:  # a foreign folder: check_run_dir reports it
         return None
 
 
@@ -161,40 +161,50 @@ def train(cfg: Config, *, stream=None) -> TrainResult:
         cfg = shape_from_hf(cfg)
     pi, pc = jax.process_index(), jax.process_count()
     primary = pi == 0
+    # everything that can be validated is, before the run folder is touched: a run that fails on bad
+    # input (config, data, tokenizer vs vocabulary, HF folder, mesh, checkpoint) leaves no trace
     tok = load_tokenizer(cfg.data.tokenizer)
-    if cfg.model.vocab_size < tok.vocab_size:
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
-                          f"({tok.vocab_size}, data.tokenizer={cfg.data.tokenizer!r}); raise model.vocab_size")
-    saved_steps = _saved_train_steps(cfg) if primary else None  # before prepare_run_dir rewrites config.yaml
-    run_dir, resumed_folder = prepare_run_dir(cfg, is_primary=primary)
-    if pc > 1:  # the others wait until process 0 has validated / created (or wiped) the folder
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices("farskip_jax run_dir ready")
-        resumed_folder = True  # only process 0 judged ownership; a fresh folder simply has no checkpoint
-    log = RunLogger(run_dir, tensorboard=t.tensorboard, enabled=primary, stream=stream)
-    log.print("resolved config:\n" + dump_config(cfg))
+    check_vocab(tok, cfg.model.vocab_size, f"the model ({cfg.init_from_hf or 'model.vocab_size'})")
+    ds_kw = dict(batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed, process_index=pi, process_count=pc,
+                 tokenizer=tok, vocab_size=cfg.model.vocab_size)
+    train_ds = make_dataset(cfg.data, "train", **ds_kw)
+    val_ds = make_dataset(cfg.data, "val", **ds_kw)
+    probe, _ = first_batches(train_ds, val_ds)
+    folder = check_run_dir(cfg)
+    saved_steps = _saved_train_steps(cfg) if primary else None  # before claim_run_dir rewrites config.yaml
 
     model, mesh = build_model_and_mesh(cfg)
+    shard_batch(probe, mesh)  # the batch splits over the mesh's batch axes
     tx, schedule = make_optimizer(t)
     graphdef, state = init_state(model, tx, t.seed)
     del model
     state = place_state(state, mesh)
+    train_it = iter(train_ds)
+    start = None
+    if folder.resume:  # restored before anything is written: an unreadable checkpoint fails cleanly
+        ckpt = Checkpointer(folder.path, keep=t.keep_checkpoints)
+        start = ckpt.latest_step()
+        if start is not None:
+            state, data_state = ckpt.restore(start, state)
+            train_it.set_state(data_state)
+    if primary:
+        claim_run_dir(cfg, folder)
+    run_dir = folder.path
+    if pc > 1:  # the others wait until process 0 has validated / created (or wiped) the folder
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("farskip_jax run_dir ready")
+    if not folder.resume:
+        ckpt = Checkpointer(run_dir, keep=t.keep_checkpoints)
+    log = RunLogger(run_dir, tensorboard=t.tensorboard, enabled=primary, stream=stream)
+    if folder.note:
+        log.print(folder.note)
+    log.print("resolved config:\n" + dump_config(cfg))
     shardings = jax.tree.map(lambda x: x.sharding, state)
     step_fn = jax.jit(make_train_step(graphdef, cfg, tx, schedule), donate_argnums=0,
                       out_shardings=(shardings, None) if mesh is not None else None)
     eval_fn = jax.jit(make_eval_step(graphdef, cfg))
-
-    ds_kw = dict(batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed, process_index=pi, process_count=pc,
-                 tokenizer=tok)
-    train_it = iter(make_dataset(cfg.data, "train", **ds_kw))
-    val_ds = make_dataset(cfg.data, "val", **ds_kw)
-
-    ckpt = Checkpointer(run_dir, keep=t.keep_checkpoints)
-    start = ckpt.latest_step() if resumed_folder else None
     if start is not None:
-        state, data_state = ckpt.restore(start, state)
-        train_it.set_state(data_state)
         log.print(f"resumed from checkpoint step {start} in {run_dir}")
         if saved_steps is not None and saved_steps != t.steps:
             log.print(schedule_change_warning(saved_steps, t, start))
