@@ -60,7 +60,11 @@ def test_notebook_executes_tiny(path, kernel_env, tmp_path):
     env = dict(kernel_env, FARSKIP_NB_OUT=str(tmp_path / "runs"))
     client = nbclient.NotebookClient(nb, kernel_name=KERNEL, timeout=900,
                                      resources={"metadata": {"path": str(NB_DIR)}})
-    client.execute(env=env)  # raises CellExecutionError (with the traceback) on the first failing cell
+    # the kernel's own stderr goes to a file: cell output comes through the messaging protocol, and the
+    # SIGINT jupyter_client sends every kernel at shutdown would otherwise print a KeyboardInterrupt
+    # ("Exception ignored in: _xla_gc_callback") into the test run's output
+    with open(tmp_path / "kernel_stderr.log", "w") as kernel_stderr:
+        client.execute(env=env, stderr=kernel_stderr)  # raises CellExecutionError on the first failing cell
     codes = [c for c in nb.cells if c.cell_type == "code"]
     assert codes and all(c.get("execution_count") for c in codes), "not every code cell ran"
     errors = [o for c in codes for o in c.get("outputs", []) if o.get("output_type") == "error"]
