@@ -112,3 +112,27 @@ def test_replica_group_forms_of_the_schedule_dump():
     whole = {"mesh_axes_replica_group_list": [{"mesh": [{"axes": [{"size": [4]}, {"size": [1]}]}], "axes": [{}]}]}
     assert replica_groups_of(whole) == ((0, 1, 2, 3),)
     assert replica_groups_of({}) is None
+
+
+def test_gradient_all_reduce_on_its_own_stream():
+    """ar-start, a2a-start, y (independent), a2a-done, ar-done: on one FIFO stream the all-to-all
+    queues behind the 17 us all-reduce; on its own stream it starts at once (13 us, all-to-all)."""
+    hw = Hardware("toy", peak_flops=1e12, hbm_bw=1e9, a2a_bw=1e9, coll_bw=1e9, launch_us=0.0, matmul_eff=1.0,
+                  mem_eff=1.0)
+    spec = [("x", "compute", ()), ("ar", "start", (1,)), ("s", "start", (1,)), ("y", "compute", ()),
+            ("d", "done", (3,)), ("ard", "done", (2,)), ("z", "compute", (5, 6))]
+    ops = [HloOp(id=i + 1, name=n, opcode="fusion" if k == "compute" else f"async-{k}", op_name="jit(f)/op",
+                 operands=o, kind=k, in_bytes=1000, out_bytes=1000, index=i) for i, (n, k, o) in enumerate(spec)]
+    by = {o.id: o for o in ops}
+    full = ((0, 1, 2, 3),)
+    sched = Schedule(ops=ops, by_id=by, pairs=[
+        CollectivePair(start=by[2], done=by[6], collective="all-reduce", bytes=4000, group_size=4, groups=full),
+        CollectivePair(start=by[3], done=by[5], collective="all-to-all", bytes=4000, group_size=4, groups=full)])
+    one, d = simulate(sched, hw, topology=TOPO)
+    assert d == [pytest.approx(17.0), pytest.approx(13.0)]
+    t = {o.name: (o.start, o.end) for o in one.ops}
+    assert t["d"][1] == pytest.approx(2 + 17 + 13)  # queued behind the all-reduce
+    split, _ = simulate(sched, hw, topology=TOPO, own_stream=("all-reduce",))
+    t = {o.name: (o.start, o.end) for o in split.ops}
+    assert t["d"][1] == pytest.approx(2 + 13) and t["ard"][1] == pytest.approx(2 + 17)
+    assert split.makespan == pytest.approx(2 + 17 + 2)

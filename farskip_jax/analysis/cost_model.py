@@ -68,11 +68,16 @@ def collective_time_us(kind: str, payload: float, group: int, hw: Hardware) -> f
 
 
 def simulate(schedule: Schedule, hw: Hardware, group_size: int = 8,
-             serialize: tuple[str, ...] = (), topology=None) -> tuple[Schedule, list[float]]:
+             serialize: tuple[str, ...] = (), topology=None,
+             own_stream: tuple[str, ...] = ()) -> tuple[Schedule, list[float]]:
     """Re-time `schedule` on `hw` with the two-stream model; collectives whose kind is in `serialize`
     block the compute stream from their start to their end (no overlap). With `topology`
     (analysis/topology.Topology) a collective's time depends on which of its replica-group members
-    share a node (intra-node links vs NICs); without, the single-node formula above.
+    share a node (intra-node links vs NICs); without, the single-node formula above. Collectives
+    whose kind is in `own_stream` (e.g. the gradient all-reduces) run on a second communication
+    stream, FIFO among themselves, instead of queueing with the all-to-alls (Megatron's DP and EP
+    groups are separate NCCL/RCCL communicators; the two streams do not share bandwidth here, an
+    optimistic assumption).
 
     Returns (the re-timed copy, modelled duration of every entry of `.pairs`)."""
     sched = copy.deepcopy(schedule)
@@ -80,7 +85,7 @@ def simulate(schedule: Schedule, hw: Hardware, group_size: int = 8,
     pair_of_done = {p.done.id: i for i, p in enumerate(sched.pairs)}
     durations = [0.0] * len(sched.pairs)
     finish = [0.0] * len(sched.pairs)
-    t, comm_free = 0.0, 0.0
+    t, comm_free = 0.0, [0.0, 0.0]
     for o in sched.ops:
         if o.kind == "compute":
             o.start, o.end = t, t + compute_time_us(o.flops, o.in_bytes + o.out_bytes, hw)
@@ -93,8 +98,9 @@ def simulate(schedule: Schedule, hw: Hardware, group_size: int = 8,
                 durations[i] = topology.collective_time_us(p.collective, payload, p.groups)
             else:
                 durations[i] = collective_time_us(p.collective, payload, p.group_size or group_size, hw)
-            begin = max(t, comm_free)
-            finish[i] = comm_free = begin + durations[i]
+            lane = 1 if p.collective in own_stream else 0
+            begin = max(t, comm_free[lane])
+            finish[i] = comm_free[lane] = begin + durations[i]
             o.start = o.end = t
             if p.collective in serialize:  # synchronous: nothing runs under it, its window is empty
                 o.start, o.end = t, finish[i]

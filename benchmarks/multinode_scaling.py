@@ -1,0 +1,341 @@
+"""Where FarSkip pays: expert parallelism across nodes (EP 8 -> 32), side by side with FoE (issue 23).
+
+    JAX_PLATFORMS=cpu python benchmarks/multinode_scaling.py [--model dsv3_6l|dsv2_lite] [--ep 8,16,32]
+        [--per-gpu-batch 1] [--seq 4096] [--variants standard,farskip,foe,foe_farskip] [--programs train]
+        [--gpus-per-node 8] [--data 1] [--hardware mi325x] [--target h200 --memory-gb 256]
+        [--lever NAME] [--out benchmarks/results/multinode] [--plot-only] [config overrides ...]
+
+For each EP size it compiles the program deviceless for EP x data GPUs on EP*data/gpus_per_node
+hosts (jax 0.10.2 topologies 1x1x8, 1x2x8, 1x4x8), with the latency-hiding scheduler on, and re-times
+XLA's schedule with the two-stream model on a multi-node topology (analysis/topology.py: MI325X
+Infinity Fabric inside a node, 8 x 400 Gb/s NICs per node). Variants (each its own compile):
+
+  standard      standard connectivity; its step "as XLA overlaps it", and the same schedule re-timed
+                with every all-to-all synchronous: "no overlap" (the paper's Megatron baseline)
+  farskip       FarSkip-Collective connectivity
+  foe           Federation of Experts with H = nodes groups (moe.num_groups), standard connectivity:
+                each group's all-to-all stays inside one node, a cross-group all-reduce per layer
+  foe_farskip   both
+  + ceiling     standard's step with every all-to-all microsecond hidden (no compile)
+
+The routed experts are traced as a grouped GEMM's cost proxy (programs.grouped_gemm_proxy: a
+deviceless compile would otherwise expand ragged_dot over every local expert, 32x the FLOPs at EP 8,
+8x at EP 32). Results go to OUT/results.json (updated after every compile; an existing entry is
+reused, so an interrupted sweep resumes), OUT/table.md and OUT/scaling.png.
+
+Levers (--lever, each alone on top of the defaults; docs/multinode.md):
+  none          all_to_all dispatch, capacity factor 1.0 (bytes = the useful bytes at balance), bf16
+  dropless      all_to_all with capacity_factor=null: worst-case buffers (E/k times the bytes)
+  ragged        ragged_all_to_all: exact bytes (dropless)
+  causal_blocks cheaper attention core (model.attention_impl=causal_blocks)
+  limit1        one collective in flight (xla_gpu_experimental_parallel_collective_overlap_limit=1)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import pickle
+import tempfile
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODELS = {"dsv3_6l": "configs/deepseek_v3_6l.yaml", "dsv3_6l_gqa": "configs/deepseek_v3_6l.yaml",
+          "dsv2_lite": "configs/deepseek_v2_lite.yaml"}
+# FoE needs GQA attention and no group-limited routing (model/foe.check_foe): the `_gqa` model is
+# DeepSeek-V3-6L with a GQA attention of the same 128 query heads (16 kv heads of 128) and plain
+# top-8 routing, on which all four variants compile (same FLOP class as MLA: 264M vs 187M attention
+# parameters per layer)
+MODEL_OVERRIDES = {"dsv3_6l_gqa": ["model.attention=gqa", "model.num_kv_heads=16", "model.head_dim=128",
+                                   "moe.n_group=1", "moe.topk_group=1"]}
+# the paper's Figure 5 (arXiv 2511.11505, DeepSeek-V3 cut to 6 layers, Megatron on MI325X nodes, 400 Gb/s
+# between nodes): FarSkip step speedup over the baseline without overlap, as quoted in issue 23
+PAPER = {8: 1.10, 32: 1.22}
+LEVERS = {
+    "none": ([], {}),
+    "dropless": (["moe.capacity_factor=null"], {}),
+    "ragged": (["moe.dispatch=ragged", "moe.capacity_factor=null"], {}),
+    "causal_blocks": (["model.attention_impl=causal_blocks"], {}),
+    "limit1": ([], {"xla_gpu_experimental_parallel_collective_overlap_limit": 1}),
+}
+VARIANTS = ("standard", "farskip", "foe", "foe_farskip")
+
+
+def key(model, lever, ep, data, batch, seq, program, variant):
+    return f"{model}|{lever}|ep{ep}|dp{data}|b{batch}|s{seq}|{program}|{variant}"
+
+
+def compile_one(cfg, variant, program, batch, seq, n, gpus_per_node, nodes, flags, target, memory_gb, log) -> dict:
+    """Compile one variant deviceless; returns what the analysis needs (picklable)."""
+    from farskip_jax.analysis.overlap import run_overlap
+
+    (r,) = run_overlap(cfg, (variant,), (program,), batch=batch, seq=seq, target=target, num_devices=n, flags=flags,
+                       hardware=None, log=log, gpus_per_node=min(gpus_per_node, n), memory_gb=memory_gb,
+                       grouped_gemm=True, cfg_for=cfg_for_variant(nodes))
+    return {"schedule": r.schedule, "node_of": tuple(int(d.process_index) for d in r.mesh.devices.flat),
+            "compile_s": r.compile_s, "xla_step_us": r.report.step_time, "peak_memory": r.report.peak_memory,
+            "nodes": nodes}
+
+
+def entry_of(c: dict, hardware: str, links_over: dict, streams: str) -> dict:
+    """The figures of one compiled variant: its schedule re-timed by the two-stream model on the
+    multi-node topology, as XLA scheduled it and with every all-to-all synchronous (no overlap)."""
+    import dataclasses
+
+    from farskip_jax.analysis.cost_model import HARDWARE, simulate
+    from farskip_jax.analysis.report import ALL_TO_ALLS, analyze
+    from farskip_jax.analysis.topology import LINKS, Topology
+
+    nodes = c["node_of"]
+    per = max(nodes.count(x) for x in set(nodes))
+    lk = dataclasses.replace(LINKS[hardware], gpus_per_node=per, **({} if LINKS[hardware].switch else
+                                                                    {"intra_links": per - 1}), **links_over)
+    topo = Topology(lk, nodes)
+    hw = HARDWARE[hardware]
+    own = ("all-reduce", "all-gather", "reduce-scatter") if streams == "split" else ()
+    sched = c["schedule"]
+    s_m, d_m = simulate(sched, hw, topology=topo, own_stream=own)
+    m = analyze(s_m, d_m)
+    s_s, _ = simulate(sched, hw, topology=topo, own_stream=own, serialize=ALL_TO_ALLS)
+    a2a = [p for p in sched.pairs if p.collective in ALL_TO_ALLS]
+    tot = m.totals("all")
+    return {
+        "step_us": m.step_time, "no_overlap_us": s_s.makespan, "ceiling_us": m.ceiling_step(),
+        "compute_us": m.compute_time, "a2a_us": tot["duration"], "a2a_hidden_us": tot["hidden"],
+        "a2a_exposed_us": tot["exposed"], "a2a_count": tot["count"],
+        "hidden_fwd": m.totals("fwd")["hidden_frac"], "hidden_bwd": m.totals("bwd")["hidden_frac"],
+        "bound_fwd": m.totals("fwd")["bound_frac"], "bound_bwd": m.totals("bwd")["bound_frac"],
+        "other_coll_exposed_us": m.other_exposed, "a2a_bytes": sum(p.bytes for p in a2a),
+        "a2a_cross_node_fraction": max((topo.crossing_fraction(p.groups) for p in a2a), default=0.0),
+        "nodes": c["nodes"], "compile_s": c["compile_s"], "xla_step_us": c["xla_step_us"],
+        "peak_memory_gib": c["peak_memory"] / 2**30,
+    }
+
+
+def cfg_for_variant(nodes):
+    from farskip_jax.config import replace
+
+    def fn(variant, cfg):
+        preset = "farskip" if variant in ("farskip", "foe_farskip") else "standard"
+        over = {"farskip.preset": preset}
+        if variant.startswith("foe"):
+            over["moe.num_groups"] = nodes
+        return replace(cfg, **over)
+
+    return fn
+
+
+def rows_of(results: dict, model: str, lever: str, program: str) -> list[dict]:
+    """One row per (ep, data, batch, seq) with every variant present."""
+    groups: dict = {}
+    for k, e in results.items():
+        m, lv, ep, dp, b, s, prog, var = k.split("|")
+        if m != model or lv != lever or prog != program:
+            continue
+        groups.setdefault((int(ep[2:]), int(dp[2:]), int(b[1:]), int(s[1:])), {})[var] = e
+    rows = []
+    for (ep, dp, b, s), v in sorted(groups.items()):
+        if "standard" not in v:
+            continue
+        std = v["standard"]
+        row = {"ep": ep, "data": dp, "batch": b, "seq": s, "nodes": std["nodes"], "no_overlap_ms": std["no_overlap_us"] / 1e3,
+               "a2a_share": std["a2a_us"] / std["no_overlap_us"], "cross": std["a2a_cross_node_fraction"],
+               "standard_ms": std["step_us"] / 1e3, "ceiling_ms": std["ceiling_us"] / 1e3}
+        for var in VARIANTS:
+            if var in v:
+                row[f"{var}_ms"] = v[var]["step_us"] / 1e3
+        if std["nodes"] == 1:  # FoE with H = nodes = 1 is the ordinary MoE
+            row.setdefault("foe_ms", row["standard_ms"])
+            if "farskip_ms" in row:
+                row.setdefault("foe_farskip_ms", row["farskip_ms"])
+        for var in ("standard", "ceiling") + VARIANTS:
+            if f"{var}_ms" in row:
+                row[f"{var}_vs_noov"] = row["no_overlap_ms"] / row[f"{var}_ms"]
+                row[f"{var}_vs_std"] = row["standard_ms"] / row[f"{var}_ms"]
+        row["fs_hidden"] = (v["farskip"]["hidden_fwd"], v["farskip"]["hidden_bwd"]) if "farskip" in v else None
+        row["std_hidden"] = (std["hidden_fwd"], std["hidden_bwd"])
+        rows.append(row)
+    return rows
+
+
+def table_md(rows: list[dict], title: str) -> str:
+    cols = [("standard", "standard (XLA overlap)"), ("farskip", "farskip"), ("foe", "FoE H=nodes"),
+            ("foe_farskip", "FoE + farskip"), ("ceiling", "ceiling")]
+    out = [f"### {title}", "",
+           "Step time (ms) and speedup over standard WITHOUT overlap (the paper's baseline) / over XLA's "
+           "overlapped standard.", "",
+           "| EP | GPUs (nodes) | batch x seq | a2a share | cross-node | no overlap | "
+           + " | ".join(c for _, c in cols) + " | paper farskip |",
+           "|---|---|---|---|---|---|" + "---|" * len(cols) + "---|"]
+    for r in rows:
+        cells = []
+        for var, _ in cols:
+            if f"{var}_ms" in r:
+                cells.append(f"{r[f'{var}_ms']:.2f} ({r[f'{var}_vs_noov']:.3f}x / {r[f'{var}_vs_std']:.3f}x)")
+            else:
+                cells.append("-")
+        paper = f"{PAPER[r['ep']]:.2f}x" if r["ep"] in PAPER and r["data"] == 1 else "-"
+        out.append(f"| {r['ep']} | {r['ep'] * r['data']} ({r['nodes']}) | {r['batch']} x {r['seq']} | "
+                   f"{100 * r['a2a_share']:.1f}% | {100 * r['cross']:.0f}% | {r['no_overlap_ms']:.2f} | "
+                   + " | ".join(cells) + f" | {paper} |")
+    hid = [f"EP {r['ep']}: standard {100 * r['std_hidden'][0]:.1f} / {100 * r['std_hidden'][1]:.1f}%"
+           + (f", farskip {100 * r['fs_hidden'][0]:.1f} / {100 * r['fs_hidden'][1]:.1f}%" if r["fs_hidden"] else "")
+           for r in rows]
+    out += ["", "All-to-all time hidden, forward / backward: " + "; ".join(hid) + "."]
+    return "\n".join(out)
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r["data"] == 1]
+    if not rows:
+        return
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.4))
+    eps = [r["ep"] for r in rows]
+    style = {"standard": ("standard (XLA overlap)", "#8C8C8C", "o"), "farskip": ("farskip", "#C44E52", "s"),
+             "foe": ("FoE H=nodes", "#4C72B0", "^"), "foe_farskip": ("FoE + farskip", "#8172B3", "D"),
+             "ceiling": ("ceiling (every a2a hidden)", "#55A868", "x")}
+    for var, (lab, col, mk) in style.items():
+        pts = [(r["ep"], r[f"{var}_vs_noov"]) for r in rows if f"{var}_vs_noov" in r]
+        if pts:
+            ax.plot(*zip(*pts), marker=mk, color=col, label=lab, ls="--" if var == "ceiling" else "-")
+    ax.plot(list(PAPER), list(PAPER.values()), "k*", ms=12, label="paper (Figure 5), farskip")
+    ax.axhline(1.0, color="black", lw=0.5)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(eps, [str(e) for e in eps])
+    ax.set_xlabel("expert-parallel size (8 GPUs per node)")
+    ax.set_ylabel("speedup over standard without overlap")
+    ax.set_title("modelled step speedup", fontsize=10)
+    ax.legend(fontsize=8)
+    w = 0.8 / 5
+    for i, (var, (lab, col, _)) in enumerate([("no_overlap", ("standard, no overlap", "#333333", "")),
+                                              *[(v, style[v]) for v in VARIANTS]]):
+        xs = [j + (i - 2) * w for j in range(len(rows))]
+        ys = [r.get(f"{var}_ms", 0.0) for r in rows]
+        bx.bar(xs, ys, width=w, color=col, label=lab)
+    bx.set_xticks(range(len(rows)), [f"EP {r['ep']}\n{r['nodes']} node(s)" for r in rows])
+    bx.set_ylabel("modelled step time (ms)")
+    bx.set_title("step time", fontsize=10)
+    bx.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="dsv3_6l", choices=sorted(MODELS))
+    ap.add_argument("--layers", type=int, default=None, help="model.num_layers (default: the config's)")
+    ap.add_argument("--ep", default="8,16,32")
+    ap.add_argument("--data", type=int, default=1, help="data-parallel replicas (mixed data x expert meshes)")
+    ap.add_argument("--per-gpu-batch", default="1", help="sequences per GPU, comma separated (a sweep)")
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--programs", default="train")
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--hardware", default="mi325x")
+    ap.add_argument("--target", default="h200")
+    ap.add_argument("--memory-gb", type=float, default=256.0, help="MI325X's 256 GB (LHS memory limit)")
+    ap.add_argument("--lever", default="none", choices=sorted(LEVERS))
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "multinode"))
+    ap.add_argument("--plot-only", action="store_true", help="rewrite table.md / scaling.png from results.json")
+    ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "farskip_multinode_cache"),
+                    help="compiled schedules (pickled) by key: a re-run re-times them without compiling")
+    ap.add_argument("--streams", default="split", choices=("split", "one"),
+                    help="split: gradient/FoE all-reduces on their own communication stream (NCCL/RCCL "
+                         "communicators of Megatron's DP vs EP groups); one: every collective on one FIFO")
+    ap.add_argument("--nic-gbps", type=float, default=None, help="NIC line rate, Gb/s (default 400)")
+    ap.add_argument("--inter-eff", type=float, default=None, help="achieved / NIC line rate (default 0.8)")
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args()
+
+    os.makedirs(a.out, exist_ok=True)
+    res_path = os.path.join(a.out, "results.json")
+    results = json.load(open(res_path)) if os.path.exists(res_path) else {}
+    log = lambda m: print(m, file=sys.stderr, flush=True)
+    if not a.plot_only:
+        from farskip_jax.analysis.deviceless import LHS_FLAGS, preset_options
+        from farskip_jax.analysis.overlap import run_overlap
+        from farskip_jax.config import load_config
+
+        from farskip_jax.analysis.topology import GBIT
+
+        os.makedirs(a.cache, exist_ok=True)
+        links_over = {}
+        if a.nic_gbps:
+            links_over["nic_bw"] = a.nic_gbps * GBIT
+        if a.inter_eff:
+            links_over["inter_eff"] = a.inter_eff
+        lever_over, lever_flags = LEVERS[a.lever]
+        tag = a.lever + ("+one_stream" if a.streams == "one" else "") + (f"+nic{a.nic_gbps:g}" if a.nic_gbps else "") \
+            + (f"+eff{a.inter_eff:g}" if a.inter_eff else "")
+        flags = dict(preset_options("cuda_hopper"), **LHS_FLAGS, **lever_flags)
+        for b in [int(x) for x in a.per_gpu_batch.split(",")]:
+            for ep in [int(x) for x in a.ep.split(",")]:
+                n = ep * a.data
+                nodes = max(1, n // a.gpus_per_node)
+                over = [f"mesh.data={a.data}", f"mesh.expert={ep}", "moe.dispatch=all_to_all",
+                        "moe.capacity_factor=1.0", f"model.max_seq_len={max(a.seq, 4096)}", "model.remat=none"]
+                if a.layers:
+                    over.append(f"model.num_layers={a.layers}")
+                model_over = MODEL_OVERRIDES.get(a.model, [])
+                cfg = load_config(os.path.join(ROOT, MODELS[a.model]), over + model_over + lever_over + a.overrides)
+                for prog in a.programs.split(","):
+                    for var in a.variants.split(","):
+                        k = key(a.model, a.lever, ep, a.data, b * n, a.seq, prog, var)  # what was compiled
+                        rk = key(a.model, tag, ep, a.data, b * n, a.seq, prog, var)  # + how it was re-timed
+                        if var.startswith("foe") and nodes == 1:
+                            continue  # H = 1: the ordinary MoE (rows_of copies standard / farskip)
+                        if var.startswith("foe") and cfg.model.attention == "mla":
+                            log(f"[multinode] {k}: skipped (FoE needs GQA attention; use --model {a.model}_gqa)")
+                            continue
+                        cpath = os.path.join(a.cache, k.replace("|", "_") + ".pkl.gz")
+                        if os.path.exists(cpath):
+                            with gzip.open(cpath, "rb") as f:
+                                c = pickle.load(f)
+                        else:
+                            t0 = time.time()
+                            c = compile_one(cfg, var, prog, b * n, a.seq, n, a.gpus_per_node, nodes, flags, a.target,
+                                            a.memory_gb, log)
+                            with gzip.open(cpath, "wb") as f:
+                                pickle.dump(c, f)
+                            log(f"[multinode] {k}: compiled in {time.time() - t0:.0f}s")
+                        results[rk] = entry_of(c, a.hardware, links_over, a.streams)
+                        with open(res_path, "w") as f:
+                            json.dump(results, f, indent=1, sort_keys=True)
+                        e = results[rk]
+                        log(f"[multinode] {rk}: step {e['step_us'] / 1e3:.2f} ms, no-overlap "
+                            f"{e['no_overlap_us'] / 1e3:.2f} ms, a2a {e['a2a_us'] / 1e3:.2f} ms "
+                            f"({100 * e['a2a_hidden_us'] / max(e['a2a_us'], 1e-9):.1f}% hidden), other collectives "
+                            f"waited {e['other_coll_exposed_us'] / 1e3:.2f} ms")
+    md = [f"# Multi-node scaling (modelled): {a.model}, two-stream {a.hardware} model on a topology of "
+          f"{a.gpus_per_node} GPUs per node", "",
+          f"Reproduce: `JAX_PLATFORMS=cpu python benchmarks/multinode_scaling.py --model {a.model} --ep {a.ep} "
+          f"--per-gpu-batch {a.per_gpu_batch} --seq {a.seq} --lever {a.lever}`"
+          + (f" `--data {a.data}`" if a.data != 1 else "") + (f" `--layers {a.layers}`" if a.layers else ""), ""]
+    for prog in a.programs.split(","):
+        for lever in sorted({k.split("|")[1] for k in results}):
+            rows = rows_of(results, a.model, lever, prog)
+            if rows:
+                md += [table_md(rows, f"{prog}, lever `{lever}`"), ""]
+                if lever == a.lever:
+                    plot(rows, os.path.join(a.out, f"scaling_{a.model}_{prog}_{lever}.png"),
+                         f"{a.model} {prog} (lever {lever}): two-stream {a.hardware}, 8 x 400 Gb/s NICs per node")
+    with open(os.path.join(a.out, f"table_{a.model}.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
