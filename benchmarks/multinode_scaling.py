@@ -83,12 +83,13 @@ def compile_one(cfg, variant, program, batch, seq, n, gpus_per_node, nodes, flag
             "nodes": nodes}
 
 
-def entry_of(c: dict, hardware: str, links_over: dict, streams: str) -> dict:
+def entry_of(c: dict, hardware: str, links_over: dict, streams: str, fused_attention: bool = True,
+             steady: bool = True) -> dict:
     """The figures of one compiled variant: its schedule re-timed by the two-stream model on the
     multi-node topology, as XLA scheduled it and with every all-to-all synchronous (no overlap)."""
     import dataclasses
 
-    from farskip_jax.analysis.cost_model import HARDWARE, simulate
+    from farskip_jax.analysis.cost_model import HARDWARE, optimizer_step, simulate
     from farskip_jax.analysis.report import ALL_TO_ALLS, analyze
     from farskip_jax.analysis.topology import LINKS, Topology
 
@@ -100,9 +101,11 @@ def entry_of(c: dict, hardware: str, links_over: dict, streams: str) -> dict:
     hw = HARDWARE[hardware]
     own = ("all-reduce", "all-gather", "reduce-scatter") if streams == "split" else ()
     sched = c["schedule"]
-    s_m, d_m = simulate(sched, hw, topology=topo, own_stream=own)
+    kw = dict(topology=topo, own_stream=own, fused_attention=fused_attention,
+              free=optimizer_step(sched) if steady else None)
+    s_m, d_m = simulate(sched, hw, **kw)
     m = analyze(s_m, d_m)
-    s_s, _ = simulate(sched, hw, topology=topo, own_stream=own, serialize=ALL_TO_ALLS)
+    s_s, _ = simulate(sched, hw, serialize=ALL_TO_ALLS, **kw)
     a2a = [p for p in sched.pairs if p.collective in ALL_TO_ALLS]
     tot = m.totals("all")
     return {
@@ -254,6 +257,13 @@ def main() -> int:
     ap.add_argument("--streams", default="split", choices=("split", "one"),
                     help="split: gradient/FoE all-reduces on their own communication stream (NCCL/RCCL "
                          "communicators of Megatron's DP vs EP groups); one: every collective on one FIFO")
+    ap.add_argument("--attention", default="fused", choices=("fused", "naive"),
+                    help="fused: price the attention core as a causal flash kernel (Megatron's TE/CK flash "
+                         "attention; cost_model.fused_attention_us); naive: as compiled ([s, s] scores in HBM)")
+    ap.add_argument("--accum", default="inf", choices=("inf", "1"),
+                    help="inf: time per micro-batch in the steady state of gradient accumulation (gradient "
+                         "reductions and the parameter update, once per step, priced at zero); 1: one "
+                         "micro-batch per step, everything counted")
     ap.add_argument("--nic-gbps", type=float, default=None, help="NIC line rate, Gb/s (default 400)")
     ap.add_argument("--inter-eff", type=float, default=None, help="achieved / NIC line rate (default 0.8)")
     ap.add_argument("overrides", nargs="*")
@@ -278,7 +288,8 @@ def main() -> int:
             links_over["inter_eff"] = a.inter_eff
         lever_over, lever_flags = LEVERS[a.lever]
         tag = a.lever + ("+one_stream" if a.streams == "one" else "") + (f"+nic{a.nic_gbps:g}" if a.nic_gbps else "") \
-            + (f"+eff{a.inter_eff:g}" if a.inter_eff else "")
+            + (f"+eff{a.inter_eff:g}" if a.inter_eff else "") + ("+naive_attn" if a.attention == "naive" else "") \
+            + ("+accum1" if a.accum == "1" else "")
         flags = dict(preset_options("cuda_hopper"), **LHS_FLAGS, **lever_flags)
         for b in [int(x) for x in a.per_gpu_batch.split(",")]:
             for ep in [int(x) for x in a.ep.split(",")]:
@@ -310,7 +321,8 @@ def main() -> int:
                             with gzip.open(cpath, "wb") as f:
                                 pickle.dump(c, f)
                             log(f"[multinode] {k}: compiled in {time.time() - t0:.0f}s")
-                        results[rk] = entry_of(c, a.hardware, links_over, a.streams)
+                        results[rk] = entry_of(c, a.hardware, links_over, a.streams, a.attention == "fused",
+                                               a.accum == "inf")
                         with open(res_path, "w") as f:
                             json.dump(results, f, indent=1, sort_keys=True)
                         e = results[rk]

@@ -136,3 +136,54 @@ def test_gradient_all_reduce_on_its_own_stream():
     t = {o.name: (o.start, o.end) for o in split.ops}
     assert t["d"][1] == pytest.approx(2 + 13) and t["ard"][1] == pytest.approx(2 + 17)
     assert split.makespan == pytest.approx(2 + 17 + 2)
+
+
+def _op(i, name, kind, operands, op_name, flops=0.0, nbytes=1000):
+    return HloOp(id=i, name=name, opcode="fusion" if kind == "compute" else f"async-{kind}", op_name=op_name,
+                 operands=operands, kind=kind, in_bytes=nbytes, out_bytes=nbytes, flops=flops, index=i - 1)
+
+
+def test_fused_attention_pricing_by_hand():
+    from farskip_jax.analysis.cost_model import fused_attention_us
+
+    hw = Hardware("toy", peak_flops=1e12, hbm_bw=1e9, a2a_bw=1e9, coll_bw=1e9, launch_us=1.0, matmul_eff=1.0,
+                  mem_eff=1.0, attn_eff=0.5)
+    fwd = _op(1, "qk", "compute", (), "jit(f)/layer_0/attention/attention_core/dot_general", flops=2e6)
+    bwd = _op(2, "dqk", "compute", (), "jit(f)/transpose(jvp(layer_0))/attention/attention_core/dot", flops=2e6)
+    sm = _op(3, "softmax", "compute", (), "jit(f)/layer_0/attention/attention_core/exp", nbytes=10**9)
+    # causal half of 2 MFLOP at 0.5 TFLOP/s = 2 us (+1 launch); backward x 1.25 recompute; softmax fused: 0
+    assert fused_attention_us(fwd, hw) == pytest.approx(1.0 + 2.0)
+    assert fused_attention_us(bwd, hw) == pytest.approx(1.0 + 2.5)
+    assert fused_attention_us(sm, hw) == 0.0
+    sched = Schedule(ops=[fwd, bwd, sm], by_id={1: fwd, 2: bwd, 3: sm})
+    # as compiled (roofline): each dot max(2 MFLOP / 1 TFLOP/s, 2 KB / 1 GB/s) = 2 us + 1; the softmax 2 GB: 2 s
+    assert simulate(sched, hw)[0].makespan == pytest.approx(3.0 + 3.0 + 1.0 + 2e6)
+    assert simulate(sched, hw, fused_attention=True)[0].makespan == pytest.approx(3.0 + 3.5)
+
+
+def test_optimizer_step_parts_are_free_in_the_steady_state():
+    """grad -> all-reduce -> update: the gradient all-reduce and the update are once-per-step work;
+    an all-reduce whose result a layer consumes (FoE's cross-group sum) is not."""
+    from farskip_jax.analysis.cost_model import optimizer_step
+
+    hw = Hardware("toy", peak_flops=1e12, hbm_bw=1e9, a2a_bw=1e9, coll_bw=1e9, launch_us=0.0, matmul_eff=1.0,
+                  mem_eff=1.0)
+    ops = [_op(1, "g", "compute", (), "jit(step)/transpose(jvp(layer_1))/attention/attention_out/dot"),
+           _op(2, "ar", "start", (1,), "jit(step)/transpose(jvp(layer_1))/attention/attention_out/transpose"),
+           _op(3, "foe", "start", (1,), "jit(step)/transpose(jvp(layer_1))/foe_routed/psum"),
+           _op(4, "foed", "done", (3,), "jit(step)/transpose(jvp(layer_1))/foe_routed/psum"),
+           _op(5, "l0", "compute", (4,), "jit(step)/transpose(jvp(layer_0))/attention/attention_qkv/dot"),
+           _op(6, "ard", "done", (2,), ""),
+           _op(7, "upd", "compute", (6,), "jit(step)/sub")]
+    by = {o.id: o for o in ops}
+    sched = Schedule(ops=ops, by_id=by, pairs=[
+        CollectivePair(start=by[2], done=by[6], collective="all-reduce", bytes=4000, groups=((0, 1, 2, 3),)),
+        CollectivePair(start=by[3], done=by[4], collective="all-reduce", bytes=4000, groups=((0, 1), (2, 3)))])
+    free = optimizer_step(sched)
+    assert free.ops == {7} and free.pairs == {0}
+    full, d = simulate(sched, hw, topology=TOPO)
+    steady, d2 = simulate(sched, hw, topology=TOPO, free=free)
+    assert d == [pytest.approx(17.0), pytest.approx(5.0)] and d2 == [0.0, pytest.approx(5.0)]
+    # g 2, FoE sum 5 (the gradient all-reduce queued first on the one stream: 17 + 5), l0 2, update 2
+    assert full.makespan == pytest.approx(2 + 17 + 5 + 2 + 2)
+    assert steady.makespan == pytest.approx(2 + 5 + 2)

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Optional
 
 from farskip_jax.analysis.hlo import Schedule
+from farskip_jax.analysis.scopes import direction_of, scope_of
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class Hardware:
     launch_us: float = 2.0  # fixed cost of one kernel
     matmul_eff: float = 0.7  # achieved / peak FLOP/s of large GEMMs
     mem_eff: float = 0.8  # achieved / peak HBM bandwidth
+    attn_eff: float = 0.5  # achieved / peak FLOP/s of a fused (flash) attention kernel (fused_attention=True)
 
 
 # Vendor peak numbers; fabric numbers are 7 x 64 GB/s (MI300X/MI325X Infinity Fabric, one direction)
@@ -52,6 +55,20 @@ HARDWARE = {
     "h100_sxm": Hardware("H100-SXM", peak_flops=989.4e12, hbm_bw=3.35e12, a2a_bw=0.7 * 450e9, coll_bw=0.7 * 450e9),
     "h200": Hardware("H200", peak_flops=989.4e12, hbm_bw=4.8e12, a2a_bw=0.7 * 450e9, coll_bw=0.7 * 450e9),
 }
+
+
+CAUSAL_FRACTION = 0.5  # share of the [s, s] score blocks a causal flash kernel computes
+FLASH_BWD_RECOMPUTE = 1.25  # flash backward: 5 GEMMs (QK^T recomputed, dV, dP, dQ, dK) vs the 4 of plain autodiff
+
+
+def fused_attention_us(o, hw: Hardware) -> float:
+    """An attention_core op priced as part of one fused causal flash kernel: its GEMM FLOPs x the
+    causal fraction (x the recompute factor backward) at attn_eff of peak; the elementwise ops of
+    the core (mask, softmax, scaling: no FLOPs) cost nothing, they live in the kernel's registers."""
+    if o.flops <= 0:
+        return 0.0
+    f = o.flops * CAUSAL_FRACTION * (FLASH_BWD_RECOMPUTE if direction_of(o.op_name) == "bwd" else 1.0)
+    return hw.launch_us + 1e6 * f / (hw.peak_flops * hw.attn_eff)
 
 
 def compute_time_us(flops: float, bytes_moved: float, hw: Hardware) -> float:
@@ -67,9 +84,51 @@ def collective_time_us(kind: str, payload: float, group: int, hw: Hardware) -> f
     return hw.coll_latency_us + 1e6 * factor * payload * frac / hw.coll_bw
 
 
+@dataclass(frozen=True)
+class OptimizerStep:
+    """What a train step does once per step, not once per micro-batch: op ids of the parameter
+    update and pair indices (into schedule.pairs) of the gradient reductions."""
+
+    ops: frozenset
+    pairs: frozenset
+
+
+def optimizer_step(schedule: Schedule) -> OptimizerStep:
+    """The parameter update = compute ops of the step outside the loss and its gradient (their
+    op_name has neither `jvp(` nor `transpose(`, e.g. `jit(step)/sub`); gradient reductions =
+    reductions (all-reduce, reduce-scatter) whose result reaches no layer computation and no other
+    collective (it only feeds the update). An all-reduce inside a layer (Federation of Experts'
+    cross-group sum, forward or backward) feeds the next layer's work and is not one."""
+    from farskip_jax.analysis.scopes import layer_of
+
+    consumers: dict[int, list] = {}
+    for o in schedule.ops:
+        for x in o.operands:
+            consumers.setdefault(x, []).append(o)
+
+    def feeds_work(op_id: int) -> bool:
+        seen, stack = set(), [op_id]
+        while stack:
+            for c in consumers.get(stack.pop(), []):
+                if c.id in seen:
+                    continue
+                seen.add(c.id)
+                if c.kind == "start" or (c.kind == "compute" and layer_of(c.op_name) is not None):
+                    return True
+                stack.append(c.id)
+        return False
+
+    ops = frozenset(o.id for o in schedule.ops if o.kind == "compute" and o.op_name
+                    and "jvp(" not in o.op_name and "transpose(" not in o.op_name)
+    pairs = frozenset(i for i, p in enumerate(schedule.pairs)
+                      if p.collective in ("all-reduce", "reduce-scatter") and not feeds_work(p.done.id))
+    return OptimizerStep(ops, pairs)
+
+
 def simulate(schedule: Schedule, hw: Hardware, group_size: int = 8,
              serialize: tuple[str, ...] = (), topology=None,
-             own_stream: tuple[str, ...] = ()) -> tuple[Schedule, list[float]]:
+             own_stream: tuple[str, ...] = (), fused_attention: bool = False,
+             free: Optional["OptimizerStep"] = None) -> tuple[Schedule, list[float]]:
     """Re-time `schedule` on `hw` with the two-stream model; collectives whose kind is in `serialize`
     block the compute stream from their start to their end (no overlap). With `topology`
     (analysis/topology.Topology) a collective's time depends on which of its replica-group members
@@ -77,7 +136,10 @@ def simulate(schedule: Schedule, hw: Hardware, group_size: int = 8,
     whose kind is in `own_stream` (e.g. the gradient all-reduces) run on a second communication
     stream, FIFO among themselves, instead of queueing with the all-to-alls (Megatron's DP and EP
     groups are separate NCCL/RCCL communicators; the two streams do not share bandwidth here, an
-    optimistic assumption).
+    optimistic assumption). `fused_attention` prices the `attention_core` scope as a causal flash
+    kernel (fused_attention_us) instead of the naive core's materialised [s, s] scores. `free`
+    (optimizer_step(schedule)) prices the gradient reductions and the parameter update at zero: the
+    steady state of gradient accumulation over many micro-batches, where they run once per step.
 
     Returns (the re-timed copy, modelled duration of every entry of `.pairs`)."""
     sched = copy.deepcopy(schedule)
@@ -86,15 +148,24 @@ def simulate(schedule: Schedule, hw: Hardware, group_size: int = 8,
     durations = [0.0] * len(sched.pairs)
     finish = [0.0] * len(sched.pairs)
     t, comm_free = 0.0, [0.0, 0.0]
+    free_ops = free.ops if free is not None else frozenset()
+    free_pairs = free.pairs if free is not None else frozenset()
     for o in sched.ops:
-        if o.kind == "compute":
-            o.start, o.end = t, t + compute_time_us(o.flops, o.in_bytes + o.out_bytes, hw)
+        if o.kind == "compute" and o.id in free_ops:
+            o.start = o.end = t
+        elif o.kind == "compute":
+            if fused_attention and scope_of(o.op_name) == "attention_core":
+                o.start, o.end = t, t + fused_attention_us(o, hw)
+            else:
+                o.start, o.end = t, t + compute_time_us(o.flops, o.in_bytes + o.out_bytes, hw)
             t = o.end
         elif o.kind == "start" and o.id in pair_of_start:
             i = pair_of_start[o.id]
             p = sched.pairs[i]
             payload = sched.by_id[p.start.operands[0]].out_bytes if p.collective == "ragged-all-to-all" else p.bytes
-            if topology is not None:
+            if i in free_pairs:
+                durations[i] = 0.0
+            elif topology is not None:
                 durations[i] = topology.collective_time_us(p.collective, payload, p.groups)
             else:
                 durations[i] = collective_time_us(p.collective, payload, p.group_size or group_size, hw)
