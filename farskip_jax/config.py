@@ -622,3 +622,24 @@ def replace(cfg: Any, **changes: Any) -> Any:
             node = node[p]
         node[parts[-1]] = to_dict(v) if dataclasses.is_dataclass(v) else v
     return from_dict(type(cfg), tree)
+
+
+# Which keys of a checkpoint's config are the checkpoint's (the model/moe shape) and which stay the
+# user's when weights are loaded from an HF folder or another run (train.init_from_hf, distill.init_from_run).
+RUNTIME_MODEL_KEYS = ("compute_dtype", "remat", "max_seq_len")
+RUNTIME_MOE_KEYS = ("dispatch", "gmm", "gmm_tile", "capacity_factor", "aux_loss_weight", "z_loss_weight",
+                    "bias_update_rate", "num_groups")  # FoE keeps the parameter layout: the user's H
+
+
+def runtime_overrides(cfg: "Config") -> dict:
+    """{dotted key: the user's value} of RUNTIME_MODEL_KEYS / RUNTIME_MOE_KEYS, to pass to a loader."""
+    ov = {f"model.{k}": getattr(cfg.model, k) for k in RUNTIME_MODEL_KEYS}
+    ov.update({f"moe.{k}": getattr(cfg.moe, k) for k in RUNTIME_MOE_KEYS})
+    return ov
+
+
+def merge_checkpoint_shape(cfg: "Config", src: "Config") -> "Config":
+    """cfg with the model/moe shape of a checkpoint's config `src` (runtime keys stay the user's)."""
+    model = replace(src.model, **{k: getattr(cfg.model, k) for k in RUNTIME_MODEL_KEYS})
+    moe = replace(src.moe, **{k: getattr(cfg.moe, k) for k in RUNTIME_MOE_KEYS})
+    return replace(cfg, model=model, moe=moe)

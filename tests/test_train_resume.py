@@ -128,7 +128,7 @@ def test_resume_after_sigkill_and_sigterm_is_bitwise_exact(tmp_path):
 
 def test_schedule_change_warning_names_both_totals_and_the_lr_jump():
     from farskip_jax.config import TrainConfig
-    from farskip_jax.train.trainer import schedule_change_warning
+    from farskip_jax.train.optimizer import schedule_change_warning
 
     t = TrainConfig(steps=200, warmup_steps=10, lr=1e-3, min_lr_ratio=0.1)
     msg = schedule_change_warning(100, t, 100)

@@ -115,3 +115,19 @@ def shard_batch(batch: Any, mesh: Mesh) -> Any:
         return jax.device_put(x, sharding)
 
     return jax.tree.map(one, batch)
+
+
+def place_state(state: Any, mesh: Optional[Mesh]) -> Any:
+    """Leaves not yet on `mesh` (optimizer counters, step, rng, ...) are replicated onto it, so that
+    the jitted step sees the same input types at every call (no recompilation after step 1)."""
+    if mesh is None:
+        return state
+    rep = NamedSharding(mesh, P())
+
+    def put(x):
+        s = getattr(x, "sharding", None)
+        if isinstance(s, NamedSharding) and s.mesh.axis_names == mesh.axis_names and s.mesh.shape == mesh.shape:
+            return x
+        return jax.device_put(x, rep)
+
+    return jax.tree.map(put, state)

@@ -37,7 +37,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from farskip_jax.config import Config, dump_config, replace
+from farskip_jax.config import Config, dump_config, merge_checkpoint_shape, runtime_overrides
 from farskip_jax.data.pipeline import first_batches, make_dataset
 from farskip_jax.data.tokenizer import check_vocab, load_tokenizer
 from farskip_jax.errors import ConfigError
@@ -45,18 +45,14 @@ from farskip_jax.eval.divergence import hidden_l2, masked_mean, token_divergence
 from farskip_jax.eval.metrics import STANDARD, cast_state, evaluate_pair, forward, make_compare_fn, put_batch, val_batches
 from farskip_jax.model.layers import dtype_of
 from farskip_jax.parallel.build import model_mesh
+from farskip_jax.parallel.sharding import place_state
 from farskip_jax.train.checkpoint import Checkpointer
 from farskip_jax.train.early_stopping import EarlyStopper
 from farskip_jax.train.logger import RunLogger, format_eta
-from farskip_jax.train.optimizer import make_optimizer
+from farskip_jax.train.optimizer import make_optimizer, schedule_change_warning
 from farskip_jax.train.rundir import check_run_dir, claim_run_dir
 from farskip_jax.train.step import accumulate_grads, init_state, load_stats, token_ce, update_state
-from farskip_jax.train.trainer import _StopFlag, _saved_train_steps, place_state, schedule_change_warning
-
-# model-shape sections come from the checkpoint; these runtime keys keep the user's values
-RUNTIME_MODEL_KEYS = ("compute_dtype", "remat", "max_seq_len")
-RUNTIME_MOE_KEYS = ("dispatch", "gmm", "gmm_tile", "capacity_factor", "aux_loss_weight", "z_loss_weight",
-                    "bias_update_rate", "num_groups")  # FoE keeps the parameter layout: the user's H
+from farskip_jax.train.preemption import StopFlag
 
 
 @dataclasses.dataclass
@@ -128,13 +124,6 @@ def make_distill_step(graphdef, cfg: Config, tx: optax.GradientTransformation, s
 # --------------------------------------------------------------------------------------------------
 
 
-def _merge_shape(cfg: Config, src: Config) -> Config:
-    """cfg with model/moe shape taken from the checkpoint's config `src` (runtime keys stay the user's)."""
-    model = replace(src.model, **{k: getattr(cfg.model, k) for k in RUNTIME_MODEL_KEYS})
-    moe = replace(src.moe, **{k: getattr(cfg.moe, k) for k in RUNTIME_MOE_KEYS})
-    return replace(cfg, model=model, moe=moe)
-
-
 def load_source(cfg: Config, mesh) -> tuple[Config, object, dict]:
     """(cfg with the checkpoint's model shape, graphdef, {params, bias, rest}) of the distillation source."""
     from farskip_jax.eval.loading import load_hf, load_run, read_run_config
@@ -142,18 +131,16 @@ def load_source(cfg: Config, mesh) -> tuple[Config, object, dict]:
     if cfg.init_from_hf and cfg.distill.init_from_run:
         raise ConfigError("set either init_from_hf or distill.init_from_run, not both")
     if cfg.init_from_hf:
-        ov = {f"model.{k}": getattr(cfg.model, k) for k in RUNTIME_MODEL_KEYS}
-        ov.update({f"moe.{k}": getattr(cfg.moe, k) for k in RUNTIME_MOE_KEYS})
-        src_cfg, graphdef, st = load_hf(cfg.init_from_hf, mesh=mesh, overrides=ov)
+        src_cfg, graphdef, st = load_hf(cfg.init_from_hf, mesh=mesh, overrides=runtime_overrides(cfg))
     elif cfg.distill.init_from_run:
         src = read_run_config(cfg.distill.init_from_run)
-        merged = _merge_shape(cfg, src)  # the source run's shape with the user's runtime keys (dispatch on this mesh)
+        merged = merge_checkpoint_shape(cfg, src)  # the source run's shape with the user's runtime keys (dispatch on this mesh)
         ov = {"model": merged.model, "moe": merged.moe, "mesh": cfg.mesh}
         src_cfg, graphdef, st = load_run(cfg.distill.init_from_run, "latest", mesh, config_overrides=ov)
     else:
         raise ConfigError("train.mode=distill needs the weights to convert: set init_from_hf: <HF folder> or "
                           "distill.init_from_run: <run folder of a pretraining run>")
-    out = _merge_shape(cfg, src_cfg)
+    out = merge_checkpoint_shape(cfg, src_cfg)
     if cfg.train.seq_len > out.model.max_seq_len:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={out.model.max_seq_len}")
     return out, graphdef, st
@@ -217,7 +204,6 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
         task_score = lambda: float(np.mean([r["acc"] for r in score_tasks(
             graphdef, state, cfg.eval.tasks, tok, cfg.farskip).values()]))
     folder = check_run_dir(cfg)
-    saved_steps = _saved_train_steps(cfg)  # before claim_run_dir rewrites config.yaml
 
     tx, schedule = make_optimizer(t)
     model = nnx.merge(graphdef, src["params"], src["bias"], src["rest"])
@@ -251,8 +237,8 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     cmp_fn = make_compare_fn(graphdef, cfg.farskip)
     if step:
         log.print(f"resumed distillation from step {step}")
-        if saved_steps is not None and saved_steps != t.steps:
-            log.print(schedule_change_warning(saved_steps, t, step))
+        if folder.saved_steps is not None and folder.saved_steps != t.steps:
+            log.print(schedule_change_warning(folder.saved_steps, t, step))
     tokens_per_step = t.batch_size * t.seq_len
     evals: list = []
 
@@ -282,7 +268,7 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     max_steps = t.steps
     if d.max_tokens is not None:
         max_steps = min(max_steps, d.max_tokens // tokens_per_step)
-    with _StopFlag() as stop:  # SIGTERM / SIGINT: checkpoint at the next step boundary and return
+    with StopFlag() as stop:  # SIGTERM / SIGINT: checkpoint at the next step boundary and return
         while step < max_steps:
             batch = put_batch({k: np.asarray(v) for k, v in next(train_it).items()}, mesh)
             state, m = step_fn(state, teacher, batch)

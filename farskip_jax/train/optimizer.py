@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import optax
 
@@ -32,3 +34,14 @@ def make_optimizer(t: TrainConfig) -> tuple[optax.GradientTransformation, optax.
         parts.append(optax.clip_by_global_norm(t.grad_clip))
     parts.append(optax.adamw(schedule, b1=t.b1, b2=t.b2, eps=1e-8, weight_decay=t.weight_decay, mask=_decay_mask))
     return optax.chain(*parts), schedule
+
+
+def schedule_change_warning(old_steps: int, t: TrainConfig, step: int) -> str:
+    """One line: the warmup + cosine schedule is a function of train.steps, so a resume with another
+    total follows the new curve from `step` on (the learning rate jumps to the new curve's value)."""
+    old_lr = float(make_schedule(dataclasses.replace(t, steps=old_steps))(step))
+    new_lr = float(make_schedule(t)(step))
+    return (f"WARNING: train.steps changed from {old_steps} (saved run) to {t.steps}: the warmup + cosine "
+            f"learning-rate schedule is re-stretched to {t.steps} steps and followed from resume step {step} "
+            f"on (lr there {old_lr:.3g} -> {new_lr:.3g}); keep train.steps={old_steps} to continue the "
+            f"original curve")

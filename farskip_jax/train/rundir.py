@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+from typing import Optional
 
 from farskip_jax.config import Config, config_from_dict, dump_config, to_dict
 from farskip_jax.errors import ConfigError, FarSkipError
@@ -61,6 +62,7 @@ class RunFolder:
     resume: bool     # holds this run: resume from its newest complete checkpoint
     wipe: bool       # delete it when claimed (train.overwrite=true, or left by a run that never ran a step)
     note: str = ""   # one line for the log when the folder is reclaimed
+    saved_steps: Optional[int] = None  # train.steps of the run being resumed (its schedule's total)
 
 
 def check_run_dir(cfg: Config) -> RunFolder:
@@ -96,7 +98,7 @@ def check_run_dir(cfg: Config) -> RunFolder:
         diff = [k for k in config_diff(old, cfg) if k not in RESUMABLE_KEYS and not k.startswith("mesh.")]
         why = f"config differs at {diff}"
         if not diff:
-            return RunFolder(run_dir, resume=True, wipe=False)
+            return RunFolder(run_dir, resume=True, wipe=False, saved_steps=old.train.steps)
     if not _finished_a_step(run_dir):
         return RunFolder(run_dir, resume=False, wipe=True,
                          note=f"reclaimed {run_dir}: it was left by a run that never finished a step ({why})")

@@ -12,29 +12,25 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import signal
-import threading
 import time
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import yaml
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-from farskip_jax.config import Config, TrainConfig, dump_config
+from farskip_jax.config import Config, dump_config, merge_checkpoint_shape, runtime_overrides
 from farskip_jax.data.pipeline import first_batches, make_dataset
 from farskip_jax.data.tokenizer import check_vocab, load_tokenizer
 from farskip_jax.errors import ConfigError
 from farskip_jax.parallel.build import create_model, model_mesh
 from farskip_jax.parallel.distributed import maybe_initialize
-from farskip_jax.parallel.sharding import shard_batch
+from farskip_jax.parallel.sharding import place_state, shard_batch
 from farskip_jax.train.checkpoint import Checkpointer
 from farskip_jax.train.flops import measure_matmul_peak, total_params, train_flops_per_token
 from farskip_jax.train.logger import RunLogger
-from farskip_jax.train.optimizer import make_optimizer, make_schedule
+from farskip_jax.train.preemption import StopFlag
+from farskip_jax.train.optimizer import make_optimizer, schedule_change_warning
 from farskip_jax.train.rundir import check_run_dir, claim_run_dir
 from farskip_jax.train.step import init_state, make_eval_step, make_train_step
 
@@ -52,62 +48,14 @@ class TrainResult:
     losses: list
 
 
-class _StopFlag:
-    """Set by SIGTERM (and SIGINT); checked at every step boundary."""
-
-    def __init__(self):
-        self.signal: Optional[int] = None
-        self._old = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGTERM, signal.SIGINT):
-                self._old[s] = signal.signal(s, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.signal = signum
-
-    def __exit__(self, *exc):
-        for s, h in self._old.items():
-            signal.signal(s, h)
-
-
 def shape_from_hf(cfg: Config) -> Config:
     """cfg with the model/moe shape of the HF checkpoint `cfg.init_from_hf` (runtime keys such as
     compute_dtype, remat, dispatch, loss weights and the FoE group count moe.num_groups stay the
-    user's)."""
+    user's: config.RUNTIME_MODEL_KEYS / RUNTIME_MOE_KEYS)."""
     from farskip_jax.convert.loader import hf_to_config, open_checkpoint
-    from farskip_jax.train.distill import RUNTIME_MODEL_KEYS, RUNTIME_MOE_KEYS, _merge_shape
 
-    ov = {f"model.{k}": getattr(cfg.model, k) for k in RUNTIME_MODEL_KEYS}
-    ov.update({f"moe.{k}": getattr(cfg.moe, k) for k in RUNTIME_MOE_KEYS})
-    src = hf_to_config(open_checkpoint(cfg.init_from_hf).config, ov, source=cfg.init_from_hf)
-    return _merge_shape(cfg, src)
-
-
-def _saved_train_steps(cfg: Config) -> Optional[int]:
-    """train.steps of the config.yaml already in cfg's run folder (None: no such file / unreadable)."""
-    path = os.path.join(cfg.train.run_dir, "config.yaml")
-    if cfg.train.overwrite or not os.path.isfile(path):
-        return None
-    try:
-        with open(path) as f:
-            steps = (yaml.safe_load(f) or {}).get("train", {}).get("steps")
-        return int(steps) if steps is not None else None
-    except Exception:  # a foreign folder: check_run_dir reports it
-        return None
-
-
-def schedule_change_warning(old_steps: int, t: TrainConfig, step: int) -> str:
-    """One line: the warmup + cosine schedule is a function of train.steps, so a resume with another
-    total follows the new curve from `step` on (the learning rate jumps to the new curve's value)."""
-    old_lr = float(make_schedule(dataclasses.replace(t, steps=old_steps))(step))
-    new_lr = float(make_schedule(t)(step))
-    return (f"WARNING: train.steps changed from {old_steps} (saved run) to {t.steps}: the warmup + cosine "
-            f"learning-rate schedule is re-stretched to {t.steps} steps and followed from resume step {step} "
-            f"on (lr there {old_lr:.3g} -> {new_lr:.3g}); keep train.steps={old_steps} to continue the "
-            f"original curve")
+    src = hf_to_config(open_checkpoint(cfg.init_from_hf).config, runtime_overrides(cfg), source=cfg.init_from_hf)
+    return merge_checkpoint_shape(cfg, src)
 
 
 def build_model_and_mesh(cfg: Config):
@@ -123,22 +71,6 @@ def build_model_and_mesh(cfg: Config):
                              overrides={"model": to_dict(cfg.model), "moe": to_dict(cfg.moe)})
         return model, mesh
     return create_model(cfg, mesh, seed=cfg.train.seed), mesh
-
-
-def place_state(state, mesh):
-    """Leaves not yet on `mesh` (optimizer counters, step, rng, ...) are replicated onto it, so that
-    the jitted step sees the same input types at every call (no recompilation after step 1)."""
-    if mesh is None:
-        return state
-    rep = NamedSharding(mesh, P())
-
-    def put(x):
-        s = getattr(x, "sharding", None)
-        if isinstance(s, NamedSharding) and s.mesh.axis_names == mesh.axis_names and s.mesh.shape == mesh.shape:
-            return x
-        return jax.device_put(x, rep)
-
-    return jax.tree.map(put, state)
 
 
 def evaluate(eval_fn, state, cfg: Config, mesh, val_ds) -> float:
@@ -171,7 +103,6 @@ def train(cfg: Config, *, stream=None) -> TrainResult:
     val_ds = make_dataset(cfg.data, "val", **ds_kw)
     probe, _ = first_batches(train_ds, val_ds)
     folder = check_run_dir(cfg)
-    saved_steps = _saved_train_steps(cfg) if primary else None  # before claim_run_dir rewrites config.yaml
 
     model, mesh = build_model_and_mesh(cfg)
     shard_batch(probe, mesh)  # the batch splits over the mesh's batch axes
@@ -206,8 +137,8 @@ def train(cfg: Config, *, stream=None) -> TrainResult:
     eval_fn = jax.jit(make_eval_step(graphdef, cfg))
     if start is not None:
         log.print(f"resumed from checkpoint step {start} in {run_dir}")
-        if saved_steps is not None and saved_steps != t.steps:
-            log.print(schedule_change_warning(saved_steps, t, start))
+        if folder.saved_steps is not None and folder.saved_steps != t.steps:
+            log.print(schedule_change_warning(folder.saved_steps, t, start))
         log.write("event", start, {"event": "resume"})
     step = int(state["step"])
 
@@ -225,7 +156,7 @@ def train(cfg: Config, *, stream=None) -> TrainResult:
     t_start = time.perf_counter()
     t_prev, timed_steps, timed_s = t_start, 0, 0.0
     status = "done"
-    with _StopFlag() as stop:
+    with StopFlag() as stop:
         while step < t.steps:
             batch = shard_batch(next(train_it), mesh)
             state, m = step_fn(state, batch)
