@@ -10,7 +10,6 @@ model for the rolling log-likelihood; generate_until equals the adapter's direct
 from __future__ import annotations
 
 import json
-import os
 
 import jax
 import numpy as np
@@ -41,7 +40,7 @@ PROMPTS = [{"prompt": "def ", "answer": "x"}, {"prompt": "import ", "answer": "o
 
 
 @pytest.fixture(scope="module")
-def offline(tmp_path_factory):
+def offline():
     """No hub: offline switches on (datasets reads them when lm-eval first imports it)."""
     with pytest.MonkeyPatch.context() as mp:
         for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):

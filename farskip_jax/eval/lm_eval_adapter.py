@@ -198,12 +198,12 @@ def run_lm_eval(core: FarSkipLM, tasks: Sequence[str], *, num_fewshot: Optional[
     imports `datasets`, i.e. on the first call in a process)."""
     if not tasks:
         raise ConfigError("lm_eval needs at least one task: a task name or a task YAML path (--lm-eval-tasks ...)")
-    lm = as_lm_eval_model(core)
     saved = {v: os.environ.get(v) for v in OFFLINE_VARS}
     if offline:
         for v in OFFLINE_VARS:
             os.environ.setdefault(v, "1")
     try:
+        lm = as_lm_eval_model(core)
         import lm_eval
 
         tm = task_manager(list(tasks), include_path)
