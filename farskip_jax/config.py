@@ -339,9 +339,11 @@ class DataConfig:
     max_docs: Optional[int] = None
     shuffle: bool = True  # shuffle training documents (deterministic from train.seed)
     shard_by: Literal["rows", "docs"] = "rows"  # multi-process split: rows of each global batch, or documents
+    prefetch: int = 2  # training batches a background thread prepares ahead of the step (0: none)
 
     def __post_init__(self):
         _check(0.0 < self.val_fraction < 1.0, "data.val_fraction must be in (0, 1)")
+        _check(self.prefetch >= 0, "data.prefetch must be >= 0 (batches prepared ahead; 0 turns it off)")
         _check(self.source == "stdlib" or len(self.paths) > 0, f"data.source={self.source!r} needs data.paths")
 
 

@@ -13,6 +13,10 @@ Packing is grain's concat-then-split: documents [BOS ... EOS] are concatenated a
 seq_len; a document cut at a row end continues in the next row with its positions continuing; the
 model masks attention with segment_ids, so attention never crosses documents.
 
+Prefetch (`data.prefetch` = N > 0, training split): a background thread keeps N batches ready, so
+host data work overlaps device compute (XLA releases the GIL while it runs); the trainer records
+the time each step waited for its batch (`data_wait_s`).
+
 Sharding over processes (`data.shard_by`):
   rows  every process packs the same global stream and keeps its own rows of each global batch, so a
         run on P processes sees exactly the batches of a 1-process run (reading cost x P);
@@ -122,6 +126,10 @@ def make_dataset(cfg: DataConfig, split: str, *, batch_size: int, seq_len: int, 
             ds = ds.map(_TakeRows(process_index * local, local))
     if vocab_size is not None:
         ds = ds.map(_CheckIds(vocab_size, f"the {split!r} split of data.source={cfg.source!r} ({source!r})"))
+    if split == "train" and cfg.prefetch > 0:
+        # a background thread packs the next batches while the device computes (the iterator's state
+        # is that of the batches handed out, so checkpoints resume exactly as without it)
+        ds = gx.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=cfg.prefetch)
     return ds
 
 
@@ -135,9 +143,19 @@ def first_batches(*datasets: grain.IterDataset) -> list[dict]:
     out-of-vocabulary ids fail here, before a run writes anything."""
     out = []
     for ds in datasets:
+        it = iter(ds)
         try:
-            out.append(next(iter(ds)))
+            out.append(next(it))
         except StopIteration:
             raise DataError("the data yields no full batch: add documents, or lower train.batch_size / "
                             "train.seq_len") from None
+        finally:
+            close_iterator(it)
     return out
+
+
+def close_iterator(it) -> None:
+    """Stop a grain iterator's prefetch thread (a no-op for iterators without one)."""
+    close = getattr(it, "close", None)
+    if close is not None:
+        close()

@@ -38,7 +38,7 @@ import optax
 from flax import nnx
 
 from farskip_jax.config import Config, dump_config, merge_checkpoint_shape, runtime_overrides
-from farskip_jax.data.pipeline import first_batches, make_dataset
+from farskip_jax.data.pipeline import close_iterator, first_batches, make_dataset
 from farskip_jax.data.tokenizer import check_vocab, load_tokenizer
 from farskip_jax.errors import ConfigError
 from farskip_jax.eval.divergence import hidden_l2, masked_mean, token_divergence
@@ -48,7 +48,7 @@ from farskip_jax.parallel.build import model_mesh
 from farskip_jax.parallel.sharding import place_state
 from farskip_jax.train.checkpoint import Checkpointer
 from farskip_jax.train.early_stopping import EarlyStopper
-from farskip_jax.train.logger import RunLogger, format_eta
+from farskip_jax.train.logger import RunLogger, data_wait, format_eta
 from farskip_jax.train.optimizer import make_optimizer, schedule_change_warning
 from farskip_jax.train.rundir import check_run_dir, claim_run_dir
 from farskip_jax.train.step import accumulate_grads, init_state, load_stats, token_ce, update_state
@@ -270,11 +270,15 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
         max_steps = min(max_steps, d.max_tokens // tokens_per_step)
     with StopFlag() as stop:  # SIGTERM / SIGINT: checkpoint at the next step boundary and return
         while step < max_steps:
-            batch = put_batch({k: np.asarray(v) for k, v in next(train_it).items()}, mesh)
+            t_data = time.perf_counter()
+            host_batch = next(train_it)
+            data_wait_s = time.perf_counter() - t_data
+            batch = put_batch({k: np.asarray(v) for k, v in host_batch.items()}, mesh)
             state, m = step_fn(state, teacher, batch)
             m = jax.device_get(m)
             step += 1
             rec = {k: float(v) for k, v in m.items() if np.ndim(v) == 0}
+            rec["data_wait_s"] = data_wait_s
             losses.append(rec["loss"])
             log.write("train", step, rec)
             if not bool(m["finite"]) and int(m["nonfinite_streak"]) >= t.max_nonfinite:
@@ -286,7 +290,8 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
                 eta = el / (step - start_step) * (max_steps - step)
                 log.print(f"step {step:>6d}/{max_steps} | loss {rec['loss']:.5f} | kl {rec['kl']:.5f} | "
                           f"ce {rec['ce']:.4f} | gnorm {rec['grad_norm']:.3f} | lr {rec['lr']:.2e} | "
-                          f"{tokens_per_step * (step - start_step) / max(el, 1e-9):,.0f} tok/s | eta {format_eta(eta)}")
+                          f"{tokens_per_step * (step - start_step) / max(el, 1e-9):,.0f} tok/s{data_wait(rec)} | "
+                          f"eta {format_eta(eta)}")
             if step % d.eval_every == 0 or step == max_steps:
                 dec = run_eval(step)
                 if dec.stop:
@@ -310,6 +315,7 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
         ckpt.save(step, state, train_it.get_state())
     ckpt.close()
     best.close()
+    close_iterator(train_it)
     log.print(f"{status} at step {step}: best {d.metric} {es.best} at step {es.best_step} "
               f"({step * tokens_per_step:,} training tokens)")
     if d.export_hf and status not in ("preempted", "time_limit", "diverged"):

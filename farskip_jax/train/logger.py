@@ -54,7 +54,7 @@ class RunLogger:
     def progress(self, step: int, total: int, m: dict, eta_s: float) -> None:
         mfu = f" mfu {100 * m['mfu']:.1f}%" if m.get("mfu") is not None else ""
         self.print(f"step {step:>6d}/{total} | loss {m['loss']:.4f} | gnorm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
-                   f"{m['tokens_per_s']:,.0f} tok/s{mfu} | load {m['load_min']:.2f}-{m['load_max']:.2f} | "
+                   f"{m['tokens_per_s']:,.0f} tok/s{mfu}{data_wait(m)} | load {m['load_min']:.2f}-{m['load_max']:.2f} | "
                    f"eta {format_eta(eta_s)}")
 
     def close(self) -> None:
@@ -64,6 +64,12 @@ class RunLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def data_wait(m: dict) -> str:
+    """' | data 3 ms' from a step record's data_wait_s (the time the step waited for its batch)."""
+    w = m.get("data_wait_s")
+    return f" | data {1e3 * w:.0f} ms" if w is not None else ""
 
 
 def _jsonable(v):

@@ -24,7 +24,8 @@ RESUMABLE_KEYS = {"train.steps", "train.time_limit_s", "train.log_every", "train
                   "train.inject_nan_at", "train.peak_flops",
                   # how the same math is computed (kernels, blocking, rematerialisation): a run started
                   # with one may resume with another, e.g. a run from before model.attention_impl=auto
-                  "model.attention_impl", "model.attention_block", "model.remat", "moe.gmm", "moe.gmm_tile"}
+                  "model.attention_impl", "model.attention_block", "model.remat", "moe.gmm", "moe.gmm_tile",
+                  "data.prefetch"}
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from farskip_jax.config import Config, dump_config, merge_checkpoint_shape, runtime_overrides
-from farskip_jax.data.pipeline import first_batches, make_dataset
+from farskip_jax.data.pipeline import close_iterator, first_batches, make_dataset
 from farskip_jax.data.tokenizer import check_vocab, load_tokenizer
 from farskip_jax.errors import ConfigError
 from farskip_jax.parallel.build import create_model, model_mesh
@@ -154,11 +154,14 @@ def train(cfg: Config, *, stream=None) -> TrainResult:
 
     losses, val_loss, last = [], None, {}
     t_start = time.perf_counter()
-    t_prev, timed_steps, timed_s = t_start, 0, 0.0
+    t_prev, timed_steps, timed_s, wait_s = t_start, 0, 0.0, 0.0
     status = "done"
     with StopFlag() as stop:
         while step < t.steps:
-            batch = shard_batch(next(train_it), mesh)
+            t_data = time.perf_counter()
+            host_batch = next(train_it)
+            data_wait = time.perf_counter() - t_data
+            batch = shard_batch(host_batch, mesh)
             state, m = step_fn(state, batch)
             m = jax.device_get(m)
             step += 1
@@ -175,6 +178,9 @@ def train(cfg: Config, *, stream=None) -> TrainResult:
             rec["tokens_per_s"] = tps
             rec["mfu"] = (tps * flops_tok / (peak * n_dev)) if peak else None
             rec["step_time_s"] = dt
+            rec["data_wait_s"] = data_wait
+            if step > int(start or 0) + 1:
+                wait_s += data_wait
             losses.append(rec["loss"])
             log.write("train", step, rec)
             last = rec
@@ -211,15 +217,18 @@ def train(cfg: Config, *, stream=None) -> TrainResult:
             log.print(f"step {step:>6d} | val loss {val_loss:.4f}")
             log.write("eval", step, {"val_loss": val_loss})
     ckpt.close()
+    close_iterator(train_it)
     if timed_s > 0:
         tps = t.batch_size * t.seq_len * timed_steps / timed_s
     else:  # one step (compile included) or none at all in this process
         tps = last.get("tokens_per_s")
     mfu = (tps * flops_tok / (peak * n_dev)) if (peak and tps) else None
-    summary = {"status": status, "tokens_per_s": tps, "mfu": mfu, "val_loss": val_loss,
+    data_frac = wait_s / timed_s if timed_s > 0 else None
+    summary = {"status": status, "tokens_per_s": tps, "mfu": mfu, "val_loss": val_loss, "data_wait_frac": data_frac,
                "final_loss": last.get("loss", math.nan), "wall_s": time.perf_counter() - t_start}
     log.write("event", step, summary)
-    speed = (f"mean {tps:,.0f} tokens/s" + (f", MFU {100 * mfu:.1f}%" if mfu else "")) if tps else \
+    speed = (f"mean {tps:,.0f} tokens/s" + (f", MFU {100 * mfu:.1f}%" if mfu else "")
+             + (f", {100 * data_frac:.1f}% of the step time waiting for data" if data_frac is not None else "")) if tps else \
         f"no steps left to run (train.steps={t.steps}; raise it to train further)"
     log.print(f"{status} at step {step}: {speed}" + (f", val loss {val_loss:.4f}" if val_loss is not None else ""))
     log.close()
