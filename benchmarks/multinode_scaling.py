@@ -29,6 +29,12 @@ Levers (--lever, each alone on top of the defaults; docs/multinode.md):
   ragged        ragged_all_to_all: exact bytes (dropless)
   causal_blocks cheaper attention core (model.attention_impl=causal_blocks)
   limit1        one collective in flight (xla_gpu_experimental_parallel_collective_overlap_limit=1)
+  limit4        four collectives in flight
+  chunks2/4     token chunking inside a layer: each device's tokens in 2 / 4 chunks with their own
+                dispatch, experts and combine (parallel/ep.AllToAllCompute.chunks), so the all-to-all
+                of chunk i+1 can run under the experts of chunk i (MaxText's num_moe_token_chunks)
+  fp8_dispatch  the dispatch payload sent as float8_e4m3fn (DeepSeek-V3's fp8 dispatch), combine bf16
+Cost-model levers re-time the cached compiles: --streams, --attention, --accum, --nic-gbps, --inter-eff.
 """
 
 from __future__ import annotations
@@ -63,7 +69,12 @@ LEVERS = {
     "ragged": (["moe.dispatch=ragged", "moe.capacity_factor=null"], {}),
     "causal_blocks": (["model.attention_impl=causal_blocks"], {}),
     "limit1": ([], {"xla_gpu_experimental_parallel_collective_overlap_limit": 1}),
+    "chunks2": ([], {}),
+    "chunks4": ([], {}),
+    "fp8_dispatch": ([], {}),
+    "limit4": ([], {"xla_gpu_experimental_parallel_collective_overlap_limit": 4}),
 }
+EP_OPTIONS = {"chunks2": {"chunks": 2}, "chunks4": {"chunks": 4}, "fp8_dispatch": {"dispatch_dtype": "float8_e4m3fn"}}
 VARIANTS = ("standard", "farskip", "foe", "foe_farskip")
 
 
@@ -71,13 +82,14 @@ def key(model, lever, ep, data, batch, seq, program, variant):
     return f"{model}|{lever}|ep{ep}|dp{data}|b{batch}|s{seq}|{program}|{variant}"
 
 
-def compile_one(cfg, variant, program, batch, seq, n, gpus_per_node, nodes, flags, target, memory_gb, log) -> dict:
+def compile_one(cfg, variant, program, batch, seq, n, gpus_per_node, nodes, flags, target, memory_gb, log,
+                ep_options=None) -> dict:
     """Compile one variant deviceless; returns what the analysis needs (picklable)."""
     from farskip_jax.analysis.overlap import run_overlap
 
     (r,) = run_overlap(cfg, (variant,), (program,), batch=batch, seq=seq, target=target, num_devices=n, flags=flags,
                        hardware=None, log=log, gpus_per_node=min(gpus_per_node, n), memory_gb=memory_gb,
-                       grouped_gemm=True, cfg_for=cfg_for_variant(nodes))
+                       grouped_gemm=True, cfg_for=cfg_for_variant(nodes), ep_options=ep_options)
     return {"schedule": r.schedule, "node_of": tuple(int(d.process_index) for d in r.mesh.devices.flat),
             "compile_s": r.compile_s, "xla_step_us": r.report.step_time, "peak_memory": r.report.peak_memory,
             "nodes": nodes}
@@ -316,8 +328,9 @@ def main() -> int:
                                 c = pickle.load(f)
                         else:
                             t0 = time.time()
+                            epo = None if var.startswith("foe") else EP_OPTIONS.get(a.lever)
                             c = compile_one(cfg, var, prog, b * n, a.seq, n, a.gpus_per_node, nodes, flags, a.target,
-                                            a.memory_gb, log)
+                                            a.memory_gb, log, ep_options=epo)
                             with gzip.open(cpath, "wb") as f:
                                 pickle.dump(c, f)
                             log(f"[multinode] {k}: compiled in {time.time() - t0:.0f}s")

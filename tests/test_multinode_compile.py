@@ -70,3 +70,22 @@ def test_data_across_nodes_experts_inside_and_foe_one_group_per_node():
     # the same bytes priced inside a node cost less than EP 8 across the two nodes would
     big = max(fa, key=lambda p: p.bytes)
     assert foe.topology.all_to_all_us(big.bytes, big.groups) < foe.topology.all_to_all_us(big.bytes)
+
+
+def test_levers_token_chunks_and_fp8_dispatch_in_the_compiled_program():
+    """ep_options chunks=2: twice the token all-to-alls at half the bytes each; fp8 dispatch: the
+    dispatch payload at half the bf16 bytes, the combine unchanged."""
+    cfg = _small(**{"farskip.preset": "farskip"})
+
+    def token_a2a(r):
+        big = max(p.bytes for p in r.schedule.pairs if p.collective == "all-to-all")
+        return [p for p in r.schedule.pairs if p.collective == "all-to-all" and p.bytes >= 0.1 * big]
+
+    (base,) = _run(cfg, ("farskip",), "forward")
+    (ch,) = _run(cfg, ("farskip",), "forward", ep_options={"chunks": 2})
+    (f8,) = _run(cfg, ("farskip",), "forward", ep_options={"dispatch_dtype": "float8_e4m3fn"})
+    b, c = token_a2a(base), token_a2a(ch)
+    assert len(c) == 2 * len(b) and sum(p.bytes for p in c) == sum(p.bytes for p in b)
+    by_role = lambda r, role: sum(p.bytes for p in token_a2a(r) if f"/{role}/" in p.start.op_name)
+    assert by_role(f8, "dispatch") * 2 == by_role(base, "dispatch")
+    assert by_role(f8, "combine") == by_role(base, "combine")

@@ -104,3 +104,48 @@ def test_dispatch_and_combine_are_separate_collectives(compiled_forward):
     for layer in (0, 1):
         assert _ops(op_name, opcode, f"layer_{layer}/moe/shard_map/dispatch", "all-to-all")
         assert _ops(op_name, opcode, f"layer_{layer}/moe/shard_map/combine", "all-to-all")
+
+
+def test_token_chunks_equal_one_exchange_and_split_the_collectives():
+    """AllToAllCompute(chunks=2): dropless, each device's tokens in two chunks with their own
+    dispatch / experts / combine; same values as one exchange (and as the single-device path), and
+    the compiled program has twice the token all-to-alls."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from farskip_jax.config import MeshConfig, MoEConfig
+    from farskip_jax.model.experts import ExpertWeights, local_routed_compute
+    from farskip_jax.model.router import RouteResult
+    from farskip_jax.parallel.ep import AllToAllCompute
+    from farskip_jax.parallel.mesh import BATCH_AXES
+
+    e, k, d, h, t = 8, 2, 16, 32, 64
+    mesh = make_mesh(MeshConfig(data=2, expert=4))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(t, 1, d)).astype(np.float32)
+    idx = np.stack([rng.choice(e, k, replace=False) for _ in range(t)])[:, None].astype(np.int32)
+    w = rng.random((t, 1, k)).astype(np.float32)
+    ew = [rng.normal(size=s).astype(np.float32) * 0.1 for s in ((e, d, h), (e, d, h), (e, h, d))]
+    cfg = MoEConfig(num_experts=e, top_k=k, expert_hidden=h, capacity_factor=None, gmm="einsum")
+    tok, wsh = NamedSharding(mesh, P(BATCH_AXES, None, None)), NamedSharding(mesh, P("expert", None, None))
+    args = (jax.device_put(x, tok), jax.device_put(idx, tok), jax.device_put(w, tok),
+            *(jax.device_put(a, wsh) for a in ew))
+
+    def run(backend):
+        def f(x, idx, w, wg, wu, wd):
+            out = backend(x, RouteResult(idx, w, None, None, None), ExpertWeights(wg, wu, wd), cfg)
+            return out.y, out.dropped
+
+        fn = jax.jit(f)
+        return fn(*args), fn.lower(*args).compile().as_text()
+
+    (y1, d1), _ = run(AllToAllCompute(mesh))
+    (y2, d2), text = run(AllToAllCompute(mesh, chunks=2))
+    ref = local_routed_compute(jnp.asarray(x)[None, :, 0], RouteResult(jnp.asarray(idx)[None, :, 0],
+                               jnp.asarray(w)[None, :, 0], None, None, None), ExpertWeights(*map(jnp.asarray, ew)), cfg)
+    assert int(d1) == int(d2) == 0
+    np.testing.assert_allclose(np.asarray(y2), np.asarray(y1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(y2)[:, 0], np.asarray(ref.y)[0], rtol=1e-4, atol=1e-5)
+    big = [l for l in text.splitlines() if " all-to-all(" in l and f",{d}]" in l.split("all-to-all(")[0]]
+    assert len(big) == 4  # dispatch + combine per chunk

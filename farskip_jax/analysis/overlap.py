@@ -80,7 +80,7 @@ def run_overlap(cfg, presets: Sequence[str] = ("standard", "farskip"), programs:
                 batch: Optional[int] = None, seq: Optional[int] = None, target: str = "h100_sxm",
                 num_devices: int = 8, flags: Optional[dict] = None, hardware: Optional[str] = None,
                 log=None, gpus_per_node: Optional[int] = None, memory_gb: Optional[float] = None,
-                links=None, grouped_gemm: bool = False, cfg_for=None) -> list[ProgramResult]:
+                links=None, grouped_gemm: bool = False, cfg_for=None, ep_options: Optional[dict] = None) -> list[ProgramResult]:
     """Compile and analyse every (preset, program); `log(msg)` receives progress lines.
 
     flags: compile options (default: the cuda_hopper preset + LHS_FLAGS).
@@ -89,7 +89,8 @@ def run_overlap(cfg, presets: Sequence[str] = ("standard", "farskip"), programs:
     links: a topology.Links (or a key of topology.LINKS): the two-stream model prices collectives by
       which members share a node (analysis/topology.py); default LINKS[hardware] on several nodes.
     grouped_gemm: trace ragged_dot as a grouped GEMM's cost proxy (programs.grouped_gemm_proxy).
-    cfg_for(preset, cfg) -> cfg: per-preset config (e.g. FoE's moe.num_groups); default sets the preset."""
+    cfg_for(preset, cfg) -> cfg: per-preset config (e.g. FoE's moe.num_groups); default sets the preset.
+    ep_options: all_to_all backend fields, e.g. {"chunks": 2} (programs.abstract_model)."""
     from farskip_jax.analysis.cost_model import HARDWARE, simulate
     from farskip_jax.analysis.programs import analysis_mesh, forward_program, grouped_gemm_proxy, train_program
     from farskip_jax.analysis.topology import LINKS, Topology
@@ -126,7 +127,7 @@ def run_overlap(cfg, presets: Sequence[str] = ("standard", "farskip"), programs:
                 f"{f' over {len({d.process_index for d in devices})} nodes' if multinode else ''}, "
                 f"mesh {dict(mesh.shape)}) ...")
             with grouped_gemm_proxy() if grouped_gemm else contextlib.nullcontext():
-                fn, args = build(c, mesh, batch, seq)
+                fn, args = build(c, mesh, batch, seq, ep_options=ep_options)
                 compiled = compile_deviceless(fn, *args, flags=flags)
             dt = time.time() - t0
             log(f"[overlap]   compiled in {dt:.1f}s: {len(compiled.schedule.ops)} ops, "

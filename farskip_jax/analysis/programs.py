@@ -15,7 +15,7 @@ train/step.py); the optimizer's elementwise update does not change what overlaps
 from __future__ import annotations
 
 import contextlib
-from typing import Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,12 +35,25 @@ def analysis_mesh(cfg: Config, devices: Sequence) -> Mesh:
     return model_mesh(cfg, devices=list(devices))
 
 
-def abstract_model(cfg: Config, mesh: Mesh):
-    """(graphdef, state) with every leaf a ShapeDtypeStruct carrying its NamedSharding."""
+def abstract_model(cfg: Config, mesh: Mesh, ep_options: Optional[dict] = None):
+    """(graphdef, state) with every leaf a ShapeDtypeStruct carrying its NamedSharding.
+
+    ep_options: fields of the all_to_all backend to set (parallel/ep.AllToAllCompute): `chunks`
+    (exchange each device's tokens in that many chunks: MaxText's num_moe_token_chunks) and
+    `dispatch_dtype` (e.g. "float8_e4m3fn": the dispatch payload in fp8, as DeepSeek-V3 trains)."""
+    import dataclasses
+
+    from farskip_jax.errors import ConfigError
     from farskip_jax.parallel.build import config_on, routed_compute_on, state_shardings_on
+    from farskip_jax.parallel.ep import AllToAllCompute
 
     cfg = config_on(cfg, mesh)  # the GPU gmm backend in a GPU program
     rc = routed_compute_on(cfg, mesh)  # FoECompute on a FoE mesh
+    if ep_options:
+        if not isinstance(rc, AllToAllCompute):
+            raise ConfigError(f"ep_options={ep_options} need moe.dispatch=all_to_all on a plain (non-FoE) mesh; "
+                              f"got {type(rc).__name__}")
+        rc = dataclasses.replace(rc, **ep_options)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), routed_compute=rc)))
     shardings = state_shardings_on(state, mesh)
     is_var = lambda x: isinstance(x, nnx.Variable)
@@ -56,9 +69,9 @@ def _tokens(mesh: Mesh, batch: int, seq: int) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=NamedSharding(mesh, P(BATCH_AXES, None)))
 
 
-def forward_program(cfg: Config, mesh: Mesh, batch: int, seq: int):
+def forward_program(cfg: Config, mesh: Mesh, batch: int, seq: int, ep_options: Optional[dict] = None):
     """jit(forward)(state, tokens) -> logits, with connectivity cfg.farskip."""
-    graphdef, state = abstract_model(cfg, mesh)
+    graphdef, state = abstract_model(cfg, mesh, ep_options)
     fs = cfg.farskip
 
     def forward(state, tokens):
@@ -68,9 +81,9 @@ def forward_program(cfg: Config, mesh: Mesh, batch: int, seq: int):
     return jax.jit(forward), (state, _tokens(mesh, batch, seq))
 
 
-def train_program(cfg: Config, mesh: Mesh, batch: int, seq: int, lr: float = 1e-3):
+def train_program(cfg: Config, mesh: Mesh, batch: int, seq: int, lr: float = 1e-3, ep_options: Optional[dict] = None):
     """jit(step)(params, rest, tokens) -> (new params, loss): CE + aux/z loss, grad, SGD update."""
-    graphdef, state = abstract_model(cfg, mesh)
+    graphdef, state = abstract_model(cfg, mesh, ep_options)
     fs = cfg.farskip
     params, rest = nnx.split_state(state, nnx.Param, ...)
 

@@ -119,17 +119,37 @@ def a2a_capacity(tokens_local: int, k: int, num_experts: int, capacity_factor: O
 
 @dataclasses.dataclass(frozen=True)
 class AllToAllCompute:
-    """EP with `jax.lax.all_to_all` over `expert` of [ep, E_l * C, d] buffers (see module doc)."""
+    """EP with `jax.lax.all_to_all` over `expert` of [ep, E_l * C, d] buffers (see module doc).
+
+    chunks: split each device's tokens into this many chunks, each with its own dispatch, expert
+    compute and combine (capacity per chunk), so the scheduler can run the all-to-all of chunk i+1
+    under the experts of chunk i (MaxText's num_moe_token_chunks). 1 = one exchange per layer.
+    dispatch_dtype: send the dispatch payload in this dtype (e.g. "float8_e4m3fn", DeepSeek-V3's fp8
+    dispatch; rounded there, restored to the compute dtype on arrival); None = the compute dtype."""
 
     mesh: Mesh
+    chunks: int = 1
+    dispatch_dtype: Optional[str] = None
 
     def __call__(self, x, route: RouteResult, experts: ExpertWeights, cfg: MoEConfig) -> RoutedOutput:
         ep = self.mesh.shape[EXPERT_AXIS]
         num_e = experts.w_gate.shape[0]
         if num_e % ep:
             raise ConfigError(f"moe.num_experts={num_e} is not divisible by mesh.expert={ep}")
+        n_chunks = self.chunks
 
         def body(xt, idx, w, wg, wu, wd):
+            t = xt.shape[0]
+            if t % n_chunks:
+                raise ConfigError(f"{t} tokens per device do not split into chunks={n_chunks}; pick a divisor")
+            tc = t // n_chunks
+            outs = [one(xt[i * tc:(i + 1) * tc], idx[i * tc:(i + 1) * tc], w[i * tc:(i + 1) * tc], wg, wu, wd)
+                    for i in range(n_chunks)]
+            y = outs[0][0] if n_chunks == 1 else jnp.concatenate([o[0] for o in outs], axis=0)
+            dropped = jax.lax.psum(sum(o[1] for o in outs), BATCH_AXES)
+            return y, dropped
+
+        def one(xt, idx, w, wg, wu, wd):
             t, d = xt.shape
             k = idx.shape[-1]
             e_l = wg.shape[0]
@@ -143,7 +163,9 @@ class AllToAllCompute:
                 # slot -> source token (t = empty slot); a gather keeps the backward a scatter-add
                 src = jnp.full((num_e * cap,), t, jnp.int32).at[slot].set(token, mode="drop", unique_indices=True)
                 send = jnp.take(xt, src, axis=0, mode="fill", fill_value=0).reshape(ep, e_l * cap, d)
-                recv = jax.lax.all_to_all(send, EXPERT_AXIS, 0, 0, tiled=True)  # [ep sources, E_l*C, d]
+                if self.dispatch_dtype is not None:
+                    send = send.astype(self.dispatch_dtype)
+                recv = jax.lax.all_to_all(send, EXPERT_AXIS, 0, 0, tiled=True).astype(xt.dtype)  # [ep, E_l*C, d]
                 # filled slots per (source, local expert): lets the expert compute skip empty slots
                 sent = jnp.minimum(group_sizes, cap).reshape(ep, e_l)
                 counts = jax.lax.all_to_all(sent, EXPERT_AXIS, 0, 0, tiled=True)  # [ep sources, E_l]
@@ -165,8 +187,7 @@ class AllToAllCompute:
                 back = jax.lax.all_to_all(ys, EXPERT_AXIS, 0, 0, tiled=True).reshape(num_e * cap, d)
                 y = jnp.take(back, slot, axis=0, mode="fill", fill_value=0)  # [N, d]; dropped -> 0
                 y = (y * w.reshape(-1, 1).astype(y.dtype)).reshape(t, k, d).sum(1)
-            dropped = jax.lax.psum(jnp.sum(~kept).astype(jnp.int32), BATCH_AXES)
-            return y, dropped
+            return y, jnp.sum(~kept).astype(jnp.int32)
 
         return _exchange(body, self.mesh, x, route, experts, _W_SPEC)
 
