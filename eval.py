@@ -42,7 +42,6 @@ def _overrides(items) -> dict:
 def run(a) -> dict:
     import dataclasses
 
-    from farskip_jax.config import replace
     from farskip_jax.data.tokenizer import check_vocab, load_tokenizer
     from farskip_jax.errors import ConfigError
     from farskip_jax.eval.loading import load_hf, load_run
@@ -56,9 +55,7 @@ def run(a) -> dict:
         which = int(a.which) if a.which.isdigit() else a.which
         cfg, graphdef, st = load_run(a.run, which, config_overrides=ov or None)
     else:
-        cfg, graphdef, st = load_hf(a.hf)
-        if ov:
-            cfg = replace(cfg, **ov)
+        cfg, graphdef, st = load_hf(a.hf, overrides=ov or None)  # an exported connectivity, then the overrides
     tok = load_tokenizer(a.tokenizer or cfg.data.tokenizer)
     check_vocab(tok, cfg.model.vocab_size, f"the model of {a.run or a.hf}")
     res: dict = {"mode": a.mode, "source": a.run or a.hf, "farskip": dataclasses.asdict(cfg.farskip)}

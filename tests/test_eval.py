@@ -67,6 +67,29 @@ def test_task_scoring_matches_full_forward_oracle(tiny, tmp_path):
         load_task(str(bad))
 
 
+class _NoBosTokenizer(ByteTokenizer):
+    """Bytes + EOS, no BOS (as Qwen's tokenizer): scored texts start after EOS, as in lm-eval."""
+    bos_id = None
+
+
+def test_scoring_without_bos_conditions_on_eos(tiny):
+    cfg, model, graphdef, st = tiny
+    fs = FarSkipConfig(preset="farskip")
+    nobos = LoglikScorer(graphdef, st, _NoBosTokenizer(), farskip=fs, batch_size=4)
+    (lp, _), = nobos.loglikelihood([("", "import os")])
+    ids = [ByteTokenizer.eos_id] + list(ByteTokenizer().encode("import os"))
+    logits = np.asarray(model(jnp.asarray([ids[:-1]], jnp.int32), farskip=fs).logits[0], np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    want = float(sum(logp[i, ids[i + 1]] for i in range(len(ids) - 1)))  # every continuation token is scored
+    np.testing.assert_allclose(lp, want, rtol=1e-5)
+    np.testing.assert_allclose(nobos.rolling_loglikelihood("import os"), want, rtol=1e-5)
+    from farskip_jax.data.tokenizer import RawByteTokenizer
+
+    with pytest.raises(DataError, match="empty context .* no BOS/EOS"):
+        LoglikScorer(graphdef, st, RawByteTokenizer(), farskip=fs).loglikelihood([("", "x")])
+
+
 def test_lm_eval_adapter_core(tiny):
     cfg, model, graphdef, st = tiny
     lm = FarSkipLM(graphdef, st, ByteTokenizer(), max_len=64)

@@ -59,6 +59,16 @@ def load_task(path: str) -> list[dict]:
     return out
 
 
+def prefix_ids(tok) -> list[int]:
+    """The token a scored text starts after: BOS, else EOS (as lm-eval's HF models do: a tokenizer
+    without BOS, e.g. Qwen's, still conditions the first token on a document boundary), else none."""
+    for name in ("bos_id", "eos_id"):
+        i = getattr(tok, name, None)
+        if i is not None:
+            return [int(i)]
+    return []
+
+
 class LoglikScorer:
     """Log-likelihoods of continuations under one model state and connectivity."""
 
@@ -77,11 +87,14 @@ class LoglikScorer:
         self._fn = jax.jit(fn)
 
     def _encode(self, context: str, continuation: str) -> tuple[list[int], int]:
-        head = [self.tok.bos_id] if getattr(self.tok, "bos_id", None) is not None else []
-        ctx = head + [int(t) for t in self.tok.encode(context)]
+        ctx = prefix_ids(self.tok) + [int(t) for t in self.tok.encode(context)]
         cont = [int(t) for t in self.tok.encode(continuation)]
         if not cont:
             raise DataError(f"empty continuation after context {context[-40:]!r}")
+        if not ctx:
+            raise DataError(f"empty context before continuation {continuation[:40]!r}, and the tokenizer "
+                            f"({getattr(self.tok, 'name', self.tok)!r}) has no BOS/EOS token to condition the first "
+                            "token on: give a non-empty context")
         ids = ctx + cont
         if self.max_len and len(ids) - 1 > self.max_len:
             ids = ids[-(self.max_len + 1):]  # keep the end: the continuation and the nearest context
@@ -117,10 +130,11 @@ class LoglikScorer:
         return out
 
     def rolling_loglikelihood(self, text: str) -> float:
-        """Summed log-prob of a whole text after BOS; windows of max_len targets, each window seeing up to
-        max_len earlier tokens (lm-eval's rolling loglikelihood)."""
-        head = [self.tok.bos_id] if getattr(self.tok, "bos_id", None) is not None else []
-        ids = head + [int(t) for t in self.tok.encode(text)]
+        """Summed log-prob of a whole text after its prefix token (prefix_ids); windows of max_len targets,
+        each window seeing up to max_len earlier tokens (lm-eval's rolling loglikelihood). With neither
+        BOS nor EOS in the tokenizer (raw_bytes) the first token has nothing to be conditioned on and is
+        not scored."""
+        ids = prefix_ids(self.tok) + [int(t) for t in self.tok.encode(text)]
         n = len(ids)
         win = self.max_len or n
         total = 0.0

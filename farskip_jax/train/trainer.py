@@ -67,8 +67,9 @@ def build_model_and_mesh(cfg: Config):
         from farskip_jax.config import to_dict
         from farskip_jax.convert.loader import import_hf
 
-        _, model = import_hf(cfg.init_from_hf, mesh=mesh,
-                             overrides={"model": to_dict(cfg.model), "moe": to_dict(cfg.moe)})
+        # the run's connectivity, not the one an exported folder carries: the train step runs the model's
+        _, model = import_hf(cfg.init_from_hf, mesh=mesh, overrides={
+            "model": to_dict(cfg.model), "moe": to_dict(cfg.moe), "farskip": to_dict(cfg.farskip)})
         return model, mesh
     return create_model(cfg, mesh, seed=cfg.train.seed), mesh
 
