@@ -388,6 +388,16 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class InferenceConfig:
+    """Mesh layout of generation / inference (parallel/inference.py, docs/inference.md).
+    `training`: the training layout (batch over data x fsdp x expert, EP all-to-alls); `tp_ep`: the
+    paper's serving layout, attention heads over mesh.tensor and the experts over
+    mesh.expert x mesh.tensor with replicated activations, each sub-block ending in an all-reduce."""
+
+    layout: Literal["training", "tp_ep"] = "training"
+
+
+@dataclass(frozen=True)
 class Config:
     """Everything a run needs. `init_from_hf`: an HF checkpoint folder to start from."""
 
@@ -400,6 +410,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
     init_from_hf: Optional[str] = None
 
     def __post_init__(self):

@@ -1,0 +1,366 @@
+"""The paper's inference layout (`inference.layout: tp_ep`): tensor-parallel attention, replicated-
+activation MoE with experts sharded, each ending in an all-reduce; no all-to-all.
+
+One group of devices is at once the tensor-parallel group of attention and the expert-parallel group
+of the MoE (vLLM / SGLang with TP 8 = EP 8 on one node). On the 4-axis mesh (data, fsdp, expert,
+tensor) that is `mesh.tensor = 8` (data = fsdp = expert = 1 for the paper's layout):
+
+    attention   heads over `tensor` (GQA: query and kv heads; kv heads replicated when tensor >
+                num_kv_heads; MLA: per-head projections, the latent projections replicated), the output
+                projection row-parallel, then psum over `tensor`       -> scope `attention_allreduce`
+    MoE         every rank holds all tokens (activations replicated), routes them all, runs only its
+                own experts (experts over expert x tensor = the EP group; dropless) and psums the
+                routed sum over that group                             -> scope `routed_allreduce`
+    shared experts, router, norms   replicated (the shared output needs no collective, so FarSkip's
+                partial stream N_k = R_{k-1} + a_k + s_k waits only for the attention all-reduce)
+    dense MLP layers, embedding, LM head   `mlp` / `vocab` over `tensor` through GSPMD (its own
+                all-reduce / gathers)
+    batch       over `data` only (independent replicas); fsdp must be 1
+
+    layout = TpEpLayout(mesh)                              # mesh = make_mesh(cfg.mesh)
+    model = inference_model(cfg, mesh, st)                 # any state, placed for the layout
+    out = layout.forward(model, tokens [b, s])             # ModelOutput, = the one-device forward
+
+`layout.forward` is the model's own forward (its streams, DESIGN.md section 1) with each layer's
+attention swapped (Transformer's `attention_fns`) for the shard_map'd tensor-parallel one; the MoE
+runs `ReplicatedEPCompute`, the routed-compute backend the model was built with. So with FarSkip the
+compiled program has no path from the attention all-reduce of layer k to the MoE of layer k (which
+reads R_{k-1}), nor from the routed all-reduce of layer k to attention of layer k+1 (which reads
+N_k): XLA may run each all-reduce under the next sub-block (tests/test_inference_layout.py checks
+the compiled HLO). KV-cache decoding on this layout: `layout.cached_attention` (eval/generate.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from farskip_jax.config import Config, FarSkipConfig, MoEConfig, ModelConfig
+from farskip_jax.errors import ConfigError
+from farskip_jax.model.attention import attention_core
+from farskip_jax.model.experts import ExpertWeights, RoutedOutput, expert_swiglu
+from farskip_jax.model.router import RouteResult
+from farskip_jax.parallel.sharding import RULES, logical_to_spec
+
+TP_AXIS = "tensor"
+EP_AXES = ("expert", "tensor")  # the expert-parallel group: every device of a data replica
+DATA_AXIS = "data"
+LAYOUTS = ("training", "tp_ep")
+# XLA's all-reduce combiners merge independent all-reduces into one. Under FarSkip the attention
+# all-reduce of layer k and the routed all-reduce of layer k ARE independent, so XLA merges them
+# (seen on XLA:CPU, jaxlib 0.10.2): attention of layer k+1 then waits for the routed sum again and
+# the overlap FarSkip made possible is gone. Programs of this layout compile with them off.
+NO_COMBINER_PASSES = "cpu-all-reduce-combiner,all-reduce-combiner,gpu-all-reduce-combiner"
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def check_tp_ep(cfg: Config, mesh: Mesh) -> None:
+    """Fail early (ConfigError naming the key and the fix) on what the tp_ep layout cannot split."""
+    m, e = cfg.model, cfg.moe
+    tp, ep = mesh.shape[TP_AXIS], mesh.shape["expert"] * mesh.shape[TP_AXIS]
+    if mesh.shape["fsdp"] != 1:
+        raise ConfigError(f"inference.layout=tp_ep keeps whole weights per tensor rank; set mesh.fsdp=1 "
+                          f"(got {mesh.shape['fsdp']}) and put the devices on mesh.tensor")
+    if e.num_groups > 1:
+        raise ConfigError("inference.layout=tp_ep does not run a Federation of Experts (moe.num_groups > 1); "
+                          "use inference.layout=training")
+    if m.num_heads % tp:
+        raise ConfigError(f"inference.layout=tp_ep splits the model.num_heads={m.num_heads} attention heads over "
+                          f"mesh.tensor={tp}; pick a mesh.tensor that divides the heads")
+    if m.attention == "gqa" and m.num_kv_heads % tp and tp % m.num_kv_heads:
+        raise ConfigError(f"inference.layout=tp_ep needs mesh.tensor={tp} and model.num_kv_heads={m.num_kv_heads} "
+                          "to divide one another (kv heads are split, or replicated when tensor > kv heads)")
+    if m.qk_norm and m.qk_norm_scope == "all_heads" and tp > 1:
+        raise ConfigError("model.qk_norm_scope=all_heads normalises over every head, which tensor-parallel "
+                          "attention splits; inference.layout=tp_ep cannot run it (use inference.layout=training)")
+    if e.num_experts:
+        if e.num_experts % ep:
+            raise ConfigError(f"inference.layout=tp_ep splits moe.num_experts={e.num_experts} over mesh.expert x "
+                              f"mesh.tensor = {ep} devices; pick sizes whose product divides the experts")
+        if e.capacity_factor is not None:
+            raise ConfigError("inference.layout=tp_ep is dropless; set moe.capacity_factor=null")
+
+
+def kv_replicas(m: ModelConfig, tp: int) -> int:
+    """How many tensor ranks share one kv head (1 when tensor divides num_kv_heads; GQA only)."""
+    if m.attention != "gqa" or m.num_kv_heads % tp == 0:
+        return 1
+    return tp // m.num_kv_heads
+
+
+def tp_ep_rules(m: ModelConfig, tp: int) -> tuple[dict, dict]:
+    """(rules, expert rules) of parallel/sharding.logical_to_spec for the tp_ep layout."""
+    rules = {**RULES, "embed": None, "kv_heads": TP_AXIS if kv_replicas(m, tp) == 1 else None}
+    return rules, {**rules, "expert": EP_AXES, "mlp": None}
+
+
+def tp_ep_state_shardings(state, mesh: Mesh, cfg: Config):
+    """NamedSharding per Variable of a model state for the tp_ep layout (module doc). Shared experts
+    (path .../moe/shared/...) and the Qwen2 shared gate are replicated."""
+    rules, expert_rules = tp_ep_rules(cfg.model, mesh.shape[TP_AXIS])
+
+    def one(path, v):
+        keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+        axes = v.get_metadata().get("axes")
+        shape = tuple(jnp.shape(v.get_value()))
+        if axes is None or ("moe" in keys and ("shared" in keys or "shared_gate" in keys)):
+            return NamedSharding(mesh, P())
+        r = expert_rules if "expert" in axes else rules
+        return NamedSharding(mesh, logical_to_spec(tuple(axes), shape, mesh, r))
+
+    return jax.tree_util.tree_map_with_path(one, state, is_leaf=_is_var)
+
+
+# --------------------------------------------------------------------------------------------------
+# MoE: replicated activations, local experts, psum of the routed sum
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicatedEPCompute:
+    """RoutedComputeFn of the tp_ep layout (model/experts.py signature). Per device: the T tokens of
+    its data replica [T, d] (all of them), their top-k choices; E_l = E / ep local experts
+    (global expert e on EP rank e // E_l). The assignments to local experts are sorted first
+    (the rest after them, outside the groups), at most T * min(k, E_l) rows go through the grouped
+    SwiGLU, the weighted outputs are scattered back to their tokens and psum'd over expert x tensor."""
+
+    mesh: Mesh
+
+    def __call__(self, x, route: RouteResult, experts: ExpertWeights, cfg: MoEConfig) -> RoutedOutput:
+        b, s, d = x.shape
+        k = route.indices.shape[-1]
+        num_e = experts.w_gate.shape[0]
+        ep = self.mesh.shape["expert"] * self.mesh.shape[TP_AXIS]
+        if num_e % ep:
+            raise ConfigError(f"moe.num_experts={num_e} is not divisible by mesh.expert x mesh.tensor = {ep}")
+        e_l = num_e // ep
+        rows = min(k, e_l)
+
+        def body(xt, idx, w, wg, wu, wd):
+            t = xt.shape[0]
+            with jax.named_scope("local_dispatch"):
+                local = idx.reshape(-1) - jax.lax.axis_index(EP_AXES) * e_l  # [t*k] local expert id
+                mine = (local >= 0) & (local < e_l)
+                key = jnp.where(mine, local, e_l)
+                order = jnp.argsort(key, stable=True)[: t * rows]  # every local assignment fits
+                sizes = jnp.bincount(key, length=e_l + 1)[:e_l].astype(jnp.int32)
+                xs = jnp.take(xt, order // k, axis=0)
+            with jax.named_scope("expert_compute"):
+                ys = expert_swiglu(xs, sizes, ExpertWeights(wg, wu, wd), cfg)  # rows past the groups: 0
+            with jax.named_scope("local_combine"):
+                wl = jnp.where(mine, w.reshape(-1), 0).astype(ys.dtype)[order]
+                y = jnp.zeros((t, d), ys.dtype).at[order // k].add(ys * wl[:, None])
+            with jax.named_scope("routed_allreduce"):
+                return jax.lax.psum(y, EP_AXES)
+
+        tok, wsp = P(DATA_AXIS, None), P(EP_AXES, None, None)
+        fn = jax.shard_map(body, mesh=self.mesh, in_specs=(tok, tok, tok, wsp, wsp, wsp), out_specs=tok,
+                           check_vma=False)  # model code inside (gmm) does not track manual axes
+        y = fn(x.reshape(b * s, d), route.indices.reshape(b * s, k), route.weights.reshape(b * s, k),
+               experts.w_gate, experts.w_up, experts.w_down)
+        return RoutedOutput(y=y.reshape(b, s, d), dropped=jnp.zeros((), jnp.int32))
+
+
+# --------------------------------------------------------------------------------------------------
+# attention: heads over `tensor`, psum after the output projection
+# --------------------------------------------------------------------------------------------------
+
+
+def local_model_config(m: ModelConfig, tp: int) -> ModelConfig:
+    """The ModelConfig of one tensor rank's slice of an attention layer (num_heads / tp heads)."""
+    h = m.num_heads // tp
+    kv = max(m.num_kv_heads // tp, 1) if m.attention == "gqa" else h
+    return dataclasses.replace(m, num_heads=h, num_kv_heads=kv, head_dim=m.resolved_head_dim)
+
+
+@functools.lru_cache(maxsize=None)
+def _local_graphdef(cls, m: ModelConfig, layer_idx: int):
+    return nnx.split(nnx.eval_shape(lambda: cls(m, rngs=nnx.Rngs(0), layer_idx=layer_idx)))[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class TpEpLayout:
+    """The tp_ep inference layout on `mesh` (module doc): tensor-parallel attention for the full
+    forward and for KV-cache decoding, the routed backend, shardings of states, batches and caches."""
+
+    mesh: Mesh
+
+    @property
+    def tp(self) -> int:
+        return self.mesh.shape[TP_AXIS]
+
+    def routed_compute(self) -> ReplicatedEPCompute:
+        return ReplicatedEPCompute(self.mesh)
+
+    @staticmethod
+    def compiler_options() -> dict:
+        """Compile options of this layout's programs (`jax.jit(..., compiler_options=...)`, or
+        `.compile(compiler_options=...)` of a deviceless lowering): the all-reduce combiners off."""
+        return {"xla_disable_hlo_passes": NO_COMBINER_PASSES}
+
+    def forward_fn(self, graphdef, farskip: Optional[FarSkipConfig] = None):
+        """jitted fn(state, tokens [b, s]) -> logits [b, s, V] f32 (the full forward on this layout)."""
+        def fn(state, tokens):
+            return self.forward(nnx.merge(graphdef, state), tokens, farskip=farskip).logits
+        return jax.jit(fn, compiler_options=self.compiler_options())
+
+    def batch_sharding(self, ndim: int) -> NamedSharding:
+        """[batch, ...] arrays: rows over `data`, replicated over expert and tensor."""
+        return NamedSharding(self.mesh, P(DATA_AXIS, *([None] * (ndim - 1))))
+
+    def cache_sharding(self) -> NamedSharding:
+        """KV cache entries [b, L, heads, dim]: rows over `data`, heads over `tensor` (each rank its own)."""
+        return NamedSharding(self.mesh, P(DATA_AXIS, None, TP_AXIS, None))
+
+    def cache_heads(self, m: ModelConfig, heads: int) -> int:
+        """Global head dim of a cache entry whose one-device head count is `heads`: kv heads replicated
+        over tensor ranks get one slot per rank."""
+        return heads * kv_replicas(m, self.tp)
+
+    def _split_attention(self, attn):
+        """(local graphdef, state, in_specs of the state, fix(state, rank) -> local state)."""
+        m, tp = attn.cfg, self.tp
+        rep = kv_replicas(m, tp)
+        gd_local = _local_graphdef(type(attn), local_model_config(m, tp), attn.layer_idx)
+        state = nnx.state(attn)
+        hd = m.resolved_head_dim
+
+        def spec(path, v):
+            axes = v.get_metadata().get("axes") or ()
+            return P(*[TP_AXIS if a == "heads" or (a == "kv_heads" and rep == 1) else None for a in axes])
+
+        specs = jax.tree_util.tree_map_with_path(spec, state, is_leaf=_is_var)
+
+        def fix(st, rank):
+            """Per rank: a row-parallel output bias counts once; replicated kv heads sliced to the rank's."""
+            def one(path, v):
+                keys = [str(getattr(p, "key", p)) for p in path]
+                axes = v.get_metadata().get("axes") or ()
+                x = v.get_value()
+                if keys[:2] == ["o_proj", "b"]:
+                    x = jnp.where(rank == 0, x, jnp.zeros_like(x))
+                elif rep > 1 and axes and axes[-1] == "kv_heads":
+                    x = jax.lax.dynamic_slice_in_dim(x, (rank // rep) * hd, hd, axis=x.ndim - 1)
+                return v.replace(x)
+            return jax.tree_util.tree_map_with_path(one, st, is_leaf=_is_var)
+
+        return gd_local, state, specs, fix
+
+    def attention_fn(self, attn, positions: jax.Array, segment_ids: Optional[jax.Array] = None):
+        """fn(normalised attention input xn [b, s, d]) -> attention output [b, s, d] (replicated over
+        tensor): each rank runs its heads (the layer's own code, model/attention.py) and the output
+        projection's partial sum is psum'd over `tensor`."""
+        gd, state, specs, fix = self._split_attention(attn)
+        bspec = P(DATA_AXIS, None)
+
+        def body(st, xn, pos, seg):
+            local = nnx.merge(gd, fix(st, jax.lax.axis_index(TP_AXIS)))
+            o = local(xn, pos, seg)
+            with jax.named_scope("attention_allreduce"):
+                return jax.lax.psum(o, TP_AXIS)
+
+        def fn(xn):
+            seg_spec = None if segment_ids is None else bspec
+            f = jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P(DATA_AXIS, None, None), bspec, seg_spec),
+                              out_specs=P(DATA_AXIS, None, None), check_vma=False)
+            return f(state, xn, positions, segment_ids)
+
+        return fn
+
+    def cached_attention(self, attn, xn: jax.Array, positions: jax.Array, entry: tuple, start: jax.Array,
+                         mask: jax.Array) -> tuple[jax.Array, tuple]:
+        """KV-cache attention of one layer: xn [b, t, d] normalised input at positions [b, t]; entry
+        (k, v) [b, L, heads, dim] sharded by cache_sharding; new keys/values written at slots
+        [start, start + t); mask [b, 1, t, L] -> (output [b, t, d] after the all-reduce, new entry)."""
+        gd, state, specs, fix = self._split_attention(attn)
+        b3, cache = P(DATA_AXIS, None, None), P(DATA_AXIS, None, TP_AXIS, None)
+
+        def body(st, xn, pos, kc, vc, start, mask):
+            local = nnx.merge(gd, fix(st, jax.lax.axis_index(TP_AXIS)))
+            with jax.named_scope("attention_qkv"):
+                q, k, v = local.qkv(xn, pos)
+            kc = jax.lax.dynamic_update_slice(kc, k.astype(kc.dtype), (0, start, 0, 0))
+            vc = jax.lax.dynamic_update_slice(vc, v.astype(vc.dtype), (0, start, 0, 0))
+            with jax.named_scope("attention_core"):
+                o = attention_core(q, kc, vc, mask, local.scale)
+            with jax.named_scope("attention_out"):
+                o = local.project_out(o, xn)
+            with jax.named_scope("attention_allreduce"):
+                return jax.lax.psum(o, TP_AXIS), kc, vc
+
+        f = jax.shard_map(body, mesh=self.mesh,
+                          in_specs=(specs, b3, P(DATA_AXIS, None), cache, cache, P(), P(DATA_AXIS, None, None, None)),
+                          out_specs=(b3, cache, cache), check_vma=False)
+        o, kc, vc = f(state, xn, positions, entry[0], entry[1], start, mask)
+        return o, (kc, vc)
+
+    def forward(self, model, tokens: jax.Array, positions: Optional[jax.Array] = None,
+                segment_ids: Optional[jax.Array] = None, *, farskip: Optional[FarSkipConfig] = None, **kw):
+        """The model's forward (ModelOutput) with tensor-parallel attention; `model` from inference_model."""
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        fns = [self.attention_fn(blk.attn, positions, segment_ids) for blk in model.layers]
+        return model(tokens, positions, segment_ids, farskip=farskip, attention_fns=fns, **kw)
+
+
+# --------------------------------------------------------------------------------------------------
+# building / placing a model for the layout
+# --------------------------------------------------------------------------------------------------
+
+
+def inference_model(cfg: Config, mesh: Mesh, state):
+    """A Transformer of cfg for the tp_ep layout on `mesh`: the ReplicatedEPCompute backend and
+    parameters placed by tp_ep_state_shardings. state: a model state from any layout or device
+    (an nnx.State, or the {params, bias, rest} dict of eval/loading.py), resharded onto this one.
+    Fresh parameters: `nnx.state(parallel.build.create_model(cfg))`."""
+    from farskip_jax.model.transformer import Transformer
+    from farskip_jax.parallel.build import config_on
+
+    check_tp_ep(cfg, mesh)
+    cfg = config_on(cfg, mesh)
+    rc = ReplicatedEPCompute(mesh)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), routed_compute=rc)))
+    if isinstance(state, dict):
+        state = nnx.merge_state(*(state[k] for k in ("params", "bias", "rest") if k in state))
+    model = nnx.merge(graphdef, abstract)
+    nnx.update(model, jax.device_put(state, tp_ep_state_shardings(state, mesh, cfg)))
+    return model
+
+
+def layout_for(cfg: Config, mesh: Optional[Mesh]) -> Optional[TpEpLayout]:
+    """TpEpLayout when cfg.inference.layout is tp_ep (a mesh is then required), else None."""
+    if cfg.inference.layout != "tp_ep":
+        return None
+    if mesh is None:
+        raise ConfigError("inference.layout=tp_ep needs a device mesh (parallel.make_mesh(cfg.mesh))")
+    check_tp_ep(cfg, mesh)
+    return TpEpLayout(mesh)
+
+
+def abstract_inference_model(cfg: Config, mesh: Mesh):
+    """(graphdef, state) of cfg's tp_ep model with every leaf a ShapeDtypeStruct carrying its
+    NamedSharding: nothing is materialised, so programs for compile-only GPU devices (a mesh over
+    analysis.deviceless.gpu_devices) lower on a CPU host (eval/serving.py builds them)."""
+    from farskip_jax.model.transformer import Transformer
+    from farskip_jax.parallel.build import config_on
+
+    check_tp_ep(cfg, mesh)
+    cfg = config_on(cfg, mesh)
+    rc = ReplicatedEPCompute(mesh)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), routed_compute=rc)))
+    shardings = tp_ep_state_shardings(state, mesh, cfg)
+
+    def one(v, s):
+        x = v.get_value()
+        return v.replace(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s))
+
+    return graphdef, jax.tree.map(one, state, shardings, is_leaf=_is_var)
