@@ -47,6 +47,7 @@ import tempfile
 import os
 import sys
 import time
+from typing import Optional
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -96,20 +97,18 @@ def compile_one(cfg, variant, program, batch, seq, n, gpus_per_node, nodes, flag
 
 
 def entry_of(c: dict, hardware: str, links_over: dict, streams: str, fused_attention: bool = True,
-             steady: bool = True) -> dict:
+             steady: bool = True, retime_gpus_per_node: Optional[int] = None) -> dict:
     """The figures of one compiled variant: its schedule re-timed by the two-stream model on the
     multi-node topology, as XLA scheduled it and with every all-to-all synchronous (no overlap)."""
-    import dataclasses
-
     from farskip_jax.analysis.cost_model import HARDWARE, optimizer_step, simulate
     from farskip_jax.analysis.report import ALL_TO_ALLS, analyze
-    from farskip_jax.analysis.topology import LINKS, Topology
+    from farskip_jax.analysis.topology import LINKS, Topology, resized
 
     nodes = c["node_of"]
+    if retime_gpus_per_node:  # the same program on nodes of another size (XLA's schedule ignores hosts)
+        nodes = tuple(i // retime_gpus_per_node for i in range(len(nodes)))
     per = max(nodes.count(x) for x in set(nodes))
-    lk = dataclasses.replace(LINKS[hardware], gpus_per_node=per, **({} if LINKS[hardware].switch else
-                                                                    {"intra_links": per - 1}), **links_over)
-    topo = Topology(lk, nodes)
+    topo = Topology(resized(LINKS[hardware], per, **links_over), nodes)
     hw = HARDWARE[hardware]
     own = ("all-reduce", "all-gather", "reduce-scatter") if streams == "split" else ()
     sched = c["schedule"]
@@ -128,7 +127,7 @@ def entry_of(c: dict, hardware: str, links_over: dict, streams: str, fused_atten
         "bound_fwd": m.totals("fwd")["bound_frac"], "bound_bwd": m.totals("bwd")["bound_frac"],
         "other_coll_exposed_us": m.other_exposed, "a2a_bytes": sum(p.bytes for p in a2a),
         "a2a_cross_node_fraction": max((topo.crossing_fraction(p.groups) for p in a2a), default=0.0),
-        "nodes": c["nodes"], "compile_s": c["compile_s"], "xla_step_us": c["xla_step_us"],
+        "nodes": len(set(nodes)), "compile_s": c["compile_s"], "xla_step_us": c["xla_step_us"],
         "peak_memory_gib": c["peak_memory"] / 2**30,
     }
 
@@ -179,15 +178,18 @@ def rows_of(results: dict, model: str, lever: str, program: str) -> list[dict]:
     return rows
 
 
-def table_md(rows: list[dict], title: str) -> str:
+def table_md(rows: list[dict], title: str, base: Optional[list[dict]] = None) -> str:
+    """Markdown table of rows_of(); `base` = the rows of lever `none`: adds farskip's speedup over
+    the default (bf16, one exchange) no-overlap standard, i.e. the lever and FarSkip together."""
     cols = [("standard", "standard (XLA overlap)"), ("farskip", "farskip"), ("foe", "FoE H=nodes"),
             ("foe_farskip", "FoE + farskip"), ("ceiling", "ceiling")]
     out = [f"### {title}", "",
            "Step time (ms) and speedup over standard WITHOUT overlap (the paper's baseline) / over XLA's "
            "overlapped standard.", "",
            "| EP | GPUs (nodes) | batch x seq | a2a share | cross-node | no overlap | "
-           + " | ".join(c for _, c in cols) + " | paper farskip |",
-           "|---|---|---|---|---|---|" + "---|" * len(cols) + "---|"]
+           + " | ".join(c for _, c in cols) + " | paper farskip |" + (" farskip / `none` no overlap |" if base else ""),
+           "|---|---|---|---|---|---|" + "---|" * len(cols) + "---|" + ("---|" if base else "")]
+    base_of = {(r["ep"], r["data"], r["batch"], r["seq"]): r for r in base or []}
     for r in rows:
         cells = []
         for var, _ in cols:
@@ -198,12 +200,19 @@ def table_md(rows: list[dict], title: str) -> str:
         paper = f"{PAPER[r['ep']]:.2f}x" if r["ep"] in PAPER and r["data"] == 1 else "-"
         out.append(f"| {r['ep']} | {r['ep'] * r['data']} ({r['nodes']}) | {r['batch']} x {r['seq']} | "
                    f"{100 * r['a2a_share']:.1f}% | {100 * r['cross']:.0f}% | {r['no_overlap_ms']:.2f} | "
-                   + " | ".join(cells) + f" | {paper} |")
+                   + " | ".join(cells) + f" | {paper} |" + (_vs_base(r, base_of) if base else ""))
     hid = [f"EP {r['ep']}: standard {100 * r['std_hidden'][0]:.1f} / {100 * r['std_hidden'][1]:.1f}%"
            + (f", farskip {100 * r['fs_hidden'][0]:.1f} / {100 * r['fs_hidden'][1]:.1f}%" if r["fs_hidden"] else "")
            for r in rows]
     out += ["", "All-to-all time hidden, forward / backward: " + "; ".join(hid) + "."]
     return "\n".join(out)
+
+
+def _vs_base(r: dict, base_of: dict) -> str:
+    b = base_of.get((r["ep"], r["data"], r["batch"], r["seq"]))
+    if b is None or "farskip_ms" not in r:
+        return " - |"
+    return f" {b['no_overlap_ms'] / r['farskip_ms']:.3f}x |"
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
@@ -276,6 +285,8 @@ def main() -> int:
                     help="inf: time per micro-batch in the steady state of gradient accumulation (gradient "
                          "reductions and the parameter update, once per step, priced at zero); 1: one "
                          "micro-batch per step, everything counted")
+    ap.add_argument("--retime-gpus-per-node", type=int, default=None,
+                    help="re-time the cached programs on nodes of this many GPUs (e.g. 4: EP 32 on 8 nodes x 4)")
     ap.add_argument("--nic-gbps", type=float, default=None, help="NIC line rate, Gb/s (default 400)")
     ap.add_argument("--inter-eff", type=float, default=None, help="achieved / NIC line rate (default 0.8)")
     ap.add_argument("overrides", nargs="*")
@@ -301,7 +312,8 @@ def main() -> int:
         lever_over, lever_flags = LEVERS[a.lever]
         tag = a.lever + ("+one_stream" if a.streams == "one" else "") + (f"+nic{a.nic_gbps:g}" if a.nic_gbps else "") \
             + (f"+eff{a.inter_eff:g}" if a.inter_eff else "") + ("+naive_attn" if a.attention == "naive" else "") \
-            + ("+accum1" if a.accum == "1" else "")
+            + ("+accum1" if a.accum == "1" else "") \
+            + (f"+{a.retime_gpus_per_node}gpn" if a.retime_gpus_per_node else "")
         flags = dict(preset_options("cuda_hopper"), **LHS_FLAGS, **lever_flags)
         for b in [int(x) for x in a.per_gpu_batch.split(",")]:
             for ep in [int(x) for x in a.ep.split(",")]:
@@ -335,7 +347,7 @@ def main() -> int:
                                 pickle.dump(c, f)
                             log(f"[multinode] {k}: compiled in {time.time() - t0:.0f}s")
                         results[rk] = entry_of(c, a.hardware, links_over, a.streams, a.attention == "fused",
-                                               a.accum == "inf")
+                                               a.accum == "inf", a.retime_gpus_per_node)
                         with open(res_path, "w") as f:
                             json.dump(results, f, indent=1, sort_keys=True)
                         e = results[rk]
@@ -352,7 +364,8 @@ def main() -> int:
         for lever in sorted({k.split("|")[1] for k in results}):
             rows = rows_of(results, a.model, lever, prog)
             if rows:
-                md += [table_md(rows, f"{prog}, lever `{lever}`"), ""]
+                base = rows_of(results, a.model, "none", prog) if lever != "none" else None
+                md += [table_md(rows, f"{prog}, lever `{lever}`", base), ""]
                 if lever == a.lever:
                     plot(rows, os.path.join(a.out, f"scaling_{a.model}_{prog}_{lever}.png"),
                          f"{a.model} {prog} (lever {lever}): two-stream {a.hardware}, 8 x 400 Gb/s NICs per node")

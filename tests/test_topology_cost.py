@@ -62,7 +62,9 @@ def test_switch_vs_full_mesh_and_single_node_formula():
     four = Topology.of(LINKS["mi325x"], 32)
     assert four.num_nodes == 4 and four.links.inter_bw == pytest.approx(0.8 * 400 * GBIT)
     assert four.all_to_all_us(32e6) == pytest.approx(20.0 + 1e6 * 24e6 / (0.8 * 50e9))
-    assert Topology.of(LINKS["mi325x"], 32, gpus_per_node=4).links.intra_links == 3
+    small = Topology.of(LINKS["mi325x"], 32, gpus_per_node=4).links
+    assert small.intra_links == 3 and small.nics_per_node == 4  # one NIC per GPU stays one per GPU
+    assert small.inter_bw == pytest.approx(four.links.inter_bw)
     with pytest.raises(ConfigError, match="gpus_per_node"):
         Topology.of(LINKS["mi325x"], 12, gpus_per_node=8)
 

@@ -90,6 +90,17 @@ LINKS = {
 }
 
 
+def resized(links: Links, gpus_per_node: int, **overrides) -> Links:
+    """`links` on nodes of `gpus_per_node` GPUs: a full mesh has gpus_per_node - 1 links per GPU, and
+    each GPU keeps its NIC share (nics_per_node scales with the GPUs: one 400 Gb/s NIC per GPU stays
+    one per GPU); `overrides` replace fields afterwards."""
+    import dataclasses
+
+    nics = max(1, round(links.nics_per_node * gpus_per_node / links.gpus_per_node))
+    full_mesh = {} if links.switch else {"intra_links": gpus_per_node - 1}
+    return dataclasses.replace(links, gpus_per_node=gpus_per_node, nics_per_node=nics, **{**full_mesh, **overrides})
+
+
 @dataclass(frozen=True)
 class Topology:
     """`links` + which node each logical device id (a position in the program's device
@@ -102,25 +113,18 @@ class Topology:
     def of(cls, links: Links, num_devices: int, gpus_per_node: Optional[int] = None, **overrides) -> "Topology":
         """Devices 0..num_devices-1 on consecutive nodes of gpus_per_node (default links.gpus_per_node).
         `overrides` replace Links fields (e.g. nic_bw=200 * GBIT, inter_eff=0.6)."""
-        import dataclasses
-
         per = gpus_per_node or links.gpus_per_node
         if per < 1 or num_devices % per:
             raise ConfigError(f"{num_devices} devices do not fill nodes of {per} GPUs; pick gpus_per_node dividing "
                               f"{num_devices}")
-        full_mesh = {} if links.switch else {"intra_links": per - 1}
-        links = dataclasses.replace(links, gpus_per_node=per, **{**full_mesh, **overrides})
-        return cls(links, tuple(i // per for i in range(num_devices)))
+        return cls(resized(links, per, **overrides), tuple(i // per for i in range(num_devices)))
 
     @classmethod
     def of_mesh(cls, links: Links, mesh, **overrides) -> "Topology":
         """From a mesh of (compile-only) devices: node = the device's process_index (host)."""
-        import dataclasses
-
         nodes = tuple(int(d.process_index) for d in mesh.devices.flat)
         per = max(nodes.count(n) for n in set(nodes))
-        full_mesh = {} if links.switch else {"intra_links": per - 1}
-        return cls(dataclasses.replace(links, gpus_per_node=per, **{**full_mesh, **overrides}), nodes)
+        return cls(resized(links, per, **overrides), nodes)
 
     @property
     def num_nodes(self) -> int:
