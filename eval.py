@@ -6,6 +6,8 @@ generation, the first-N/last-N conversion sweep, or lm-eval-harness tasks.
     python eval.py --run runs/distill_tiny --which best --mode compare --teacher-run runs/tiny
     python eval.py --run runs/distill_tiny --which best --mode tasks --tasks data/task.jsonl
     python eval.py --run runs/tiny --mode generate --prompt "def main(" eval.max_new_tokens=64
+    python eval.py --run runs/tiny --mode generate --prompt "def main(" --prompt "import " \
+        inference.layout=tp_ep mesh.data=1 mesh.expert=2 mesh.tensor=4     # TP attention, EP 8 MoE
     python eval.py --run runs/tiny --mode sweep --out runs/tiny/sweep              # CSV + PNG
     python eval.py --hf path/to/hf_folder --mode lm_eval --lm-eval-tasks hellaswag --limit 100
 
@@ -53,7 +55,13 @@ def run(a) -> dict:
         raise ConfigError("pass exactly one of --run RUN_DIR or --hf HF_FOLDER")
     if a.run:
         which = int(a.which) if a.which.isdigit() else a.which
-        cfg, graphdef, st = load_run(a.run, which, config_overrides=ov or None)
+        # the tp_ep inference layout restores replicated, then eval/serving.py reshards onto its mesh
+        mesh = None
+        if a.mode == "generate" and ov.get("inference.layout", "") == "tp_ep":
+            from farskip_jax.eval.serving import restore_mesh
+
+            mesh = restore_mesh()
+        cfg, graphdef, st = load_run(a.run, which, mesh=mesh, config_overrides=ov or None)
     else:
         cfg, graphdef, st = load_hf(a.hf, overrides=ov or None)  # an exported connectivity, then the overrides
     tok = load_tokenizer(a.tokenizer or cfg.data.tokenizer)
@@ -80,17 +88,19 @@ def run(a) -> dict:
             raise ConfigError("--mode tasks needs --tasks file.jsonl ... (or eval.tasks in the config)")
         res["tasks"] = score_tasks(graphdef, st, paths, tok, cfg.farskip, max_len=cfg.model.max_seq_len)
     elif a.mode == "generate":
-        import numpy as np
-        from flax import nnx
-
         from farskip_jax.eval.generate import generate
+        from farskip_jax.eval.serving import serving_model
 
-        model = nnx.merge(graphdef, st["params"], st["bias"], st["rest"])
+        model, layout = serving_model(cfg, graphdef, st)  # inference.layout=tp_ep: the paper's TP/EP mesh
         head = [tok.bos_id] if getattr(tok, "bos_id", None) is not None else []
-        ids = np.asarray([head + [int(t) for t in tok.encode(a.prompt)]], np.int32)
+        prompts = a.prompt or [""]
+        ids = [head + [int(t) for t in tok.encode(p)] for p in prompts]  # ragged: left-padded by generate
         g = generate(model, ids, cfg.eval.max_new_tokens, farskip=cfg.farskip, temperature=cfg.eval.temperature,
-                     top_p=cfg.eval.top_p, seed=a.seed, eos_id=getattr(tok, "eos_id", None))
-        res.update(prompt=a.prompt, completion=tok.decode(g.tokens[0, ids.shape[1]:]))
+                     top_p=cfg.eval.top_p, seed=a.seed, eos_id=getattr(tok, "eos_id", None), layout=layout)
+        done = [tok.decode(g.completion(i)) for i in range(len(ids))]
+        res.update(prompt=prompts[0], completion=done[0], layout=cfg.inference.layout)
+        if len(prompts) > 1:
+            res.update(prompts=prompts, completions=done)
     elif a.mode == "sweep":
         from farskip_jax.eval.sweep import conversion_sweep, plot_sweep, write_csv
 
@@ -119,7 +129,7 @@ def main(argv=None) -> int:
     p.add_argument("--mode", choices=MODES, default="loss")
     p.add_argument("--teacher-run", help="compare: teacher weights from this run (default: the same weights)")
     p.add_argument("--tasks", nargs="*", help="tasks: JSONL files {context, choices, label}")
-    p.add_argument("--prompt", default="", help="generate: the prompt text")
+    p.add_argument("--prompt", action="append", help="generate: a prompt (repeat for a batch of requests)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batches", type=int, default=0, help="validation batches (default eval.batches)")
     p.add_argument("--tokenizer", help="tokenizer (default data.tokenizer of the config)")

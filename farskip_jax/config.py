@@ -430,7 +430,7 @@ class Config:
                 f"moe.num_experts={e.num_experts} is not divisible by the expert-parallel size "
                 f"mesh.expert={self.mesh.expert}; pick an expert-parallel size that divides the experts",
             )
-        if self.mesh.expert > 1:
+        if self.mesh.expert > 1 and self.inference.layout != "tp_ep":  # tp_ep has its own MoE exchange
             _check(
                 e.dispatch != "local",
                 f"mesh.expert={self.mesh.expert} needs moe.dispatch: all_to_all or ragged (got 'local')",

@@ -27,7 +27,7 @@ from test_parallel_overlap import entry_graph, reachable_from
 
 def tiny_cfg(mesh=None, **model_kw):
     m = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=8, num_kv_heads=8, mlp_hidden=64, first_k_dense=1,
-             max_seq_len=128)
+             max_seq_len=128, attention_impl="naive")  # the plain core on one device too (no CPU kernel)
     m.update(model_kw)
     mesh = mesh or MeshConfig(data=1, tensor=8)
     # moe.dispatch is the training layout's; its check wants all_to_all when mesh.expert > 1

@@ -13,9 +13,18 @@ of its own representation.
 
     out = generate(model, prompt_bp, max_new_tokens=32)                   # greedy, cfg.farskip
     out = generate(model, prompt_bp, 32, farskip=FarSkipConfig(), temperature=0.8, top_p=0.9, seed=1)
+    out = generate(model, [[5, 6, 7], [8, 9]], 16, layout=TpEpLayout(mesh))   # ragged, on a mesh
     out.tokens [b, P + new] (rows stop at eos_id: later tokens are eos), out.logits [b, new, V]
 
-Prompts in one batch share a length P (positions 0..P-1); `prefill` handles all P tokens in one call.
+Requests of different lengths: a list of token sequences is left-padded to the longest, P (`pad_id`;
+`out.pad` [b] pad tokens per row, `out.lengths` [b] prompt lengths). Row j's token in cache slot i
+sits at position i - pad[j]; pad slots are never keys (position FAR) and pad queries sit at position
+0, so a row's tokens see exactly its own prompt: its logits equal its own unpadded full forward.
+Every row writes slot P + n at decode step n. The prefill handles all P slots in one call.
+
+On a mesh (`layout`, parallel/inference.py TpEpLayout, the paper's TP-attention / replicated-MoE
+serving layout): the model must come from parallel.inference.inference_model; attention heads and
+the cache's heads are split over `tensor`, rows over `data`; the decode step is the same program.
 A dropless MoE (capacity_factor null) gives exactly the full forward; with a capacity, tokens routed
 together can drop differently than in a full-sequence forward.
 """
@@ -32,6 +41,7 @@ import numpy as np
 from flax import nnx
 
 from farskip_jax.config import FarSkipConfig
+from farskip_jax.errors import ConfigError
 from farskip_jax.model.attention import attention_core, attention_mask
 from farskip_jax.model.foe import group_project_out, group_qkv
 
@@ -40,14 +50,38 @@ FAR = np.iinfo(np.int32).max  # position given to empty cache slots: never <= a 
 
 @dataclasses.dataclass
 class Generation:
-    tokens: np.ndarray  # [b, P + new]
+    tokens: np.ndarray  # [b, P + new], prompts left-padded to P
     logits: np.ndarray  # [b, new, vocab] logits that produced each new token
+    pad: Optional[np.ndarray] = None  # [b] pad tokens before each row's prompt
+    lengths: Optional[np.ndarray] = None  # [b] prompt lengths
+
+    def completion(self, row: int) -> np.ndarray:
+        """The new tokens of one row (eos-filled after its eos)."""
+        return self.tokens[row, self.tokens.shape[1] - self.logits.shape[1]:]
 
 
-def init_cache(model, batch: int, max_len: int) -> tuple:
+def pad_prompts(prompts, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """A [b, P] array (returned as is) or a list of b token sequences -> (tokens [b, P] left-padded
+    with pad_id, pad [b] int32 pad tokens per row)."""
+    if isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) == 2:
+        arr = np.asarray(prompts, np.int32)
+        return arr, np.zeros((arr.shape[0],), np.int32)
+    seqs = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
+    if not seqs or min(len(q) for q in seqs) == 0:
+        raise ConfigError("generate needs at least one prompt and no empty prompt (give each row >= 1 token, e.g. BOS)")
+    p = max(len(q) for q in seqs)
+    out = np.full((len(seqs), p), pad_id, np.int32)
+    for i, q in enumerate(seqs):
+        out[i, p - len(q):] = q
+    return out, np.asarray([p - len(q) for q in seqs], np.int32)
+
+
+def init_cache(model, batch: int, max_len: int, layout=None) -> tuple:
     """Zero KV cache: per layer (k [b, max_len, kv, d], v [b, max_len, kv, dv]) in the compute dtype.
     Federation of Experts (moe.num_groups = H > 1): k, v [H*b, max_len, kv/H, d] (group h's heads of
-    sequence j at row h*b + j, as model/foe.py folds groups into the batch)."""
+    sequence j at row h*b + j, as model/foe.py folds groups into the batch). On a `layout`
+    (parallel/inference.TpEpLayout): heads split over `tensor` (replicated kv heads: one per rank),
+    rows over `data`, created in place on the mesh."""
     d = model.cfg.model.d_model
     hg = model.cfg.moe.num_groups
     cache = []
@@ -59,7 +93,14 @@ def init_cache(model, batch: int, max_len: int) -> tuple:
             qkv, x = block.attn.qkv, jax.ShapeDtypeStruct((batch, 1, d), jnp.float32)
         q, k, v = jax.eval_shape(qkv, x, jax.ShapeDtypeStruct((batch, 1), jnp.int32))
         rows = k.shape[0]
-        cache.append((jnp.zeros((rows, max_len) + k.shape[2:], k.dtype), jnp.zeros((rows, max_len) + v.shape[2:], v.dtype)))
+        ks, vs = (rows, max_len) + k.shape[2:], (rows, max_len) + v.shape[2:]
+        if layout is None:
+            cache.append((jnp.zeros(ks, k.dtype), jnp.zeros(vs, v.dtype)))
+            continue
+        hk, hv = layout.cache_heads(model.cfg.model, ks[2]), layout.cache_heads(model.cfg.model, vs[2])
+        zeros = jax.jit(lambda: (jnp.zeros(ks[:2] + (hk,) + ks[3:], k.dtype), jnp.zeros(vs[:2] + (hv,) + vs[3:], v.dtype)),
+                        out_shardings=(layout.cache_sharding(),) * 2)
+        cache.append(zeros())
     return tuple(cache)
 
 
@@ -76,26 +117,40 @@ def _write_cache(entry: tuple, k: jax.Array, v: jax.Array, start: jax.Array) -> 
     return kc, vc
 
 
-def decode_step(model, tokens: jax.Array, start: jax.Array, cache: tuple, farskip: FarSkipConfig):
-    """Run tokens [b, t] at positions start..start+t-1 against the cache -> (logits [b, t, V] f32, cache).
+def slot_positions(start: jax.Array, t: int, max_len: int, pad: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Positions of the new tokens [b, t] (slot - pad, pad queries at 0) and of every cache slot
+    [b, max_len] after writing slots [start, start + t) (slot - pad; FAR for pad and empty slots)."""
+    slot = start + jnp.arange(t, dtype=jnp.int32)
+    positions = jnp.maximum(slot[None, :] - pad[:, None], 0)
+    slots = jnp.arange(max_len, dtype=jnp.int32)[None, :]
+    valid = (slots < start + t) & (slots >= pad[:, None])
+    return positions, jnp.where(valid, slots - pad[:, None], FAR)
+
+
+def decode_step(model, tokens: jax.Array, start: jax.Array, cache: tuple, farskip: FarSkipConfig,
+                pad: Optional[jax.Array] = None, layout=None):
+    """Run tokens [b, t] in cache slots start..start+t-1 against the cache -> (logits [b, t, V] f32, cache).
 
     The model's own forward (its streams; FoE's group sums) with each layer's attention replaced by
     one that writes the new keys/values into cache slots [start, start + t) and reads every slot;
-    slots < start must hold earlier tokens."""
+    slots < start must hold earlier tokens. pad [b]: left-pad tokens per row (module doc); layout:
+    parallel/inference.TpEpLayout (tensor-parallel cached attention), None = one program as is."""
     b, t = tokens.shape
     hg = model.cfg.moe.num_groups
-    positions = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
-    max_len = cache[0][0].shape[1]
-    slots = jnp.arange(max_len, dtype=jnp.int32)
-    k_pos = jnp.broadcast_to(jnp.where(slots < start + t, slots, FAR), (b, max_len))
+    pad = jnp.zeros((b,), jnp.int32) if pad is None else pad.astype(jnp.int32)
+    positions, k_pos = slot_positions(start, t, cache[0][0].shape[1], pad)
     q_pos, kv_pos = (jnp.tile(positions, (hg, 1)), jnp.tile(k_pos, (hg, 1))) if hg > 1 else (positions, k_pos)
     new_cache = [None] * len(model.layers)
 
     def cached_attention(i, attn):
         def fn(xn):  # normalised attention input ([b, t, d], FoE [H, b, t, d]) -> attention output
+            mask = _cache_mask(model, i, q_pos, kv_pos)
+            if layout is not None:
+                o, new_cache[i] = layout.cached_attention(attn, xn, positions, cache[i], start, mask)
+                return o
             q, k, v = group_qkv(attn, xn, positions, hg) if hg > 1 else attn.qkv(xn, positions)
             new_cache[i] = kc, vc = _write_cache(cache[i], k, v, start)
-            o = attention_core(q, kc, vc, _cache_mask(model, i, q_pos, kv_pos), attn.scale)
+            o = attention_core(q, kc, vc, mask, attn.scale)
             return group_project_out(attn, o, xn, hg) if hg > 1 else attn.project_out(o, xn)
         return fn
 
@@ -104,13 +159,15 @@ def decode_step(model, tokens: jax.Array, start: jax.Array, cache: tuple, farski
     return out.logits, tuple(new_cache)
 
 
-def make_decode_fn(graphdef, farskip: FarSkipConfig):
-    """jitted fn(state, tokens [b, t], start [], cache) -> (logits, cache); state = nnx state of the model."""
+def make_decode_fn(graphdef, farskip: FarSkipConfig, layout=None):
+    """jitted fn(state, tokens [b, t], start [], cache, pad [b]) -> (logits, cache); state = nnx
+    state of the model. With a layout, compiled with its compiler options (layout.compiler_options)."""
 
-    def fn(state, tokens, start, cache):
-        return decode_step(nnx.merge(graphdef, state), tokens, start, cache, farskip)
+    def fn(state, tokens, start, cache, pad):
+        return decode_step(nnx.merge(graphdef, state), tokens, start, cache, farskip, pad, layout)
 
-    return jax.jit(fn, donate_argnums=3)
+    opts = layout.compiler_options() if layout is not None else None
+    return jax.jit(fn, donate_argnums=3, compiler_options=opts)
 
 
 def sample_next(logits: jax.Array, key: jax.Array, temperature: float, top_p: float) -> jax.Array:
@@ -128,16 +185,22 @@ def sample_next(logits: jax.Array, key: jax.Array, temperature: float, top_p: fl
 
 
 def generate(model, prompt, max_new_tokens: int, *, farskip: Optional[FarSkipConfig] = None, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int = 0, eos_id: Optional[int] = None, decode_fn=None) -> Generation:
-    """Generate `max_new_tokens` after prompt [b, P] (see module docstring). `model`: a Transformer."""
+             top_p: float = 1.0, seed: int = 0, eos_id: Optional[int] = None, decode_fn=None, layout=None,
+             pad_id: int = 0) -> Generation:
+    """Generate `max_new_tokens` after prompt [b, P] or a list of b prompts of any lengths (see the
+    module docstring). `model`: a Transformer (on a layout: from parallel.inference.inference_model).
+    Sampling (temperature > 0, top_p) draws from jax.random.key(seed): the same seed gives the same
+    tokens, on one device or a mesh."""
     fs = farskip if farskip is not None else model.cfg.farskip
-    prompt = jnp.asarray(prompt, jnp.int32)
-    b, p = prompt.shape
+    prompt_np, pad_np = pad_prompts(prompt, pad_id)
+    b, p = prompt_np.shape
     graphdef, state = nnx.split(model)
-    fn = decode_fn or make_decode_fn(graphdef, fs)
-    cache = init_cache(model, b, p + max_new_tokens)
+    fn = decode_fn or make_decode_fn(graphdef, fs, layout)
+    put = (lambda x: jnp.asarray(x)) if layout is None else (lambda x: jax.device_put(x, layout.batch_sharding(x.ndim)))
+    pad = put(pad_np)
+    cache = init_cache(model, b, p + max_new_tokens, layout)
     key = jax.random.key(seed)
-    logits, cache = fn(state, prompt, jnp.int32(0), cache)
+    logits, cache = fn(state, put(prompt_np), jnp.int32(0), cache, pad)
     last = logits[:, -1]
     out_tokens, out_logits = [], []
     done = np.zeros((b,), bool)
@@ -151,8 +214,9 @@ def generate(model, prompt, max_new_tokens: int, *, farskip: Optional[FarSkipCon
         out_logits.append(np.asarray(last))
         if i + 1 == max_new_tokens or (eos_id is not None and done.all()):
             break
-        logits, cache = fn(state, jnp.asarray(nxt[:, None], jnp.int32), jnp.int32(p + i), cache)
+        logits, cache = fn(state, put(np.asarray(nxt[:, None], np.int32)), jnp.int32(p + i), cache, pad)
         last = logits[:, -1]
     new = np.stack(out_tokens, axis=1) if out_tokens else np.zeros((b, 0), np.int32)
-    return Generation(tokens=np.concatenate([np.asarray(prompt), new], axis=1),
-                      logits=np.stack(out_logits, axis=1) if out_logits else np.zeros((b, 0, 0), np.float32))
+    return Generation(tokens=np.concatenate([prompt_np, new], axis=1),
+                      logits=np.stack(out_logits, axis=1) if out_logits else np.zeros((b, 0, 0), np.float32),
+                      pad=pad_np, lengths=p - pad_np)

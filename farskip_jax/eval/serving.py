@@ -1,0 +1,81 @@
+"""Serving-shaped generation on a mesh: the model placed for `cfg.inference.layout`, and the prefill /
+decode programs as abstract (deviceless-lowerable) jitted functions.
+
+    model, layout = serving_model(cfg, graphdef, st)          # layout None = the training layout
+    out = generate(model, [ids_a, ids_b], 32, layout=layout)  # eval/generate.py, ragged prompts
+
+    mesh = jax.sharding.Mesh(...)                            # e.g. over analysis.deviceless.gpu_devices
+    fn, args = decode_program(cfg, mesh, batch=8, max_len=4096)           # one new token per row
+    fn, args = prefill_program(cfg, mesh, batch=8, prompt_len=1024, max_len=4096)
+    compiled = fn.lower(*args).compile(compiler_options=TpEpLayout.compiler_options())
+
+Both programs are `make_decode_fn` of eval/generate.py (the same step `generate` runs) on the tp_ep
+layout (parallel/inference.py): state, tokens [b, t], start [], cache, pad [b] as ShapeDtypeStructs
+with their shardings, so nothing is materialised and a CPU host can compile them for 8 GPUs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from farskip_jax.config import Config, MeshConfig, ModelConfig
+from farskip_jax.eval.generate import make_decode_fn
+from farskip_jax.parallel.inference import TpEpLayout, abstract_inference_model, inference_model, layout_for
+from farskip_jax.parallel.mesh import make_mesh
+
+
+def restore_mesh(devices=None) -> Mesh:
+    """The mesh a checkpoint is restored on before serving_model reshards it: every device a data
+    replica (parameters replicated), so any run's config restores whatever its moe.dispatch."""
+    return make_mesh(MeshConfig(data=-1), devices)
+
+
+def serving_model(cfg: Config, graphdef, st: dict, mesh: Optional[Mesh] = None):
+    """(model, layout) for generation with cfg.inference.layout: `training` -> the model as loaded
+    and None; `tp_ep` -> inference_model on `mesh` (default make_mesh(cfg.mesh)) and its TpEpLayout.
+    st: {params, bias, rest} (eval/loading.py)."""
+    if cfg.inference.layout != "tp_ep":
+        return nnx.merge(graphdef, st["params"], st["bias"], st["rest"]), None
+    layout = layout_for(cfg, mesh or make_mesh(cfg.mesh))
+    return inference_model(cfg, layout.mesh, st), layout
+
+
+def cache_entry_shapes(m: ModelConfig, batch: int, max_len: int, layout: TpEpLayout) -> tuple:
+    """Global (k, v) shapes of one layer's cache on the layout (GQA: kv heads, MLA: decompressed heads)."""
+    if m.attention == "mla":
+        k = (batch, max_len, m.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim)
+        v = (batch, max_len, m.num_heads, m.v_head_dim)
+    else:
+        h = layout.cache_heads(m, m.num_kv_heads)
+        k = v = (batch, max_len, h, m.resolved_head_dim)
+    return k, v
+
+
+def _program(cfg: Config, mesh: Mesh, batch: int, t: int, max_len: int):
+    layout = TpEpLayout(mesh)
+    graphdef, state = abstract_inference_model(cfg, mesh)
+    dt = jnp.dtype(cfg.model.compute_dtype)
+    cs = layout.cache_sharding()
+    ks, vs = cache_entry_shapes(cfg.model, batch, max_len, layout)
+    cache = tuple((jax.ShapeDtypeStruct(ks, dt, sharding=cs), jax.ShapeDtypeStruct(vs, dt, sharding=cs))
+                  for _ in range(cfg.model.num_layers))
+    args = (state, jax.ShapeDtypeStruct((batch, t), jnp.int32, sharding=layout.batch_sharding(2)),
+            jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())), cache,
+            jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=layout.batch_sharding(1)))
+    return make_decode_fn(graphdef, cfg.farskip, layout), args
+
+
+def decode_program(cfg: Config, mesh: Mesh, batch: int, max_len: int):
+    """(jitted decode step, abstract args): one token per row against a max_len cache, connectivity
+    cfg.farskip, on the tp_ep layout of `mesh`."""
+    return _program(cfg, mesh, batch, 1, max_len)
+
+
+def prefill_program(cfg: Config, mesh: Mesh, batch: int, prompt_len: int, max_len: int):
+    """(jitted prefill, abstract args): prompt_len tokens per row (left-padded) into a max_len cache."""
+    return _program(cfg, mesh, batch, prompt_len, max_len)
