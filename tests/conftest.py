@@ -10,3 +10,25 @@ import farskip_jax  # noqa: E402,F401  (before jax: no CUDA-plugin noise on CPU 
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """(cfg, model, graphdef, {params, bias, rest}) of a 2-layer byte-level MoE with scaled-up weights
+    (opinionated predictions), for the scoring tests (test_eval.py, test_lm_eval_real.py)."""
+    from flax import nnx
+
+    from farskip_jax.config import Config, ModelConfig, MoEConfig, TrainConfig
+    from farskip_jax.model.transformer import Transformer
+    from farskip_jax.train.step import split_model
+
+    cfg = Config(model=ModelConfig(vocab_size=320, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                                   mlp_hidden=64, max_seq_len=64),
+                 moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32), train=TrainConfig(seq_len=32))
+    model = Transformer(cfg, rngs=nnx.Rngs(1))
+    nnx.update(model, jax.tree.map(lambda x: x * 5.0, nnx.state(model, nnx.Param)))
+    graphdef, params, bias, rest = split_model(model)
+    return cfg, model, graphdef, dict(params=params, bias=bias, rest=rest)

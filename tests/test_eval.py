@@ -3,31 +3,16 @@
 import csv
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from farskip_jax.config import Config, FarSkipConfig, ModelConfig, MoEConfig, TrainConfig
+from farskip_jax.config import FarSkipConfig
 from farskip_jax.data.tokenizer import ByteTokenizer
 from farskip_jax.errors import DataError
 from farskip_jax.eval.lm_eval_adapter import FarSkipLM
 from farskip_jax.eval.sweep import conversion_sweep, plot_sweep, write_csv
 from farskip_jax.eval.tasks import LoglikScorer, load_task, score_task
-from farskip_jax.model.transformer import Transformer
-from farskip_jax.train.step import split_model
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    cfg = Config(model=ModelConfig(vocab_size=320, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1,
-                                   mlp_hidden=64, max_seq_len=64),
-                 moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32), train=TrainConfig(seq_len=32))
-    model = Transformer(cfg, rngs=nnx.Rngs(1))
-    nnx.update(model, jax.tree.map(lambda x: x * 5.0, nnx.state(model, nnx.Param)))  # opinionated predictions
-    graphdef, params, bias, rest = split_model(model)
-    return cfg, model, graphdef, dict(params=params, bias=bias, rest=rest)
 
 
 def oracle_loglik(model, fs, ctx: str, cont: str) -> float:

@@ -14,16 +14,14 @@ import json
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 lm_eval = pytest.importorskip("lm_eval")  # CI installs the lmeval extra, so this runs there
 
-from farskip_jax.config import Config, FarSkipConfig, ModelConfig, MoEConfig, TrainConfig  # noqa: E402
+from farskip_jax.config import FarSkipConfig  # noqa: E402
 from farskip_jax.data.tokenizer import ByteTokenizer  # noqa: E402
 from farskip_jax.errors import ConfigError, DataError  # noqa: E402
 from farskip_jax.eval.lm_eval_adapter import FarSkipLM, lm_eval_class, run_lm_eval  # noqa: E402
 from farskip_jax.eval.tasks import LoglikScorer, load_task, score_task  # noqa: E402
-from farskip_jax.model.transformer import Transformer  # noqa: E402
 from farskip_jax.train.step import split_model  # noqa: E402
 
 FS = FarSkipConfig(preset="farskip")
@@ -46,17 +44,6 @@ def offline():
         for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
             mp.setenv(v, "1")
         yield
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    cfg = Config(model=ModelConfig(vocab_size=320, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1,
-                                   mlp_hidden=64, max_seq_len=64),
-                 moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32), train=TrainConfig(seq_len=32))
-    model = Transformer(cfg, rngs=nnx.Rngs(1))
-    nnx.update(model, jax.tree.map(lambda x: x * 5.0, nnx.state(model, nnx.Param)))  # opinionated predictions
-    graphdef, params, bias, rest = split_model(model)
-    return cfg, model, graphdef, dict(params=params, bias=bias, rest=rest)
 
 
 def _write_jsonl(path, recs):
