@@ -51,7 +51,8 @@ def reference(cfg, seed=3):
         return v.replace(jax.device_put((1 + 0.1 * r if norm else 0.08 * r).astype(x.dtype), jax.devices()[0]))
 
     graphdef, state = nnx.split(model)
-    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(fill, state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(fill, state, is_leaf=is_var))
 
 
 def assert_close(got, want):

@@ -97,10 +97,10 @@ def init_cache(model, batch: int, max_len: int, layout=None) -> tuple:
         if layout is None:
             cache.append((jnp.zeros(ks, k.dtype), jnp.zeros(vs, v.dtype)))
             continue
-        hk, hv = layout.cache_heads(model.cfg.model, ks[2]), layout.cache_heads(model.cfg.model, vs[2])
-        zeros = jax.jit(lambda: (jnp.zeros(ks[:2] + (hk,) + ks[3:], k.dtype), jnp.zeros(vs[:2] + (hv,) + vs[3:], v.dtype)),
-                        out_shardings=(layout.cache_sharding(),) * 2)
-        cache.append(zeros())
+        ks = ks[:2] + (layout.cache_heads(model.cfg.model, ks[2]),) + ks[3:]
+        vs = vs[:2] + (layout.cache_heads(model.cfg.model, vs[2]),) + vs[3:]
+        sh = layout.cache_sharding()
+        cache.append((jnp.zeros(ks, k.dtype, device=sh), jnp.zeros(vs, v.dtype, device=sh)))
     return tuple(cache)
 
 

@@ -27,7 +27,11 @@ runs `ReplicatedEPCompute`, the routed-compute backend the model was built with.
 compiled program has no path from the attention all-reduce of layer k to the MoE of layer k (which
 reads R_{k-1}), nor from the routed all-reduce of layer k to attention of layer k+1 (which reads
 N_k): XLA may run each all-reduce under the next sub-block (tests/test_inference_layout.py checks
-the compiled HLO). KV-cache decoding on this layout: `layout.cached_attention` (eval/generate.py).
+the compiled HLO) -- provided its all-reduce combiner does not merge the two (now independent)
+all-reduces of a layer back into one: programs of this layout compile with
+`TpEpLayout.compiler_options()` (`forward_fn`, eval/generate.make_decode_fn pass it to jax.jit).
+KV-cache decoding: `layout.cached_attention` (eval/generate.py). Deviceless lowering for GPUs:
+`abstract_inference_model` (eval/serving.py builds the prefill / decode programs).
 """
 
 from __future__ import annotations
