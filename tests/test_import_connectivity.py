@@ -96,6 +96,18 @@ def test_explicit_override_wins(exported, tokens):
     assert cfg.farskip.skip_distance == section["skip_distance"]
 
 
+def test_preset_override_on_a_standard_export_converts_the_default_layers(hf_dir, tokens, tmp_path):
+    cfg, model = import_hf(hf_dir)
+    out = export_hf(model, cfg, str(tmp_path / "standard_export"))
+    back, _ = import_hf(out, overrides=["farskip.preset=farskip"])
+    assert [back.farskip.layer_inputs(i, LAYERS) for i in range(LAYERS)] == [("partial", "outdated")] * LAYERS
+    want = _logits(model, tokens, FarSkipConfig(preset="farskip"))
+    fresh, fmodel = import_hf(hf_dir, overrides=["farskip.preset=farskip"])
+    assert np.abs(_logits(fmodel, tokens) - want).max() <= TOL
+    _, bmodel = import_hf(out, overrides=["farskip.preset=farskip"])
+    assert np.abs(_logits(bmodel, tokens) - want).max() <= TOL
+
+
 def test_cli_import_prints_connectivity_and_source(exported, hf_dir, tokens, tmp_path, capsys):
     out, section, student, standard = exported
     assert cli(["import", out, str(tmp_path / "a")]) == 0

@@ -12,7 +12,9 @@ Sources, strongest last (each replaces the one before):
 3. explicit overrides (`farskip.preset=standard`, `farskip.layers=last:4`), applied key by key over the
    section of 1-2 (as a YAML override over its base). Overriding `farskip.preset` also drops the
    restored `attn_input` / `moe_input` refinements, which belonged to the restored preset, unless they
-   are overridden too: `farskip.preset=standard` always gives the standard model.
+   are overridden too: `farskip.preset=standard` always gives the standard model. A restored section
+   that converts no layers (an export of a standard model) loses its empty layer set too, so
+   `farskip.preset=farskip` on such a folder converts the preset's default layers (all).
 
 `describe(cfg, origin)` is the one line the import CLI prints.
 """
@@ -82,7 +84,10 @@ def import_connectivity(hf: dict, family_section: Optional[dict],
     if over:
         origin = ORIGIN_OVERRIDE if origin == ORIGIN_FAMILY else f"{ORIGIN_OVERRIDE} over the {origin}"
         if "preset" in over:
-            for k in ("attn_input", "moe_input"):
+            dropped = ["attn_input", "moe_input"]
+            if section.get("preset", "standard") == "standard" or not section.get("layers", "all"):
+                dropped.append("layers")  # a standard export converts no layers: the new preset's default
+            for k in dropped:
                 if k not in over:
                     section.pop(k, None)
     return section, origin
