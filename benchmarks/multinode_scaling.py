@@ -34,6 +34,7 @@ Levers (--lever, each alone on top of the defaults; docs/multinode.md):
                 dispatch, experts and combine (parallel/ep.AllToAllCompute.chunks), so the all-to-all
                 of chunk i+1 can run under the experts of chunk i (MaxText's num_moe_token_chunks)
   fp8_dispatch  the dispatch payload sent as float8_e4m3fn (DeepSeek-V3's fp8 dispatch), combine bf16
+  chunks4_fp8   both
 Cost-model levers re-time the cached compiles: --streams, --attention, --accum, --nic-gbps, --inter-eff.
 """
 
@@ -73,9 +74,11 @@ LEVERS = {
     "chunks2": ([], {}),
     "chunks4": ([], {}),
     "fp8_dispatch": ([], {}),
+    "chunks4_fp8": ([], {}),
     "limit4": ([], {"xla_gpu_experimental_parallel_collective_overlap_limit": 4}),
 }
-EP_OPTIONS = {"chunks2": {"chunks": 2}, "chunks4": {"chunks": 4}, "fp8_dispatch": {"dispatch_dtype": "float8_e4m3fn"}}
+EP_OPTIONS = {"chunks2": {"chunks": 2}, "chunks4": {"chunks": 4}, "fp8_dispatch": {"dispatch_dtype": "float8_e4m3fn"},
+              "chunks4_fp8": {"chunks": 4, "dispatch_dtype": "float8_e4m3fn"}}
 VARIANTS = ("standard", "farskip", "foe", "foe_farskip")
 
 
@@ -90,7 +93,8 @@ def compile_one(cfg, variant, program, batch, seq, n, gpus_per_node, nodes, flag
 
     (r,) = run_overlap(cfg, (variant,), (program,), batch=batch, seq=seq, target=target, num_devices=n, flags=flags,
                        hardware=None, log=log, gpus_per_node=min(gpus_per_node, n), memory_gb=memory_gb,
-                       grouped_gemm=True, cfg_for=cfg_for_variant(nodes), ep_options=ep_options)
+                       grouped_gemm=True, cfg_for=cfg_for_variant(nodes), ep_options=ep_options,
+                       probe_latency=False)
     return {"schedule": r.schedule, "node_of": tuple(int(d.process_index) for d in r.mesh.devices.flat),
             "compile_s": r.compile_s, "xla_step_us": r.report.step_time, "peak_memory": r.report.peak_memory,
             "nodes": nodes}

@@ -27,7 +27,7 @@ def _run(cfg, presets, program, **kw):
     from farskip_jax.analysis.overlap import run_overlap
 
     return run_overlap(cfg, presets, (program,), batch=8, seq=256, num_devices=8, gpus_per_node=4,
-                       hardware="mi325x", grouped_gemm=True, **kw)
+                       hardware="mi325x", grouped_gemm=True, probe_latency=False, **kw)
 
 
 def _token_a2a(r):

@@ -80,7 +80,8 @@ def run_overlap(cfg, presets: Sequence[str] = ("standard", "farskip"), programs:
                 batch: Optional[int] = None, seq: Optional[int] = None, target: str = "h100_sxm",
                 num_devices: int = 8, flags: Optional[dict] = None, hardware: Optional[str] = None,
                 log=None, gpus_per_node: Optional[int] = None, memory_gb: Optional[float] = None,
-                links=None, grouped_gemm: bool = False, cfg_for=None, ep_options: Optional[dict] = None) -> list[ProgramResult]:
+                links=None, grouped_gemm: bool = False, cfg_for=None, ep_options: Optional[dict] = None,
+                probe_latency: bool = True) -> list[ProgramResult]:
     """Compile and analyse every (preset, program); `log(msg)` receives progress lines.
 
     flags: compile options (default: the cuda_hopper preset + LHS_FLAGS).
@@ -90,7 +91,9 @@ def run_overlap(cfg, presets: Sequence[str] = ("standard", "farskip"), programs:
       which members share a node (analysis/topology.py); default LINKS[hardware] on several nodes.
     grouped_gemm: trace ragged_dot as a grouped GEMM's cost proxy (programs.grouped_gemm_proxy).
     cfg_for(preset, cfg) -> cfg: per-preset config (e.g. FoE's moe.num_groups); default sets the preset.
-    ep_options: all_to_all backend fields, e.g. {"chunks": 2} (programs.abstract_model)."""
+    ep_options: all_to_all backend fields, e.g. {"chunks": 2} (programs.abstract_model).
+    probe_latency: XLA's all-to-all latencies by compiling each distinct shape alone (deviceless
+      .collective_durations); False takes the start-to-done windows (XLA's report only; faster)."""
     from farskip_jax.analysis.cost_model import HARDWARE, simulate
     from farskip_jax.analysis.programs import analysis_mesh, forward_program, grouped_gemm_proxy, train_program
     from farskip_jax.analysis.topology import LINKS, Topology
@@ -132,7 +135,7 @@ def run_overlap(cfg, presets: Sequence[str] = ("standard", "farskip"), programs:
             dt = time.time() - t0
             log(f"[overlap]   compiled in {dt:.1f}s: {len(compiled.schedule.ops)} ops, "
                 f"{len(compiled.schedule.pairs)} async collectives; analysing ...")
-            durs = collective_durations(compiled.schedule, devices, flags)
+            durs = collective_durations(compiled.schedule, devices, flags) if probe_latency else None
             rep = analyze(compiled.schedule, durs, label=preset)
             modelled = serial = sched_hw = None
             if hardware:
