@@ -189,3 +189,16 @@ def test_optimizer_step_parts_are_free_in_the_steady_state():
     # g 2, FoE sum 5 (the gradient all-reduce queued first on the one stream: 17 + 5), l0 2, update 2
     assert full.makespan == pytest.approx(2 + 17 + 5 + 2 + 2)
     assert steady.makespan == pytest.approx(2 + 5 + 2)
+
+
+def test_ragged_payload_is_the_smaller_buffer():
+    from farskip_jax.analysis.cost_model import ragged_payload
+
+    send = _op(1, "send", "compute", (), "x", nbytes=4000)  # exact rows
+    recv = _op(2, "recv", "compute", (), "x", nbytes=32000)  # worst-case buffer
+    dispatch = _op(3, "s", "start", (1, 2), "x")
+    combine = _op(4, "s2", "start", (2, 1), "x")
+    sched = Schedule(ops=[send, recv, dispatch, combine], by_id={o.id: o for o in (send, recv, dispatch, combine)})
+    for st in (dispatch, combine):
+        pair = CollectivePair(start=st, done=st, collective="ragged-all-to-all", bytes=36000)
+        assert ragged_payload(sched, pair) == 4000.0

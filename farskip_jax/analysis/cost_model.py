@@ -14,7 +14,8 @@ Model (assumptions, all parameters of `Hardware`):
   all-gather and reduce-scatter, 2 * payload * (n-1)/n for all-reduce (ring);
 - a done blocks the compute stream until its collective has finished; communication kernels do not
   slow the compute kernels down (no SM / HBM contention: an optimistic assumption, see docs);
-- ragged all-to-all moves its whole send buffer (an upper bound: the real rows are data dependent);
+- ragged all-to-all moves the smaller of its send and receive buffers (the real rows at perfect
+  balance: the dispatch's send buffer, the combine's receive buffer; data dependent otherwise);
 - `serialize=("all-to-all", ...)` runs those collectives synchronously instead (the compute stream
   waits at the start until the transfer is over): the "no overlap" baseline of the paper's Megatron
   runs, where every all-to-all microsecond is exposed.
@@ -125,6 +126,15 @@ def optimizer_step(schedule: Schedule) -> OptimizerStep:
     return OptimizerStep(ops, pairs)
 
 
+def ragged_payload(schedule: Schedule, pair) -> float:
+    """Bytes a ragged all-to-all moves per device, modelled at perfect balance: the smaller of its
+    send buffer (operand 0) and its receive buffer (operand 1). The dispatch sends its exact rows from
+    a worst-case receive buffer, the combine sends from that worst-case buffer into the exact rows;
+    either way the real rows are the smaller buffer (data dependent otherwise)."""
+    sizes = [schedule.by_id[x].out_bytes for x in pair.start.operands[:2] if x in schedule.by_id]
+    return float(min(sizes)) if sizes else float(pair.bytes)
+
+
 def simulate(schedule: Schedule, hw: Hardware, group_size: int = 8,
              serialize: tuple[str, ...] = (), topology=None,
              own_stream: tuple[str, ...] = (), fused_attention: bool = False,
@@ -162,7 +172,7 @@ def simulate(schedule: Schedule, hw: Hardware, group_size: int = 8,
         elif o.kind == "start" and o.id in pair_of_start:
             i = pair_of_start[o.id]
             p = sched.pairs[i]
-            payload = sched.by_id[p.start.operands[0]].out_bytes if p.collective == "ragged-all-to-all" else p.bytes
+            payload = ragged_payload(sched, p) if p.collective == "ragged-all-to-all" else p.bytes
             if i in free_pairs:
                 durations[i] = 0.0
             elif topology is not None:

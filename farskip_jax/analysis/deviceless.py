@@ -160,9 +160,9 @@ def collective_durations(schedule: Schedule, devices: list, flags: Optional[dict
                          fallback_hardware: str = "h100_sxm") -> list[float]:
     """Modelled duration of every collective of `schedule.pairs`: XLA's latency for all-to-alls
     (probed once per distinct shape); ragged all-to-alls, which XLA's estimator does not cover, get
-    the two-stream model's time on `fallback_hardware` for their whole send buffer; anything else the
+    the two-stream model's time on `fallback_hardware` (payload: cost_model.ragged_payload); anything else the
     start-to-done window (exact whenever the done waits)."""
-    from farskip_jax.analysis.cost_model import HARDWARE, collective_time_us
+    from farskip_jax.analysis.cost_model import HARDWARE, collective_time_us, ragged_payload
 
     cache: dict = {}
     out = []
@@ -176,7 +176,7 @@ def collective_durations(schedule: Schedule, devices: list, flags: Optional[dict
                 cache[key] = probe_all_to_all_latency(et, dims, p.dims[0], key[3], devices, flags)
             lat = cache[key]
         elif p.collective == "ragged-all-to-all" and p.start.operands:
-            payload = schedule.by_id[p.start.operands[0]].out_bytes
+            payload = ragged_payload(schedule, p)
             lat = collective_time_us(p.collective, payload, p.group_size or len(devices), HARDWARE[fallback_hardware])
         out.append(lat if lat is not None else window)
     return out
