@@ -212,6 +212,24 @@ def table_md(rows: list[dict], title: str, base: Optional[list[dict]] = None) ->
     return "\n".join(out)
 
 
+def tag_command(model: str, tag: str, layers: Optional[int] = None) -> str:
+    """The command line of a results tag (lever + cost-model options, see main)."""
+    lever, *opts = tag.split("+")
+    flags = {"one_stream": "--streams one", "naive_attn": "--attention naive", "accum1": "--accum 1"}
+    out = [f"--model {model}", "--ep EP [--data D] [--seq S]"] + ([f"--layers {layers}"] if layers else [])
+    out += [] if lever == "none" else [f"--lever {lever}"]
+    for o in opts:
+        if o in flags:
+            out.append(flags[o])
+        elif o.startswith("nic"):
+            out.append(f"--nic-gbps {o[3:]}")
+        elif o.startswith("eff"):
+            out.append(f"--inter-eff {o[3:]}")
+        elif o.endswith("gpn"):
+            out.append(f"--retime-gpus-per-node {o[:-3]}")
+    return "`JAX_PLATFORMS=cpu python benchmarks/multinode_scaling.py " + " ".join(out) + "`"
+
+
 def _vs_base(r: dict, base_of: dict) -> str:
     b = base_of.get((r["ep"], r["data"], r["batch"], r["seq"]))
     if b is None or "farskip_ms" not in r:
@@ -361,15 +379,17 @@ def main() -> int:
                             f"waited {e['other_coll_exposed_us'] / 1e3:.2f} ms")
     md = [f"# Multi-node scaling (modelled): {a.model}, two-stream {a.hardware} model on a topology of "
           f"{a.gpus_per_node} GPUs per node", "",
-          f"Reproduce: `JAX_PLATFORMS=cpu python benchmarks/multinode_scaling.py --model {a.model} --ep {a.ep} "
-          f"--per-gpu-batch {a.per_gpu_batch} --seq {a.seq} --lever {a.lever}`"
-          + (f" `--data {a.data}`" if a.data != 1 else "") + (f" `--layers {a.layers}`" if a.layers else ""), ""]
+          "Modelled (deviceless compiles re-timed on a multi-node topology; docs/multinode.md). "
+          "Speedups: over standard WITHOUT overlap of the same lever / over XLA's overlapped standard. "
+          "Each table names the command of its rows (EP, data-parallel size D, sequence length S: the "
+          "row's columns).", ""]
     for prog in a.programs.split(","):
         for lever in sorted({k.split("|")[1] for k in results}):
             rows = rows_of(results, a.model, lever, prog)
             if rows:
                 base = rows_of(results, a.model, "none", prog) if lever != "none" else None
-                md += [table_md(rows, f"{prog}, lever `{lever}`", base), ""]
+                md += [table_md(rows, f"{prog}, lever `{lever}`", base), "",
+                       f"Reproduce a row: {tag_command(a.model, lever, a.layers)}", ""]
                 if lever == a.lever:
                     plot(rows, os.path.join(a.out, f"scaling_{a.model}_{prog}_{lever}.png"),
                          f"{a.model} {prog} (lever {lever}): two-stream {a.hardware}, 8 x 400 Gb/s NICs per node")
