@@ -237,13 +237,15 @@ def _vs_base(r: dict, base_of: dict) -> str:
     return f" {b['no_overlap_ms'] / r['farskip_ms']:.3f}x |"
 
 
-def plot(rows: list[dict], path: str, title: str) -> None:
+def plot(rows: list[dict], path: str, title: str, seq: Optional[int] = None) -> None:
+    """Speedups over no overlap against EP (pure expert-parallel rows of sequence length `seq`) and
+    the step times, with the paper's points."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in rows if r["data"] == 1]
+    rows = [r for r in rows if r["data"] == 1 and (seq is None or r["seq"] == seq)]
     if not rows:
         return
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.4))
@@ -392,7 +394,7 @@ def main() -> int:
                        f"Reproduce a row: {tag_command(a.model, lever, a.layers)}", ""]
                 if lever == a.lever:
                     plot(rows, os.path.join(a.out, f"scaling_{a.model}_{prog}_{lever}.png"),
-                         f"{a.model} {prog} (lever {lever}): two-stream {a.hardware}, 8 x 400 Gb/s NICs per node")
+                         f"{a.model} {prog} (lever {lever}): two-stream {a.hardware}, 8 x 400 Gb/s NICs per node", a.seq)
     with open(os.path.join(a.out, f"table_{a.model}.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     print("\n".join(md))
