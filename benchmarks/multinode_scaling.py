@@ -322,7 +322,6 @@ def main() -> int:
     log = lambda m: print(m, file=sys.stderr, flush=True)
     if not a.plot_only:
         from farskip_jax.analysis.deviceless import LHS_FLAGS, preset_options
-        from farskip_jax.analysis.overlap import run_overlap
         from farskip_jax.config import load_config
 
         from farskip_jax.analysis.topology import GBIT

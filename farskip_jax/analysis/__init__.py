@@ -6,6 +6,7 @@
     report.py      per-all-to-all hidden time, totals, side-by-side table
     bound.py       structural upper bound (max-flow of independent compute into collectives)
     cost_model.py  two-stream re-timing for MI300X / MI325X (hardware XLA has no spec for)
+    topology.py    collective times on several nodes: intra-node links + per-GPU NICs
     sensitivity.py the step speedup vs all-to-all bandwidth (two-stream model), paper-implied bandwidth
     programs.py    the real model's forward / train step as abstract programs
     timeline.py    one layer's compute and all-to-all streams, standard above farskip
