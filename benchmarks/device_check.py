@@ -346,7 +346,8 @@ def attention_impls(sh: dict, mask, scale: float) -> dict:
     impls = {"naive": lambda q, k, v: attention_core(q, k, v, mask, scale),
              "blockwise": lambda q, k, v: blockwise_attention_core(q, k, v, mask, scale, sh["block"]),
              "sdpa_xla": lambda q, k, v: xla_sdpa(q, k, v, "xla")}
-    if jax.default_backend() == "gpu" and "cuda" in jax.devices()[0].client.platform_version.lower():
+    kind = jax.devices()[0].device_kind.lower()
+    if jax.default_backend() == "gpu" and not any(t in kind for t in ("amd", "instinct", "mi3")):  # cuDNN: CUDA only
         impls["sdpa_cudnn"] = lambda q, k, v: xla_sdpa(q, k, v, "cudnn")
     return impls
 
