@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from farskip_jax.config import Config, DistillConfig, FarSkipConfig, ModelConfig, MoEConfig, TrainConfig
@@ -101,6 +102,27 @@ def test_distill_step_trains_student_and_leaves_teacher():
     assert kls[-1] < 0.5 * kls[0], kls
     for a, b in zip(jax.tree.leaves(t_before), jax.tree.leaves(teacher["params"])):
         np.testing.assert_array_equal(a, np.asarray(b))
+
+
+@pytest.mark.parametrize("remat", ["minimal", "full"])
+def test_distill_step_under_remat_equals_no_remat(remat):
+    """The frozen teacher goes into rematerialised blocks (configs/distill_hf.yaml uses remat=minimal):
+    one step gives the same loss and student as without remat."""
+    from farskip_jax.config import replace
+
+    out = {}
+    for r in ("none", remat):
+        cfg = replace(tiny_cfg(), **{"model.remat": r})
+        model = Transformer(cfg, rngs=nnx.Rngs(0))
+        tx, schedule = make_optimizer(cfg.train)
+        graphdef, state = init_state(model, tx, 0)
+        teacher = cast_state(state, jnp.float32)
+        step = jax.jit(make_distill_step(graphdef, cfg, tx, schedule), donate_argnums=0)
+        state, m = step(state, teacher, tiny_batch())
+        out[r] = (float(m["loss"]), jax.tree.leaves(jax.tree.map(np.asarray, state["params"])))
+    np.testing.assert_allclose(out[remat][0], out["none"][0], rtol=1e-5)
+    for a, b in zip(out[remat][1], out["none"][1]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_early_stopping_patience():

@@ -137,11 +137,24 @@ def model_state(st: dict) -> dict:
 def cast_state(st: dict, dtype) -> dict:
     """A COPY of {params, bias, rest} with floating parameters cast to `dtype` (e.g. a bf16 teacher).
 
-    Always copies so the result never aliases buffers of `st` (the student's are donated)."""
+    Always copies so the result never aliases buffers of `st` (the student's are donated). The leaves
+    are plain arrays, not nnx Variables: a frozen teacher passed into a jitted step must not carry
+    Variables of the outer trace into rematerialised blocks (flax's TraceContextError under
+    model.remat != none)."""
+    def plain(x):
+        return x.get_value() if isinstance(x, nnx.Variable) else x
+
     def cast(x):
+        x = plain(x)
         if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating):
             return jnp.array(x, dtype=dtype, copy=True)
         return jnp.array(x, copy=True) if isinstance(x, jax.Array) else x
 
-    return dict(params=jax.tree.map(cast, st["params"]), bias=jax.tree.map(lambda x: jnp.array(x, copy=True), st["bias"]),
-                rest=jax.tree.map(lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x, st["rest"]))
+    def copy(x):
+        x = plain(x)
+        return jnp.array(x, copy=True) if isinstance(x, jax.Array) else x
+
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    return dict(params=jax.tree.map(cast, st["params"], is_leaf=is_var),
+                bias=jax.tree.map(copy, st["bias"], is_leaf=is_var),
+                rest=jax.tree.map(copy, st["rest"], is_leaf=is_var))

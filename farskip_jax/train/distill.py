@@ -233,7 +233,9 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     if folder.note:
         log.print(folder.note)
     log.print("resolved config:\n" + dump_config(cfg))
-    step_fn = jax.jit(make_distill_step(graphdef, cfg, tx, schedule), donate_argnums=0)
+    shardings = jax.tree.map(lambda x: x.sharding, state)  # outputs keep the inputs' placement (as the trainer)
+    step_fn = jax.jit(make_distill_step(graphdef, cfg, tx, schedule), donate_argnums=0,
+                      out_shardings=(shardings, None) if mesh is not None else None)
     cmp_fn = make_compare_fn(graphdef, cfg.farskip)
     if step:
         log.print(f"resumed distillation from step {step}")
