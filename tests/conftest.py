@@ -32,3 +32,18 @@ def tiny():
     nnx.update(model, jax.tree.map(lambda x: x * 5.0, nnx.state(model, nnx.Param)))
     graphdef, params, bias, rest = split_model(model)
     return cfg, model, graphdef, dict(params=params, bias=bias, rest=rest)
+
+
+@pytest.fixture(scope="session")
+def h100x8():
+    """8 compile-only H100s for deviceless GPU compiles; skipped where the CUDA plugin is missing,
+    never in CI (which installs it)."""
+    from farskip_jax.analysis.deviceless import gpu_devices
+    from farskip_jax.errors import BackendError
+
+    try:
+        return gpu_devices("h100_sxm", 8)
+    except BackendError as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(str(e))
