@@ -6,7 +6,14 @@ import pytest
 
 from farskip_jax.config import Config, replace
 from farskip_jax.errors import ConfigError
-from farskip_jax.train.rundir import check_run_dir, prepare_run_dir
+from farskip_jax.train.rundir import check_run_dir, claim_run_dir
+
+
+def prepare_run_dir(cfg):
+    """check_run_dir + claim_run_dir, as the entry points call them: (path, whether it held this run)."""
+    folder = check_run_dir(cfg)
+    claim_run_dir(cfg, folder)
+    return folder.path, folder.resume
 
 
 def test_run_folder_ownership(tmp_path):

@@ -116,10 +116,3 @@ def claim_run_dir(cfg: Config, folder: RunFolder) -> None:
     with open(path + ".tmp", "w") as f:
         f.write(dump_config(cfg))
     os.replace(path + ".tmp", path)
-
-
-def prepare_run_dir(cfg: Config) -> tuple[str, bool]:
-    """check_run_dir + claim_run_dir in one call: (absolute path, whether it already held this run)."""
-    folder = check_run_dir(cfg)
-    claim_run_dir(cfg, folder)
-    return folder.path, folder.resume
