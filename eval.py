@@ -140,10 +140,10 @@ def main(argv=None) -> int:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. farskip.preset=farskip data.source=text")
     a = p.parse_args(argv)
     from farskip_jax.errors import FarSkipError
-    from farskip_jax.host_memory import keep_freed_memory
+    from farskip_jax.kernels.host_memory import keep_freed_memory
 
     try:
-        keep_freed_memory()  # before JAX starts: reuse freed host buffers (farskip_jax/host_memory.py)
+        keep_freed_memory()  # before JAX starts: reuse freed host buffers (kernels/host_memory.py; FARSKIP_HOST_MALLOC)
         res = run(a)
     except FarSkipError as e:
         print(f"error: {e}", file=sys.stderr)

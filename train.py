@@ -34,9 +34,9 @@ def main(argv=None) -> int:
             apply_xla_preset = None
         if apply_xla_preset is not None:
             apply_xla_preset(cfg.mesh.xla_preset)
-        if cfg.mesh.xla_preset in ("none", "cpu"):  # CPU runs: reuse freed buffers (farskip_jax/host_memory.py)
-            from farskip_jax.host_memory import keep_freed_memory
-            keep_freed_memory()
+        if cfg.mesh.xla_preset in ("none", "cpu"):  # CPU runs: reuse freed buffers (farskip_jax/kernels/host_memory.py)
+            from farskip_jax.kernels.host_memory import keep_freed_memory
+            keep_freed_memory(cfg.kernels.host_malloc)
         if cfg.train.mode == "distill":  # FCSD self-distillation (farskip_jax/train/distill.py)
             from farskip_jax.train.distill import distill as train
         else:

@@ -3,9 +3,9 @@
     python benchmarks/dense_matmul.py [--shapes 2048x256x256,2048x256x4096] [--repeats 15]
 
 For each m x k x n: y = x [m, k] @ w [k, n], gradients w.r.t. x and w (3 products, 6 m k n FLOPs),
-once through XLA:CPU's dot (FARSKIP_DENSE_MATMUL=xla) and once through `layers.matmul_2d`'s CPU
+once through XLA:CPU's dot (kernels.dense_matmul: xla) and once through `layers.matmul_2d`'s CPU
 default, blas_gmm.matmul (the grouped-GEMM kernels with one group: one sgemm per thread part, BLAS
-as model/cpu_kernels.py loads it). Interleaved, median of `repeats`; prints GFLOP/s of each and the
+as kernels/library.py loads it). Interleaved, median of `repeats`; prints GFLOP/s of each and the
 ratio XLA time / BLAS time. The default shapes are the projections of benchmarks/vs_hf.py's model
 (8 x 256 tokens, d 256: q/o, k/v, a 1024-wide MLP, its down projection, the 4096-token LM head).
 """
@@ -22,7 +22,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from farskip_jax.host_memory import keep_freed_memory  # noqa: E402
+from farskip_jax.kernels.host_memory import keep_freed_memory  # noqa: E402
 
 keep_freed_memory()
 
@@ -30,16 +30,18 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from farskip_jax.model import cpu_kernels  # noqa: E402
-from farskip_jax.model.layers import DENSE_MATMUL_ENV, matmul_2d  # noqa: E402
+from farskip_jax import kernels  # noqa: E402
+from farskip_jax.config import kernels_from_env, replace  # noqa: E402
+from farskip_jax.kernels import library  # noqa: E402
+from farskip_jax.model.layers import matmul_2d  # noqa: E402
 
 DEFAULT_SHAPES = "2048x256x256,2048x256x128,2048x256x1024,2048x1024x256,2048x256x4096"
 
 
 def step_for(choice: str, g: jax.Array, x: jax.Array, w: jax.Array):
     """jit(grad) of sum(matmul_2d(x, w) * g) w.r.t. x and w, traced (first call) with
-    FARSKIP_DENSE_MATMUL=choice."""
-    os.environ[DENSE_MATMUL_ENV] = choice
+    kernels.dense_matmul=choice installed."""
+    kernels.install(replace(kernels_from_env(), dense_matmul=choice))
     f = jax.jit(jax.grad(lambda x, w: jnp.sum(matmul_2d(x, w) * g), argnums=(0, 1)))
     jax.block_until_ready(f(x, w))
     return f
@@ -50,7 +52,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated MxKxN")
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args(argv)
-    print(f"jax {jax.__version__} on {jax.default_backend()}, {os.cpu_count()} CPUs; BLAS: {cpu_kernels.load()}",
+    print(f"jax {jax.__version__} on {jax.default_backend()}, {os.cpu_count()} CPUs; BLAS: {library.load()}",
           flush=True)
     rng = np.random.default_rng(0)
     for spec in args.shapes.split(","):
@@ -69,7 +71,7 @@ def main(argv=None) -> int:
         flops = 6 * m * k * n
         print(f"  {m}x{k}x{n}: XLA dot {flops / med['xla'] / 1e9:6.0f} GF/s   BLAS kernel "
               f"{flops / med['auto'] / 1e9:6.0f} GF/s   XLA/BLAS time {med['xla'] / med['auto']:.2f}x", flush=True)
-    os.environ.pop(DENSE_MATMUL_ENV, None)
+    kernels.install(kernels_from_env())
     return 0
 
 

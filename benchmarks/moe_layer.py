@@ -18,7 +18,7 @@ ratio is variant / dense. `tiled@cf1.25` is the dropping variant (capacity facto
 router/sort/un-sort).
 
 --malloc resident (the default, as in train.py) keeps freed memory in the process before JAX
-allocates anything (farskip_jax/host_memory.py: glibc mallopt, one arena, no mmap for large blocks,
+allocates anything (farskip_jax/kernels/host_memory.py: glibc mallopt, one arena, no mmap for large blocks,
 no trim); `default` leaves glibc as it is: every step then page-faults its big buffers afresh (shape
 b: 1.2 s of system time per 2.1 s step). Even resident, the first calls grow the heap until it fits
 the interleaved variants (on this VM fresh pages cost about 0.3 GB/s of system time, so such a call
@@ -42,8 +42,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from farskip_jax.config import MoEConfig  # noqa: E402
-from farskip_jax.host_memory import keep_freed_memory  # noqa: E402
+from farskip_jax import kernels  # noqa: E402
+from farskip_jax.config import MoEConfig, kernels_from_env  # noqa: E402
+from farskip_jax.kernels.host_memory import keep_freed_memory  # noqa: E402
 from farskip_jax.model.experts import ExpertWeights, expert_swiglu, local_routed_compute  # noqa: E402
 from farskip_jax.model.layers import matmul_2d  # noqa: E402
 from farskip_jax.model.router import RouteResult  # noqa: E402
@@ -194,8 +195,9 @@ def main(argv=None) -> int:
                     help="resident: glibc keeps freed memory (no fresh-page faults for either side); see above")
     args = ap.parse_args(argv)
     SHAPES["b"]["batch"] = args.batch_b
-    if args.malloc == "resident" and not keep_freed_memory():
-        raise SystemExit("--malloc resident: glibc mallopt refused or FARSKIP_HOST_MALLOC=default (not glibc?)")
+    kernels.install(kernels_from_env())  # a default kernels section (environment overrides: config.KERNELS_ENV)
+    if args.malloc == "resident" and not keep_freed_memory("resident"):
+        raise SystemExit("--malloc resident: glibc mallopt refused (not glibc?)")
     print(f"jax {jax.__version__} on {jax.default_backend()}, {os.cpu_count()} CPUs, malloc {args.malloc}", flush=True)
     for name in args.shapes.split(","):
         default = "blas,tiled,einsum,ragged_dot,tiled@cf1.25" if name == "a" else "blas,tiled,einsum"

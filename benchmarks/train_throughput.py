@@ -6,7 +6,7 @@ same run (so the ratio means something on a shared CPU).
     python benchmarks/train_throughput.py --presets standard --dtypes float32,bfloat16   # bf16 compute
     python benchmarks/train_throughput.py --presets standard --dense-matmul xla,auto     # BLAS projections
 
-Each variant (connectivity preset x model.compute_dtype [x FARSKIP_DENSE_MATMUL, set while the
+Each variant (connectivity preset x model.compute_dtype [x kernels.dense_matmul, installed while the
 variant's step is traced: `xla` = XLA's dot for the float32 projections, `auto` = the BLAS kernel])
 gets its own model and optimizer state from the same seed and the same batches of the embedded
 corpus; the variants' steps are timed interleaved (one step of each in turn), so ratios between
@@ -34,13 +34,13 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", default=None,
                    help="comma list of model.compute_dtype values to compare (default: the config's)")
     p.add_argument("--malloc", choices=["resident", "default"], default="resident",
-                   help="resident (as train.py on CPU): glibc keeps freed memory (farskip_jax/host_memory.py)")
+                   help="resident (as train.py on CPU): glibc keeps freed memory (farskip_jax/kernels/host_memory.py)")
     p.add_argument("--dense-matmul", default=None,
-                   help="comma list of FARSKIP_DENSE_MATMUL values to compare (xla,auto); default: as set")
+                   help="comma list of kernels.dense_matmul values to compare (xla,auto); default: the config's")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
     if a.malloc == "resident":
-        from farskip_jax.host_memory import keep_freed_memory
+        from farskip_jax.kernels.host_memory import keep_freed_memory
         keep_freed_memory()
 
     import jax
@@ -49,13 +49,14 @@ def main(argv=None) -> int:
 
     from farskip_jax.config import load_config, replace
     from farskip_jax.data.pipeline import make_iterator
-    from farskip_jax.model.layers import DENSE_MATMUL_ENV
+    from farskip_jax import kernels
     from farskip_jax.model.transformer import Transformer
     from farskip_jax.train.flops import measure_matmul_peak, total_params, train_flops_per_token
     from farskip_jax.train.optimizer import make_optimizer
     from farskip_jax.train.step import init_state, make_train_step
 
     cfg = load_config(a.config, a.overrides)
+    kernels.install(cfg.kernels)  # the CPU kernels of cfg (parallel/build.config_on does this in train.py)
     t = cfg.train
     dtypes = a.dtypes.split(",") if a.dtypes else [cfg.model.compute_dtype]
     flops_tok = train_flops_per_token(cfg, t.seq_len)
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
     for i, b in enumerate(batches):
         for (_, _, dm), v in variants.items():
             if dm is not None:  # read when the step is traced (its first call)
-                os.environ[DENSE_MATMUL_ENV] = dm
+                kernels.install(replace(cfg.kernels, dense_matmul=dm))
             t0 = time.perf_counter()
             v[1], m = v[0](v[1], b)
             v[3] = float(jax.block_until_ready(m["loss"]))

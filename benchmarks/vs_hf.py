@@ -32,7 +32,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from farskip_jax.host_memory import keep_freed_memory  # noqa: E402
+from farskip_jax import kernels  # noqa: E402
+from farskip_jax.kernels.host_memory import keep_freed_memory  # noqa: E402
 
 from farskip_jax.config import replace  # noqa: E402
 from farskip_jax.convert import import_hf  # noqa: E402
@@ -75,10 +76,13 @@ def main(argv=None) -> int:
                     help="Qwen3-30B-A3B's expert proportions at d_model 256: 128 experts, top-8, expert hidden 96")
     ap.add_argument("--malloc", choices=["resident", "default"], default="resident",
                     help="resident (as train.py on CPU): glibc keeps freed memory for both sides "
-                         "(farskip_jax/host_memory.py); default: every step page-faults its big buffers afresh")
+                         "(farskip_jax/kernels/host_memory.py); default: every step page-faults its big buffers afresh")
     args = ap.parse_args(argv)
-    if args.malloc == "resident" and not keep_freed_memory():
-        raise SystemExit("--malloc resident: glibc mallopt refused or FARSKIP_HOST_MALLOC=default")
+    if args.malloc == "resident" and not keep_freed_memory("resident"):
+        raise SystemExit("--malloc resident: glibc mallopt refused (not glibc?)")
+    from farskip_jax.config import kernels_from_env
+
+    kernels.install(kernels_from_env())  # the CPU kernels of a default kernels section (as train.py's runs)
     if args.qwen3_30b_proportions:
         args.experts, args.top_k, args.expert_hidden = 128, 8, 96
     torch.manual_seed(0)

@@ -1,7 +1,7 @@
 """Typed, frozen experiment configuration.
 
 A config is a tree of frozen dataclasses (`Config` with sections model, moe, farskip, mesh, train,
-data, distill, eval). It is read from YAML files that may inherit from another file with
+data, distill, eval, inference, kernels). It is read from YAML files that may inherit from another file with
 `base: other.yaml` (path relative to the file), then patched by dotted command-line overrides
 (`model.num_layers=4 farskip.preset=attn_only`). Every key and value is checked: an unknown key fails
 with the nearest valid names, a wrong type names the key and the expected type, and impossible
@@ -398,6 +398,73 @@ class InferenceConfig:
 
 
 @dataclass(frozen=True)
+class KernelsConfig:
+    """The optional CPU fast paths (farskip_jax/kernels/, docs/cpu_speed.md): C++ XLA FFI kernels for
+    the grouped matmul (moe.gmm: blas), the attention core (model.attention_impl: fused_cpu) and the
+    dense matmuls of Linear layers. Only programs lowered for the CPU ever contain them. Installed into
+    the model's backend seam (model/ops.py) where a model is built from a config
+    (parallel/build.config_on; scripts that build a Transformer by hand call kernels.install).
+    Each key has an environment override that load_config reads and validates (KERNELS_ENV)."""
+
+    enabled: bool = True  # false: plain JAX everywhere (moe.gmm auto -> tiled, attention auto -> naive)
+    dense_matmul: Literal["auto", "xla"] = "auto"  # auto: float32 Linear dots through BLAS in one-device CPU programs
+    amx: Literal["auto", "off"] = "auto"  # auto: bf16 matmuls on Intel AMX tiles where the CPU has them
+    blas: Literal["auto", "mkl", "openblas"] = "auto"  # auto: MKL on Intel CPUs with the `mkl` extra, else OpenBLAS
+    blas_lib: Optional[str] = None  # a CBLAS shared library (path or name) tried before any other
+    cache_dir: Optional[str] = None  # where the compiled library lives (default ~/.cache/farskip_jax)
+    host_malloc: Literal["resident", "default"] = "resident"  # CPU runs: glibc keeps freed memory (kernels/host_memory.py)
+
+    def __post_init__(self):
+        for key in ("blas_lib", "cache_dir"):
+            v = getattr(self, key)
+            _check(v is None or bool(v.strip()), f"kernels.{key} is empty; remove the key for the default or name a {key}")
+        _check(self.blas_lib is None or self.blas == "auto",
+               f"kernels.blas_lib={self.blas_lib!r} and kernels.blas={self.blas!r} both choose the BLAS library; set one")
+
+
+# environment variable -> kernels key it overrides (load_config: file < environment < command line)
+KERNELS_ENV = {"FARSKIP_KERNELS": "enabled", "FARSKIP_DENSE_MATMUL": "dense_matmul", "FARSKIP_NO_AMX": "amx",
+               "FARSKIP_BLAS": "blas", "FARSKIP_BLAS_LIB": "blas_lib", "FARSKIP_KERNEL_CACHE": "cache_dir",
+               "FARSKIP_HOST_MALLOC": "host_malloc"}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def kernels_env_overrides(environ: Optional[dict] = None) -> list[str]:
+    """The `kernels.<key>=<value>` overrides of the FARSKIP_* variables set in `environ` (default
+    os.environ). FARSKIP_NO_AMX=1 means kernels.amx=off (0 leaves it), FARSKIP_KERNELS=0 kernels.enabled=false.
+    A value that is not a choice raises ConfigError naming the variable and the choices."""
+    env = os.environ if environ is None else environ
+    out = []
+    for name, key in KERNELS_ENV.items():
+        value = env.get(name, "").strip()
+        if not value:
+            continue
+        if name in ("FARSKIP_NO_AMX", "FARSKIP_KERNELS"):
+            v = value.lower()
+            if v not in _TRUE + _FALSE:
+                raise ConfigError(f"{name}={value!r} is not a choice; expected one of {list(_TRUE + _FALSE)}")
+            if name == "FARSKIP_NO_AMX":
+                if v in _TRUE:
+                    out.append("kernels.amx=off")
+                continue
+            value = "true" if v in _TRUE else "false"
+        elif key not in ("blas_lib", "cache_dir"):
+            value = value.lower()
+            choices = typing.get_args(typing.get_type_hints(KernelsConfig)[key])
+            if value not in choices:
+                raise ConfigError(f"{name}={env[name]!r} is not a choice (it sets kernels.{key}); "
+                                  f"expected one of {list(choices)}")
+        out.append(f"kernels.{key}={value}")
+    return out
+
+
+def kernels_from_env(environ: Optional[dict] = None) -> KernelsConfig:
+    """The default kernels section with the environment overrides applied (for code that runs before
+    a config is loaded, e.g. eval.py's host-memory setup)."""
+    return from_dict(KernelsConfig, apply_overrides({}, [o.removeprefix("kernels.") for o in kernels_env_overrides(environ)]))
+
+
+@dataclass(frozen=True)
 class Config:
     """Everything a run needs. `init_from_hf`: an HF checkpoint folder to start from."""
 
@@ -411,6 +478,7 @@ class Config:
     distill: DistillConfig = field(default_factory=DistillConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
     init_from_hf: Optional[str] = None
 
     def __post_init__(self):
@@ -614,9 +682,10 @@ def apply_overrides(tree: dict, overrides: list[str]) -> dict:
 
 
 def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> Config:
-    """Load `path` (or the defaults when None), apply overrides, validate."""
+    """Load `path` (or the defaults when None), apply the kernels' environment overrides
+    (kernels_env_overrides), then the dotted overrides, validate."""
     tree = load_yaml_tree(path) if path else {}
-    tree = apply_overrides(tree, list(overrides or []))
+    tree = apply_overrides(tree, kernels_env_overrides() + list(overrides or []))
     return from_dict(Config, tree)
 
 

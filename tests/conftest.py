@@ -11,6 +11,13 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+from farskip_jax import kernels  # noqa: E402
+from farskip_jax.config import kernels_from_env  # noqa: E402
+
+# the CPU kernels as a run gets them from its config (parallel/build.config_on installs cfg.kernels);
+# tests that build a Transformer by hand see the same backends
+kernels.install(kernels_from_env())
+
 
 import pytest  # noqa: E402
 
@@ -32,6 +39,19 @@ def tiny():
     nnx.update(model, jax.tree.map(lambda x: x * 5.0, nnx.state(model, nnx.Param)))
     graphdef, params, bias, rest = split_model(model)
     return cfg, model, graphdef, dict(params=params, bias=bias, rest=rest)
+
+
+@pytest.fixture
+def kernels_config():
+    """set(**kernels keys): install the session's kernels section with those keys changed for this
+    test; the session's section is installed again afterwards."""
+    import dataclasses
+
+    from farskip_jax.kernels import library
+
+    before = library.settings()
+    yield lambda **changes: kernels.install(dataclasses.replace(before, **changes))
+    kernels.install(before)
 
 
 @pytest.fixture(scope="session")

@@ -270,7 +270,8 @@ def _collectives(hlo: str, op: str) -> list[list[set[int]]]:
 
 def test_expert_parallel_matches_single_device_and_confines_all_to_all():
     from farskip_jax.parallel import shard_batch
-    from farskip_jax.parallel.foe import create_foe_model, make_foe_mesh
+    from farskip_jax.parallel.build import create_foe_model
+    from farskip_jax.parallel.foe import make_foe_mesh
 
     cfg = _cfg("moe.num_groups=2", "mesh.expert=8", "moe.dispatch=all_to_all")
     tokens = np.asarray(_tokens(cfg, b=8, s=8))

@@ -136,22 +136,25 @@ def test_tail_buckets_and_backend_resolution():
 
 def test_blas_unavailable_falls_back_to_tiled_and_explicit_blas_fails_clearly(tmp_path):
     """No working compiler: `auto` resolves to `tiled` with one warning naming the reason, an explicit
-    moe.gmm=blas raises KernelUnavailable naming the fix (fresh process: the kernel load is cached)."""
+    moe.gmm=blas raises KernelUnavailable naming the fix (fresh process: the kernel load is cached);
+    the cache folder comes from the environment override of kernels.cache_dir."""
     import subprocess
     import sys
 
     code = (
         "import warnings, jax.numpy as jnp\n"
         "from farskip_jax.model.gmm import gmm, resolve_backend\n"
-        "from farskip_jax.model.cpu_kernels import KernelUnavailable\n"
+        "from farskip_jax import kernels\n"
+        "from farskip_jax.config import kernels_from_env\n"
+        "kernels.install(kernels_from_env())  # FARSKIP_KERNEL_CACHE: the override of kernels.cache_dir\n"
         "with warnings.catch_warnings(record=True) as w:\n"
         "    warnings.simplefilter('always')\n"
         "    print(resolve_backend('auto', 'cpu'))\n"
         "    print(len(w), str(w[0].message)[:200] if w else '')\n"
         "try:\n"
         "    gmm(jnp.ones((4, 3)), jnp.ones((2, 3, 5)), jnp.asarray([2, 2]), 'blas')\n"
-        "except KernelUnavailable as e:\n"
-        "    print('raised', 'moe.gmm: tiled' in str(e))\n"
+        "except kernels.KernelUnavailable as e:\n"
+        "    print('raised', 'kernels.enabled: false' in str(e))\n"
     )
     env = {**os.environ, "CXX": "/nonexistent/c++", "FARSKIP_KERNEL_CACHE": str(tmp_path), "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -165,20 +168,23 @@ def test_blas_unavailable_falls_back_to_tiled_and_explicit_blas_fails_clearly(tm
 
 _BLAS_RUN = (
     "import sys, numpy as np, jax.numpy as jnp, jax\n"
-    "from farskip_jax.model import cpu_kernels\n"
+    "from farskip_jax import kernels\n"
+    "from farskip_jax.config import KernelsConfig\n"
+    "from farskip_jax.kernels import library\n"
     "from farskip_jax.model.gmm import gmm\n"
+    "kernels.install(KernelsConfig(blas=sys.argv[2]))\n"
     "x, w, g, sizes = (np.load(f'{sys.argv[1]}/{n}.npy') for n in ('x', 'w', 'g', 'sizes'))\n"
     "f = lambda x, w: jnp.vdot(gmm(x, w, jnp.asarray(sizes), 'blas'), g)\n"
     "dx, dw = jax.grad(f, argnums=(0, 1))(x, w)\n"
     "np.save(f'{sys.argv[1]}/out.npy', np.asarray(gmm(x, w, jnp.asarray(sizes), 'blas')))\n"
     "np.save(f'{sys.argv[1]}/dx.npy', np.asarray(dx)); np.save(f'{sys.argv[1]}/dw.npy', np.asarray(dw))\n"
-    "print(cpu_kernels.load())\n"
+    "print(library.load())\n"
 )
 
 
 @pytest.mark.parametrize("choice", ["openblas", "mkl"])
 def test_each_blas_library_gives_the_group_loop_result(choice, tmp_path):
-    """FARSKIP_BLAS picks the sgemm library (fresh process: the load is cached); OpenBLAS and, where the
+    """kernels.blas picks the sgemm library (fresh process: the load is cached); OpenBLAS and, where the
     `mkl` extra is installed, MKL both give the float64 group loop's values and gradients to fp32
     rounding (1e-5 of the largest entry; measured ~3e-7)."""
     import glob
@@ -193,8 +199,9 @@ def test_each_blas_library_gives_the_group_loop_result(choice, tmp_path):
     for name, a in dict(x=x, w=w, g=g, sizes=np.asarray(sizes, np.int32)).items():
         np.save(tmp_path / f"{name}.npy", a)
     env = {k: v for k, v in os.environ.items() if k != "FARSKIP_BLAS_LIB"}
-    env.update(FARSKIP_BLAS=choice, JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", _BLAS_RUN, str(tmp_path)], env=env, capture_output=True, text=True,
+    env = {k: v for k, v in env.items() if k != "FARSKIP_BLAS"}
+    env.update(JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", _BLAS_RUN, str(tmp_path), choice], env=env, capture_output=True, text=True,
                          timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     desc = out.stdout.strip().splitlines()[-1]
@@ -207,14 +214,15 @@ def test_each_blas_library_gives_the_group_loop_result(choice, tmp_path):
 
 
 def test_bad_blas_choice_is_one_clear_error():
-    import subprocess
-    import sys
+    """kernels.blas and its environment override FARSKIP_BLAS: a value that is not a choice is one
+    ConfigError naming the key (or variable) and the choices."""
+    from farskip_jax.config import kernels_env_overrides, load_config
+    from farskip_jax.errors import ConfigError
 
-    code = "from farskip_jax.model import cpu_kernels\ncpu_kernels.load()\n"
-    env = {**os.environ, "FARSKIP_BLAS": "acml", "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0
-    assert "FARSKIP_BLAS='acml'" in out.stderr and "'openblas'" in out.stderr, out.stderr[-1500:]
+    with pytest.raises(ConfigError, match=r"kernels.blas='acml' is not allowed.*'openblas'"):
+        load_config(None, ["kernels.blas=acml"])
+    with pytest.raises(ConfigError, match=r"FARSKIP_BLAS='acml' is not a choice \(it sets kernels.blas\).*'openblas'"):
+        kernels_env_overrides({"FARSKIP_BLAS": "acml"})
 
 
 def test_blas_backend_bf16_inputs():
@@ -230,9 +238,9 @@ def test_blas_backend_bf16_inputs():
 # ------------------------------------------------------------------------------ bf16 on Intel AMX
 
 def _amx_or_skip():
-    from farskip_jax.model import cpu_kernels
+    from farskip_jax import kernels
 
-    if not cpu_kernels.amx_available():
+    if not kernels.amx_available():
         pytest.skip("no usable AMX-BF16 on this CPU (the float32 kernels serve bf16 here)")
 
 
@@ -247,7 +255,7 @@ def test_amx_kernels_match_group_loop(m, sizes, k, n):
     """The three AMX kernels (y = x W, dx = dy W^T, dW = x^T dy per group) on bf16 operands, float32
     weights rounded to bf16: equal to a float64 per-group loop on the same rounded values (float32
     accumulation: 1e-5 relative); rows past the groups are zero."""
-    from farskip_jax.model import blas_gmm
+    from farskip_jax.kernels import gmm as blas_gmm
 
     _amx_or_skip()
     rng = np.random.default_rng(0)
@@ -269,8 +277,8 @@ def test_amx_kernels_match_group_loop(m, sizes, k, n):
     assert not np.asarray(y[s:]).any() and not np.asarray(dx[s:]).any()
 
 
-def test_amx_gmm_equals_float32_path_with_gradients(monkeypatch):
-    """gmm on bf16 rows with float32 weights: the AMX path and the float32-BLAS path (FARSKIP_NO_AMX)
+def test_amx_gmm_equals_float32_path_with_gradients(kernels_config):
+    """gmm on bf16 rows with float32 weights: the AMX path and the float32-BLAS path (kernels.amx: off)
     compute the same rounded operands, so values and gradients agree to bf16 rounding of the outputs;
     the weight gradient is float32 (no cast pass), the row gradient bf16."""
     _amx_or_skip()
@@ -287,7 +295,7 @@ def test_amx_gmm_equals_float32_path_with_gradients(monkeypatch):
         return f(x, w)
 
     (v_amx, (dx_amx, dw_amx)) = run()
-    monkeypatch.setenv("FARSKIP_NO_AMX", "1")
+    kernels_config(amx="off")
     (v_f32, (dx_f32, dw_f32)) = run()
     assert dw_amx.dtype == jnp.float32 and dx_amx.dtype == jnp.bfloat16
     # measured: values 2.7e-7, row gradient 0 (same bf16 rounding), weight gradient 1.1e-7
@@ -298,11 +306,11 @@ def test_amx_gmm_equals_float32_path_with_gradients(monkeypatch):
 def test_bf16_dense_matmul_on_amx_lowers_per_platform(monkeypatch):
     """matmul_2d on bf16 rows: the AMX kernel in a program lowered for the CPU, XLA's dot otherwise;
     equal values (bf16 output rounding) and float32 weight gradients either way."""
-    from farskip_jax.model import layers
+    from farskip_jax.kernels import dispatch
     from farskip_jax.model.layers import matmul_2d
 
     _amx_or_skip()
-    monkeypatch.setattr(layers, "_process_devices", lambda: 1)  # the suite's process has 8 CPU devices
+    monkeypatch.setattr(dispatch, "process_devices", lambda: 1)  # the suite's process has 8 CPU devices
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.standard_normal((4, 40, 64)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((64, 96)) * 0.1, jnp.float32)
@@ -316,17 +324,19 @@ def test_bf16_dense_matmul_on_amx_lowers_per_platform(monkeypatch):
 
 
 @pytest.mark.parametrize("transpose_w", [False, True])
-def test_float32_dense_matmul_on_blas_equals_float64_with_gradients(transpose_w, monkeypatch):
-    """matmul_2d on float32 in a CPU program runs blas_gmm.matmul (one-group kernels, no XLA dot):
+def test_float32_dense_matmul_on_blas_equals_float64_with_gradients(transpose_w, monkeypatch, kernels_config):
+    """matmul_2d on float32 in a CPU program runs kernels/gmm.matmul (one-group kernels, no XLA dot):
     values and both gradients equal the float64 products to 1e-5 of the largest entry (measured
-    ~3e-7); FARSKIP_DENSE_MATMUL=xla gives back XLA's dot, a bad value is one clear error."""
+    ~3e-7); kernels.dense_matmul: xla gives back XLA's dot, a bad value is one clear error."""
+    from farskip_jax import kernels
+    from farskip_jax.config import load_config
     from farskip_jax.errors import ConfigError
-    from farskip_jax.model import cpu_kernels, layers
+    from farskip_jax.kernels import dispatch
     from farskip_jax.model.layers import matmul_2d
 
-    if not cpu_kernels.available():
+    if not kernels.available():
         pytest.skip("CPU kernels unavailable")
-    monkeypatch.setattr(layers, "_process_devices", lambda: 1)  # the suite's process has 8 CPU devices
+    monkeypatch.setattr(dispatch, "process_devices", lambda: 1)  # the suite's process has 8 CPU devices
     rng = np.random.default_rng(3)
     x = rng.standard_normal((3, 41, 64)).astype(np.float32)
     w = (rng.standard_normal((96, 64) if transpose_w else (64, 96)) * 0.1).astype(np.float32)
@@ -342,14 +352,13 @@ def test_float32_dense_matmul_on_blas_equals_float64_with_gradients(transpose_w,
     assert rel(dx.reshape(-1, 64), g2 @ w64.T) < 1e-5
     ref_dw = x2.T @ g2
     assert rel(dw, ref_dw.T if transpose_w else ref_dw) < 1e-5
-    monkeypatch.setenv("FARSKIP_DENSE_MATMUL", "xla")
+    kernels_config(dense_matmul="xla")
     assert "farskip_gmm" not in jax.jit(lambda x, w: matmul_2d(x, w, transpose_w)).lower(x, w).as_text()
-    monkeypatch.setenv("FARSKIP_DENSE_MATMUL", "auto")
-    monkeypatch.setattr(layers, "_process_devices", lambda: 2)  # sharded programs keep XLA's dot
+    kernels_config(dense_matmul="auto")
+    monkeypatch.setattr(dispatch, "process_devices", lambda: 2)  # sharded programs keep XLA's dot
     assert "farskip_gmm" not in jax.jit(lambda x, w: matmul_2d(x, w, transpose_w)).lower(x, w).as_text()
-    monkeypatch.setenv("FARSKIP_DENSE_MATMUL", "mkl")
-    with pytest.raises(ConfigError, match="FARSKIP_DENSE_MATMUL='mkl'"):
-        matmul_2d(jnp.asarray(x), jnp.asarray(w), transpose_w)
+    with pytest.raises(ConfigError, match="kernels.dense_matmul='mkl'"):
+        load_config(None, ["kernels.dense_matmul=mkl"])
 
 
 def test_inverse_permutation():

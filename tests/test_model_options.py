@@ -68,15 +68,16 @@ def test_document_masking_blocks_cross_document_attention():
     np.testing.assert_allclose(out[:, 5:], model(b).logits, rtol=1e-5, atol=1e-5)
 
 
-def test_bf16_compute_on_amx_matches_the_float32_kernels(monkeypatch):
+def test_bf16_compute_on_amx_matches_the_float32_kernels(monkeypatch, kernels_config):
     """bf16 compute on a CPU with AMX runs the experts and the dense projections on the AMX kernels
-    (seen in the lowered program) and matches the same model on the float32 kernels (FARSKIP_NO_AMX:
+    (seen in the lowered program) and matches the same model on the float32 kernels (kernels.amx: off:
     the same bf16-rounded operands) to bf16 rounding: logits and every parameter gradient."""
-    from farskip_jax.model import cpu_kernels, layers
+    from farskip_jax import kernels
+    from farskip_jax.kernels import dispatch
 
-    if not cpu_kernels.amx_available():
+    if not kernels.amx_available():
         pytest.skip("no usable AMX-BF16 on this CPU")
-    monkeypatch.setattr(layers, "_process_devices", lambda: 1)  # the suite's process has 8 CPU devices
+    monkeypatch.setattr(dispatch, "process_devices", lambda: 1)  # the suite's process has 8 CPU devices
     cfg = load_config(None, BASE + ["model.compute_dtype=bfloat16"])
     tokens = jax.random.randint(jax.random.key(2), (2, 8), 0, 64)
     graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
@@ -88,7 +89,7 @@ def test_bf16_compute_on_amx_matches_the_float32_kernels(monkeypatch):
     f = jax.jit(jax.value_and_grad(loss, has_aux=True))
     assert f.lower(state).as_text().count("farskip_gmm_bf16") >= 3 * cfg.model.num_layers
     (_, logits_amx), g_amx = f(state)
-    monkeypatch.setenv("FARSKIP_NO_AMX", "1")
+    kernels_config(amx="off")
     f_ref = jax.jit(jax.value_and_grad(loss, has_aux=True))
     assert "farskip_gmm_bf16" not in f_ref.lower(state).as_text()
     (_, logits_ref), g_ref = f_ref(state)

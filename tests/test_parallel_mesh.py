@@ -62,10 +62,10 @@ def test_auto_attention_is_the_partitionable_core_on_a_multi_device_cpu_mesh():
     mesh of several (a custom call would be gathered onto every device and run replicated); the
     experts keep their kernel (they run inside the expert-parallel shard_map)."""
     from farskip_jax.config import load_config
-    from farskip_jax.model import cpu_kernels
+    from farskip_jax import kernels
     from farskip_jax.parallel.build import config_on
 
-    if not cpu_kernels.available():
+    if not kernels.available():
         pytest.skip("CPU kernels unavailable")
     cfg = load_config("configs/tiny.yaml", [])
     one = config_on(cfg, make_mesh(MeshConfig(data=1), devices=jax.devices()[:1]))

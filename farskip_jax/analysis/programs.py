@@ -14,7 +14,6 @@ train/step.py); the optimizer's elementwise update does not change what overlaps
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional, Sequence
 
 import jax
@@ -23,7 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from farskip_jax.config import Config
-from farskip_jax.model import Transformer
+from farskip_jax.model import Transformer, ops
 from farskip_jax.parallel.mesh import BATCH_AXES
 
 
@@ -101,29 +100,24 @@ def train_program(cfg: Config, mesh: Mesh, batch: int, seq: int, lr: float = 1e-
     return jax.jit(step, donate_argnums=(0,)), (params, rest, _tokens(mesh, batch, seq))
 
 
-def _grouped_gemm_cost_proxy(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, **kw):
-    """Stands in for jax.lax.ragged_dot in an ANALYSIS compile: one dense [M, K] x [K, N] dot (the
-    useful FLOPs of a grouped GEMM) of lhs with the group-summed weights (every weight read once, as
-    a grouped GEMM reads them; its gradient writes a [G, K, N] weight gradient). Values are wrong;
-    costs, shapes, dtypes and dependencies (on lhs, rhs and group_sizes) are a grouped GEMM's."""
-    import jax.numpy as jnp
-
+def grouped_gemm_cost_proxy(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """Stands in for the `ragged_dot` grouped matmul in an ANALYSIS compile: one dense [M, K] x [K, N]
+    dot (the useful FLOPs of a grouped GEMM) of lhs with the group-summed weights (every weight read
+    once, as a grouped GEMM reads them; its gradient writes a [G, K, N] weight gradient), float32
+    accumulation, lhs.dtype out. Values are wrong; costs, shapes, dtypes and dependencies (on lhs,
+    rhs and group_sizes) are a grouped GEMM's."""
+    rhs = rhs.astype(lhs.dtype)
     w = rhs.sum(0) + jnp.zeros((), rhs.dtype) * group_sizes.sum().astype(rhs.dtype)
-    return jnp.dot(lhs, w, precision=precision, preferred_element_type=preferred_element_type)
+    return jnp.dot(lhs, w, preferred_element_type=jnp.float32).astype(lhs.dtype)
 
 
-@contextlib.contextmanager
 def grouped_gemm_proxy():
-    """While tracing inside this block, `jax.lax.ragged_dot` is the cost proxy above.
+    """A context: while it is open, the grouped matmul `ragged_dot` of the model's backend seam
+    (model/ops.py; what moe.gmm resolves to on GPU) is the cost proxy above, for any platform.
 
     Why: a deviceless compile has no grouped GEMM library (cuDNN / hipBLASLt), so XLA expands
     ragged_dot into a dense dot over every local expert plus a G-times larger masked copy of its
     input: E/EP times the FLOPs and bytes, priced so by both cost models (32x for DeepSeek-V3 at EP
-    8, 8x at EP 32, which would bias any comparison across EP sizes). Use only for programs that are
-    compiled and analysed, never run."""
-    orig = jax.lax.ragged_dot
-    jax.lax.ragged_dot = _grouped_gemm_cost_proxy
-    try:
-        yield
-    finally:
-        jax.lax.ragged_dot = orig
+    8, 8x at EP 32, which would bias any comparison across EP sizes). Trace (and lower) inside the
+    block; use only for programs that are compiled and analysed, never run."""
+    return ops.registered_while(ops.GROUPED_MATMUL, "ragged_dot", ops.Backend(grouped_gemm_cost_proxy, platform=None))

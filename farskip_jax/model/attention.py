@@ -5,9 +5,10 @@ Split in named parts so the compiled schedule can be read per part (DESIGN.md se
 projection). x: [batch, seq, d_model]; positions, segment_ids: [batch, seq].
 The core is `model.attention_impl`: `naive` (one [t, s] score matrix), `blockwise` (flash-style
 online softmax over `model.attention_block`-token blocks, causal blocks skipped, recomputing VJP) or
-`causal_blocks` (each query block against its key prefix: exact softmax, plain autodiff) or
-`fused_cpu` (a C++ CPU kernel, model/blas_attention.py); `auto` (default) is `fused_cpu` on CPU when
-that kernel builds here and `naive` elsewhere.
+`causal_blocks` (each query block against its key prefix: exact softmax, plain autodiff), or a core
+registered in the backend seam (model/ops.py: `fused_cpu`, the C++ CPU kernel of farskip_jax.kernels
+when the config enables it); `auto` (default) is a registered core of the platform (`fused_cpu` in a
+one-device CPU program) and `naive` otherwise.
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from farskip_jax.config import ModelConfig
-from farskip_jax.model import cpu_kernels
-from farskip_jax.model.blas_attention import fused_attention_core
+from farskip_jax.model import ops
 from farskip_jax.model.layers import Linear, RMSNorm, dtype_of
 from farskip_jax.model.rope import apply_rope, rope_frequencies
 
@@ -170,21 +170,26 @@ def causal_blocks_attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask:
     return jnp.concatenate(outs, axis=1)
 
 
+BUILTIN_CORES = ("naive", "blockwise", "causal_blocks")
+
+
 def resolve_attention_impl(impl: str, platform: str | None = None, devices: int = 1) -> str:
-    """`auto` -> `fused_cpu` on CPU when the CPU kernels build here and the program runs on one
-    device (`devices`: what it is partitioned over), else `naive`; other names are returned as they
-    are (`fused_cpu` only runs on CPU)."""
-    return cpu_kernels.pick(impl, "model.attention_impl", "fused_cpu", "naive", "naive", platform, devices)
+    """`auto` -> a registered core of the platform that takes a program over `devices` devices
+    (ops.resolve: `fused_cpu` on a one-device CPU program when the kernels are installed), else
+    `naive`; other names are returned checked (a registered one on its platform only)."""
+    return ops.resolve(ops.ATTENTION_CORE, impl, key="model.attention_impl", builtins=BUILTIN_CORES,
+                       platform=platform, devices=devices, default=lambda p: "naive")
 
 
 def core_attention(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
                    scale: float) -> jax.Array:
     """The attention core selected by `model.attention_impl` (auto | naive | blockwise | causal_blocks |
-    fused_cpu); shapes as attention_core. With blockwise / causal_blocks, sequences of one block or
-    less take the naive core (the same computation)."""
+    a registered one); shapes as attention_core. With blockwise / causal_blocks, sequences of one
+    block or less take the naive core (the same computation)."""
     impl = resolve_attention_impl(cfg.attention_impl)
-    if impl == "fused_cpu":
-        return fused_attention_core(q, k, v, mask, scale)
+    registered = ops.registered(ops.ATTENTION_CORE, impl)
+    if registered is not None:
+        return registered.fn(q, k, v, mask, scale)
     if impl == "blockwise" and q.shape[1] > cfg.attention_block:
         return blockwise_attention_core(q, k, v, mask, scale, cfg.attention_block)
     if impl == "causal_blocks" and q.shape[1] > cfg.attention_block:

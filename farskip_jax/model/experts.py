@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from farskip_jax.config import MoEConfig
-from farskip_jax.model.gmm import gmm, grouped_swiglu, resolve_backend
+from farskip_jax.model.gmm import gmm, grouped_swiglu, resolve_backend, takes_stored_weights
 from farskip_jax.model.layers import normal_init
 from farskip_jax.model.router import RouteResult
 
@@ -58,11 +58,11 @@ class RoutedExperts(nnx.Module):
         self.compute_dtype = compute_dtype
 
     def weights(self, gmm: str = "auto") -> ExpertWeights:
-        """The weights for the grouped-matmul backend `gmm` (cfg.moe.gmm): as stored for the CPU
-        kernels (`blas`: the AMX kernel rounds float32 weights to bf16 as it packs them, so no cast
-        pass and float32 gradients), else cast to the compute dtype here, outside any expert-parallel
-        shard_map, so that GPU programs reduce the weight gradients in the compute dtype."""
-        if resolve_backend(gmm) == "blas":
+        """The weights for the grouped-matmul backend `gmm` (cfg.moe.gmm): cast to the compute dtype
+        here, outside any expert-parallel shard_map (so GPU programs reduce the weight gradients in
+        the compute dtype), unless the backend takes them as stored (gmm.takes_stored_weights: a
+        kernel that rounds float32 weights as it packs them, with float32 gradients and no cast pass)."""
+        if takes_stored_weights(resolve_backend(gmm)):
             return ExpertWeights(self.w_gate[...], self.w_up[...], self.w_down[...])
         c = self.compute_dtype
         return ExpertWeights(self.w_gate[...].astype(c), self.w_up[...].astype(c), self.w_down[...].astype(c))

@@ -3,13 +3,10 @@
     gmm(lhs [M, K], rhs [G, K, N], group_sizes [G], backend) -> [M, N]
 
 Rows of `lhs` are sorted by group: the first group_sizes[0] rows use rhs[0], and so on; rows past
-sum(group_sizes) give zeros. Backends:
-- `blas` (CPU default): a C++ XLA FFI kernel calling BLAS sgemm (MKL or OpenBLAS, see
-  model/cpu_kernels.py) on each group's rows and weight slice in place, the work split over XLA's
-  CPU threads (model/blas_gmm.py; built on first use).
+sum(group_sizes) give zeros. Backends (plain JAX):
 - `ragged_dot`: jax.lax.ragged_dot (grouped GEMM on GPU/TPU; on CPU XLA expands it to a dense dot
   over every group, G x the useful work).
-- `tiled` (CPU fallback when the BLAS kernel cannot be built): a flat walk over the groups. Each group's rows are one masked window of a
+- `tiled` (the CPU default without the CPU kernels): a flat walk over the groups. Each group's rows are one masked window of a
   bucketed row count (8, 16, 32, 64, 96, ... in steps of 32 up to `tile` = 256), plus full tiles of
   `tile` rows for groups larger than that; one loop per bucket and one over the full tiles, so the
   loop count does not grow with the number of groups. One matmul per group and weight, its weight
@@ -17,7 +14,9 @@ sum(group_sizes) give zeros. Backends:
   x^T dy per window, written on a group's first visit (no zero-filled read-modify-write).
 - `einsum`: pad each group to a tile multiple, gather a weight copy per tile, one batched einsum;
   plain autodiff (kept as the reference the `tiled` walk was measured against).
-`auto` picks `ragged_dot` on GPU/TPU and `blas` on CPU (`tiled` when `blas` is unavailable).
+- a name registered in the backend seam (model/ops.py): `blas`, the C++ CPU kernel of
+  farskip_jax.kernels when the config enables it (`auto` picks it on CPU then).
+`auto` picks `ragged_dot` on GPU/TPU, on CPU a registered CPU backend or else `tiled`.
 
 `grouped_swiglu(xs, wg, wu, wd, group_sizes, tile)` runs a whole SwiGLU expert (gate, up, down) in
 one walk with a one-walk custom VJP; it is what the tiled backend runs (experts.expert_swiglu).
@@ -32,18 +31,27 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from farskip_jax.model import blas_gmm, cpu_kernels
+from farskip_jax.model import ops
 
-BACKENDS = ("auto", "blas", "ragged_dot", "tiled", "einsum")
+BUILTINS = ("ragged_dot", "tiled", "einsum")
+BACKENDS = ("auto", "blas", *BUILTINS)  # the values of moe.gmm (`blas`: a registered CPU kernel)
 MIN_TILE = 8  # smallest tail window
 
 
-def resolve_backend(backend: str, platform: str | None = None) -> str:
-    """`auto` -> `blas` on CPU (`tiled` when the CPU kernels cannot be built here), `ragged_dot`
-    elsewhere; other names are returned checked (`blas` only runs on CPU)."""
-    if backend not in BACKENDS:
+def resolve_backend(backend: str, platform: str | None = None, devices: int = 1) -> str:
+    """`auto` -> a registered backend of the platform (ops.resolve), else `tiled` on CPU and
+    `ragged_dot` elsewhere; other names are returned checked (a registered one on its platform only)."""
+    if backend not in BACKENDS and ops.registered(ops.GROUPED_MATMUL, backend) is None:
         raise ValueError(f"unknown gmm backend {backend!r}; choose one of {BACKENDS}")
-    return cpu_kernels.pick(backend, "moe.gmm", "blas", "tiled", "ragged_dot", platform)
+    return ops.resolve(ops.GROUPED_MATMUL, backend, key="moe.gmm", builtins=BUILTINS, platform=platform,
+                       devices=devices, default=lambda p: "tiled" if p == "cpu" else "ragged_dot")
+
+
+def takes_stored_weights(backend: str) -> bool:
+    """Whether the grouped-matmul backend `backend` (resolved) wants the expert weights as stored
+    (a kernel that rounds them to the compute dtype itself) rather than cast beforehand."""
+    b = ops.registered(ops.GROUPED_MATMUL, backend)
+    return b is not None and b.stored_weights
 
 
 # ----------------------------------------------------------------------------------------------
@@ -322,8 +330,9 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, backend: str = "
     if lhs.shape[0] == 0:
         return jnp.zeros((0, rhs.shape[2]), lhs.dtype)
     with jax.named_scope(f"gmm_{backend}"):
-        if backend == "blas":  # casts rhs itself (the AMX kernel rounds float32 weights as it packs)
-            return blas_gmm.gmm(lhs, rhs, group_sizes)
+        registered = ops.registered(ops.GROUPED_MATMUL, backend)
+        if registered is not None:  # casts rhs itself where it takes stored weights
+            return registered.fn(lhs, rhs, group_sizes)
         rhs = rhs.astype(lhs.dtype)
         if backend == "ragged_dot":
             return jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32),

@@ -11,8 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from farskip_jax.errors import env_choice
-from farskip_jax.model import blas_gmm, cpu_kernels
+from farskip_jax.model import ops
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -27,57 +26,13 @@ def normal_init(rngs: nnx.Rngs, shape, std: float, dtype) -> jax.Array:
 
 def matmul_2d(x: jax.Array, w: jax.Array, transpose_w: bool = False) -> jax.Array:
     """x [..., i] @ w [i, o] (or w [o, i] with transpose_w) -> [..., o] in x.dtype, with w rounded to
-    x.dtype, as ONE 2-D dot over the flattened leading dims. Same result as einsum("...i,io->...o");
+    x.dtype, as ONE 2-D dot over the flattened leading dims (model/ops.matmul: XLA's dot, or a
+    registered CPU kernel in programs lowered for the CPU). Same result as einsum("...i,io->...o");
     the point is the backward: with several leading dims XLA:CPU contracts the weight gradient over
     two dims and inserts a slow transposing copy of the [tokens, out] gradient (2x the cost of a
-    SwiGLU MLP's fwd+bwd measured at [8, 256, 256] x 1024); a 2-D dot has none.
-
-    bf16 x on a CPU with Intel AMX (i, o multiples of 32, not transposed): the AMX kernel of
-    blas_gmm (one group; float32 accumulation, float32 w rounded as it is packed, float32 weight
-    gradient), chosen when the program is lowered for the CPU (`lax.platform_dependent`; other
-    platforms get the XLA dot). XLA:CPU's own bf16 dot runs below its float32 speed for the weight
-    gradient (benchmarks/matmul_dtypes.py).
-
-    float32 x and w on the CPU: blas_gmm.matmul (BLAS sgemm per thread part, forward and both
-    gradients; 1.1-1.8x faster than XLA:CPU's dot at the projection shapes of the small configs,
-    benchmarks/dense_matmul.py), chosen the same way in a one-device process; FARSKIP_DENSE_MATMUL=xla
-    keeps XLA's dot. Both through blas_gmm.matmul, see `_kernel_matmul`."""
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-
-    def xla_dot(x2, w):
-        dims = (((1,), (1 if transpose_w else 0,)), ((), ()))
-        return jax.lax.dot_general(x2, w.astype(x2.dtype), dims)
-
-    if _kernel_matmul(x2, w, transpose_w):
-        y = jax.lax.platform_dependent(x2, w, cpu=lambda x2, w: blas_gmm.matmul(x2, w, transpose_w), default=xla_dot)
-    else:
-        y = xla_dot(x2, w)
-    return y.reshape(*lead, y.shape[-1])
-
-
-DENSE_MATMUL_ENV = "FARSKIP_DENSE_MATMUL"
-DENSE_MATMUL_CHOICES = {"auto": "the BLAS kernel for float32 dots on a one-device CPU program",
-                        "xla": "XLA's dot (the A/B switch of the benchmarks)"}
-
-
-def _kernel_matmul(x2: jax.Array, w: jax.Array, transpose_w: bool) -> bool:
-    """Whether a CPU program runs this dot as blas_gmm.matmul: bf16 rows on AMX (not transposed), or
-    float32 unless FARSKIP_DENSE_MATMUL=xla; in a process with several devices never (cpu_kernels.pick:
-    a custom call cannot be partitioned)."""
-    float32_choice = env_choice(DENSE_MATMUL_ENV, DENSE_MATMUL_CHOICES)  # a bad value errors on any path
-    if x2.shape[0] == 0 or cpu_kernels.pick("auto", DENSE_MATMUL_ENV, "kernel", "xla", "xla",
-                                            devices=_process_devices()) != "kernel":
-        return False
-    if x2.dtype == jnp.bfloat16:
-        return not transpose_w and blas_gmm.uses_amx(x2, w[None])
-    return x2.dtype == w.dtype == jnp.float32 and float32_choice == "auto"
-
-
-def _process_devices() -> int:
-    """Devices of this process's programs: a model traced here cannot tell whether its program will be
-    partitioned, so several devices in the process count as partitioned."""
-    return jax.device_count()
+    SwiGLU MLP's fwd+bwd measured at [8, 256, 256] x 1024); a 2-D dot has none."""
+    y = ops.matmul(x.reshape(-1, x.shape[-1]), w, transpose_w)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 class Linear(nnx.Module):

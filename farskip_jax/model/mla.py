@@ -21,7 +21,7 @@ from flax import nnx
 from farskip_jax.config import ModelConfig
 from farskip_jax.model.attention import AttentionBase
 from farskip_jax.model.layers import Linear, RMSNorm, dtype_of
-from farskip_jax.model.rope import _yarn_get_mscale, apply_rope, rope_frequencies
+from farskip_jax.model.rope import apply_rope, rope_frequencies, yarn_get_mscale
 
 LATENT_NORM_EPS = 1e-6  # HF DeepSeek builds q_a/kv_a layernorms with the default eps, not rms_norm_eps
 
@@ -52,7 +52,7 @@ class MLAttention(AttentionBase):
         scale = (nope + rope) ** -0.5
         s = cfg.rope_scaling
         if s.type == "yarn" and s.mscale_all_dim:
-            scale *= _yarn_get_mscale(s.factor, s.mscale_all_dim) ** 2
+            scale *= yarn_get_mscale(s.factor, s.mscale_all_dim) ** 2
         self.scale = scale
 
     def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

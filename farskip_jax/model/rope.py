@@ -21,7 +21,7 @@ def _yarn_find_correction_dim(num_rot, dim, base, max_pos):
     return (dim * math.log(max_pos / (num_rot * 2 * math.pi))) / (2 * math.log(base))
 
 
-def _yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
@@ -46,9 +46,9 @@ def rope_frequencies(dim: int, theta: float, scaling: RopeScalingConfig | None =
         if s.attention_factor is not None:
             attn = s.attention_factor
         elif s.mscale and s.mscale_all_dim:
-            attn = _yarn_get_mscale(s.factor, s.mscale) / _yarn_get_mscale(s.factor, s.mscale_all_dim)
+            attn = yarn_get_mscale(s.factor, s.mscale) / yarn_get_mscale(s.factor, s.mscale_all_dim)
         else:
-            attn = _yarn_get_mscale(s.factor)
+            attn = yarn_get_mscale(s.factor)
         low = _yarn_find_correction_dim(s.beta_fast, dim, theta, s.original_max_position)
         high = _yarn_find_correction_dim(s.beta_slow, dim, theta, s.original_max_position)
         if s.truncate:

@@ -24,13 +24,14 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
+from farskip_jax import kernels
 from farskip_jax.config import Config, replace
 from farskip_jax.errors import BackendError, ConfigError
 from farskip_jax.model import Transformer
 from farskip_jax.model.attention import resolve_attention_impl
 from farskip_jax.model.gmm import resolve_backend
 from farskip_jax.parallel.ep import RAGGED_ON_CPU, routed_compute_for
-from farskip_jax.parallel.foe import GROUP_AXIS, FoECompute, foe_mesh_from, foe_state_shardings
+from farskip_jax.parallel.foe import GROUP_AXIS, FoECompute, foe_mesh_from, foe_state_shardings, make_foe_mesh
 from farskip_jax.parallel.mesh import make_mesh, mesh_platform
 from farskip_jax.parallel.sharding import state_shardings
 
@@ -86,11 +87,15 @@ def state_shardings_on(state, mesh: Mesh):
 
 
 def config_on(cfg: Config, mesh: Mesh) -> Config:
-    """cfg with moe.gmm=auto and model.attention_impl=auto resolved for the mesh's platform: a GPU
-    program compiled from a CPU process (deviceless analysis) runs the GPU expert backend and
-    attention core, as a GPU run would (the CPU kernels cannot run there). Attention runs in the
-    program partitioned over the whole mesh (so on several CPU devices `auto` is the naive core, see
-    cpu_kernels.pick); the routed experts run inside the expert-parallel shard_map, per device."""
+    """Install cfg.kernels (kernels.install: the CPU kernel backends of the model's seam, model/ops.py,
+    or none) and return cfg with moe.gmm=auto and model.attention_impl=auto resolved for the mesh's
+    platform: a GPU program compiled from a CPU process (deviceless analysis) runs the GPU expert
+    backend and attention core, as a GPU run would (the CPU kernels cannot run there). Attention runs
+    in the program partitioned over the whole mesh (so on several CPU devices `auto` is the naive
+    core, see kernels/dispatch.py); the routed experts run inside the expert-parallel shard_map, per
+    device. Every model built from a config passes here (create_model, analysis, inference layouts):
+    it is the one place the kernels are enabled."""
+    kernels.install(cfg.kernels)
     platform = mesh_platform(mesh)
     if cfg.moe.gmm == "auto":
         cfg = replace(cfg, **{"moe.gmm": resolve_backend("auto", platform)})
@@ -115,3 +120,13 @@ def create_model(cfg: Config, mesh: Optional[Mesh] = None, seed: int = 0) -> Tra
     shardings = state_shardings_on(abstract, mesh)
     state = jax.jit(lambda: nnx.split(init())[1], out_shardings=shardings)()
     return nnx.merge(graphdef, state)
+
+
+def create_foe_model(cfg: Config, mesh: Optional[Mesh] = None, seed: int = 0) -> Transformer:
+    """A FoE `Transformer` with parameters placed on the FoE mesh (values depend only on seed)."""
+    if cfg.moe.num_groups < 2:
+        raise ConfigError("create_foe_model needs moe.num_groups >= 2; use parallel.create_model for num_groups=1")
+    mesh = make_foe_mesh(cfg.mesh, cfg.moe.num_groups) if mesh is None else mesh
+    if GROUP_AXIS not in mesh.shape:
+        raise ConfigError("create_foe_model needs a mesh from make_foe_mesh (with a 'group' axis)")
+    return create_model(cfg, mesh, seed=seed)

@@ -2,7 +2,7 @@
 group's own devices; the cross-group sum is an explicit collective.
 
     mesh  = make_foe_mesh(cfg.mesh, cfg.moe.num_groups)       # axes data, fsdp, group, expert, tensor
-    model = create_foe_model(cfg, mesh, seed=0)
+    model = create_foe_model(cfg, mesh, seed=0)       # parallel/build.py
     out   = nnx.jit(lambda m, t: m(t).logits)(model, shard_batch(tokens, mesh))
 
 Mesh. The expert-parallel devices of `cfg.mesh` (size ep) are split into `group` x `expert`: G_m =
@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from farskip_jax.config import Config, MeshConfig
+from farskip_jax.config import MeshConfig
 from farskip_jax.errors import ConfigError
 from farskip_jax.model.experts import ExpertWeights, RoutedOutput
 from farskip_jax.model.router import RouteResult
@@ -158,15 +158,3 @@ class FoECompute:
         """Plain RoutedComputeFn view (sum over the groups); `route` must be an FoE routing."""
         y, dropped = self.group_routed(x, route, experts, cfg, cfg.num_groups)
         return RoutedOutput(y=self.group_sum(y), dropped=dropped)
-
-
-def create_foe_model(cfg: Config, mesh: Optional[Mesh] = None, seed: int = 0):
-    """A FoE `Transformer` with parameters placed on the FoE mesh (values depend only on seed)."""
-    if cfg.moe.num_groups < 2:
-        raise ConfigError("create_foe_model needs moe.num_groups >= 2; use parallel.create_model for num_groups=1")
-    mesh = make_foe_mesh(cfg.mesh, cfg.moe.num_groups) if mesh is None else mesh
-    if GROUP_AXIS not in mesh.shape:
-        raise ConfigError("create_foe_model needs a mesh from make_foe_mesh (with a 'group' axis)")
-    from farskip_jax.parallel.build import create_model  # build imports this module
-
-    return create_model(cfg, mesh, seed=seed)

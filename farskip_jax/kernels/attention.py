@@ -3,14 +3,14 @@
     fused_attention_core(q [b, t, h, d], k [b, s, kv, d], v [b, s, kv, dv], mask [b, 1, t, s] bool, scale)
         -> [b, t, h, dv]
 
-The same function as attention.attention_core (logits = where(mask, scale q k^T, -1e30), softmax in
+The same function as model/attention.attention_core (logits = where(mask, scale q k^T, -1e30), softmax in
 float32, GQA by kv head = h // (h / kv)), computed per (batch, kv head) with the [64, keys] score
 block in cache instead of materialising [b, kv, g, t, s] scores and their softmax passes in memory;
 only the key range holding an allowed key of a query block is computed (causal: about half). The
 backward recomputes the probabilities from each row's saved max and sum. Any mask works (causal,
 document, chunked; a row with no allowed key is uniform like the naive core). float32 math; other
 dtypes are computed in float32 and returned in q.dtype. Built and loaded with the grouped-GEMM
-kernel by model/cpu_kernels.py; `available()` there says whether this machine has it.
+kernel by kernels/library.py; `available()` there says whether this machine has it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from farskip_jax.model import cpu_kernels
+from farskip_jax.kernels import library
 
 
 def _fwd_call(q, k, v, mask, scale):
@@ -56,7 +56,7 @@ _core.defvjp(_core_fwd, _core_bwd)
 def fused_attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
     """attention_core through the CPU kernel; see the module docstring. Raises KernelUnavailable when
     the kernel library cannot be built here."""
-    cpu_kernels.require()
+    library.require()
     b, t, s = q.shape[0], q.shape[1], k.shape[1]
     mask = jnp.broadcast_to(mask, (b, 1, t, s)).astype(jnp.bool_)
     f32 = lambda a: a.astype(jnp.float32)  # noqa: E731

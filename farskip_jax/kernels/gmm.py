@@ -1,4 +1,4 @@
-"""CPU grouped matmul through BLAS (`moe.gmm=blas`): csrc/grouped_gemm.cc, one sgemm per group part.
+"""CPU grouped matmul through BLAS (`moe.gmm: blas`, the dense BLAS/AMX matmul): csrc/grouped_gemm.cc, one sgemm per group part.
 
     gmm(lhs [M, K], rhs [G, K, N], group_sizes [G]) -> [M, N]      (rows sorted by group, float32)
     tgmm(lhs [M, K], dy [M, N], group_sizes [G]) -> [G, K, N]       (per-group lhs^T dy: weight gradient)
@@ -9,9 +9,9 @@ it has none of the costs XLA:CPU adds to a loop of dynamic-slice dots (a copy of
 slice, zero-filled loop carries, read-modify-write gradient slices), and it splits the work over
 XLA's own CPU threads (XLA:CPU's small dots run at about one thread's speed). `gmm` has a custom VJP
 made of the same two kernels: d lhs = gmm(dy, rhs^T), d rhs = tgmm(lhs, dy). The library is built
-and loaded by model/cpu_kernels.py.
+and loaded by kernels/library.py.
 
-bfloat16 operands (model.compute_dtype: bfloat16) on a CPU with Intel AMX (cpu_kernels.amx_available)
+bfloat16 operands (model.compute_dtype: bfloat16) on a CPU with Intel AMX (library.amx_available)
 run csrc/bf16_gemm.cc instead: the same two kernels on AMX tiles, bf16 rows, float32 weights rounded
 to bf16 as the kernel packs them, float32 accumulation (the output rounded to bf16 on return, the
 weight gradient float32). K and N must be multiples of 32 there; other shapes, and CPUs without AMX,
@@ -25,7 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from farskip_jax.model import cpu_kernels
+from farskip_jax.kernels import library
 
 
 def _gmm_call(lhs, rhs, group_sizes, transpose_rhs: bool, bf16: bool = False):
@@ -93,14 +93,14 @@ def matmul(x: jax.Array, w: jax.Array, transpose_w: bool = False) -> jax.Array:
         return gmm(x, w[None], sizes)
     if x.dtype != jnp.float32:
         raise ValueError(f"blas_gmm.matmul(transpose_w=True) takes float32 rows, not {x.dtype}")
-    cpu_kernels.require()
+    library.require()
     return _gmm_f32(x.astype(jnp.float32), w.astype(jnp.float32)[None], sizes, True).astype(x.dtype)
 
 
 def uses_amx(lhs: jax.Array, rhs: jax.Array) -> bool:
     """Whether gmm(lhs, rhs, .) runs the AMX kernel: bf16 rows, K and N multiples of 32, AMX here."""
     return (lhs.dtype == jnp.bfloat16 and rhs.dtype in (jnp.bfloat16, jnp.float32) and lhs.shape[1] % 32 == 0
-            and rhs.shape[2] % 32 == 0 and cpu_kernels.amx_available())
+            and rhs.shape[2] % 32 == 0 and library.amx_available())
 
 
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
@@ -108,7 +108,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
     differentiable in lhs and rhs. The operands are rhs rounded to lhs.dtype and lhs, the products
     accumulated in float32: on AMX tiles where `uses_amx` (rhs may stay float32 master weights: the
     kernel rounds them as it packs, and their gradient is float32), else in float32 BLAS."""
-    cpu_kernels.require()
+    library.require()
     if uses_amx(lhs, rhs):
         return _gmm_bf16(lhs, rhs.astype(jnp.float32), group_sizes.astype(jnp.int32)).astype(lhs.dtype)
     rhs32 = rhs.astype(jnp.float32)

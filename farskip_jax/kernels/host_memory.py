@@ -22,20 +22,17 @@ step, its peak 11.8 GB). benchmarks/moe_layer.py's shape b: 6.3 GB resident here
 with the 2 GiB trim.
 
 Call it before JAX starts its CPU backend (the entry points do; threads created earlier keep their
-arenas). `FARSKIP_HOST_MALLOC=default` leaves malloc alone. A no-op (returns False) where the C
-library is not glibc.
+arenas). `kernels.host_malloc: default` (environment override FARSKIP_HOST_MALLOC=default) leaves
+malloc alone. A no-op (returns False) where the C library is not glibc.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import sys
 
-from farskip_jax.errors import env_choice
-
-ENV = "FARSKIP_HOST_MALLOC"
+from typing import Optional
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8  # glibc malloc.h
 _NEVER = -1  # M_TRIM_THRESHOLD: glibc converts it to SIZE_MAX
 
@@ -53,15 +50,23 @@ def _glibc() -> ctypes.CDLL | None:
     return libc
 
 
-def keep_freed_memory() -> bool:
+def keep_freed_memory(mode: Optional[str] = None) -> bool:
     """Apply the settings above once per process; True when they are in effect.
 
-    Respects FARSKIP_HOST_MALLOC: `resident` (default) applies them, `default` leaves malloc alone;
-    any other value is an error naming the choices."""
+    mode: kernels.host_malloc of the run's config: `resident` applies them, `default` leaves malloc
+    alone; None (before a config is loaded) takes the default section with its environment override
+    (config.kernels_from_env: FARSKIP_HOST_MALLOC, a bad value is one ConfigError naming the choices)."""
     global _applied
     if _applied is not None:
         return _applied
-    mode = env_choice(ENV, {"resident": "keep freed memory (the default)", "default": "leave glibc malloc as it is"})
+    if mode is None:
+        from farskip_jax.config import kernels_from_env
+
+        mode = kernels_from_env().host_malloc
+    if mode not in ("resident", "default"):
+        from farskip_jax.errors import ConfigError
+
+        raise ConfigError(f"kernels.host_malloc={mode!r} is not a choice; expected 'resident' or 'default'")
     libc = _glibc() if mode == "resident" else None
     ok = libc is not None
     if ok:

@@ -1,18 +1,19 @@
-"""The project's CPU kernel library (csrc/: grouped GEMM and attention as XLA FFI custom calls): build,
-load, and the choice between a CPU kernel and its fallback.
+"""The project's CPU kernel library (csrc/: grouped GEMM and attention as XLA FFI custom calls): build
+and load.
 
 On first use the library is compiled with the system C++ compiler ($CXX, else g++, c++ or clang++;
-about 4 s) against jaxlib's FFI headers into a cache folder ($FARSKIP_KERNEL_CACHE, default
+about 4 s) against jaxlib's FFI headers into a cache folder (kernels.cache_dir, default
 ~/.cache/farskip_jax), keyed by the sources, the jaxlib version and the flags. It links no BLAS: at
 load time it is handed the address of cblas_sgemm from the first library that has one, in order:
-$FARSKIP_BLAS_LIB, Intel MKL from the `mkl` wheel (the `mkl` extra; on Intel CPUs, or anywhere with
-FARSKIP_BLAS=mkl; never with FARSKIP_BLAS=openblas), numpy's bundled OpenBLAS (scipy-openblas,
+kernels.blas_lib, Intel MKL from the `mkl` wheel (the `mkl` extra; on Intel CPUs, or anywhere with
+kernels.blas: mkl; never with kernels.blas: openblas), numpy's bundled OpenBLAS (scipy-openblas,
 ILP64), the scipy_openblas32/64 wheels, a system OpenBLAS/CBLAS. OpenBLAS is loaded from a private
 copy set to one thread per call (the kernels run one sgemm per XLA thread) so numpy's copy keeps its
 threads; MKL runs in its sequential threading layer. `available()` says whether all of this worked;
-`amx_available()` whether the bf16 grouped GEMM (Intel AMX tiles) can run too; `pick()` is how
-`moe.gmm` and `model.attention_impl` choose a CPU kernel or their fallback.
-Users: model/blas_gmm.py (and layers.matmul_2d through it), model/blas_attention.py.
+`amx_available()` whether the bf16 grouped GEMM (Intel AMX tiles) can run too.
+The settings are the config's `kernels:` section, handed over by kernels.install (`configure`);
+they are read once, at the first load of the process.
+Users: kernels/gmm.py, kernels/attention.py; the choice of kernel is kernels/__init__.py's.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from farskip_jax.errors import env_choice
+from farskip_jax.config import KernelsConfig
+from farskip_jax.errors import ConfigError
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "grouped_gemm.cc", CSRC / "attention.cc", CSRC / "bf16_gemm.cc")  # one library: the CPU kernels
@@ -47,8 +49,29 @@ class KernelUnavailable(RuntimeError):
     """The CPU kernel library could not be built or given a BLAS; the message says why and the fix."""
 
 
+_settings = KernelsConfig()
+_LOAD_KEYS = ("blas", "blas_lib", "cache_dir")  # what the first load fixed for the process
+
+
+def configure(cfg: KernelsConfig) -> None:
+    """Use `cfg`'s library settings from now on. After the library is loaded, a different BLAS
+    choice or cache folder cannot take effect in this process: ConfigError names the keys."""
+    global _settings
+    if load.cache_info().currsize:
+        changed = [k for k in _LOAD_KEYS if getattr(cfg, k) != getattr(_settings, k)]
+        if changed:
+            raise ConfigError(f"kernels.{', kernels.'.join(changed)} changed after the CPU kernels were loaded with "
+                              f"{ {k: getattr(_settings, k) for k in changed} }; the library is loaded once per "
+                              "process: start a new process for the new setting")
+    _settings = cfg
+
+
+def settings() -> KernelsConfig:
+    return _settings
+
+
 def _cache_dir() -> Path:
-    return Path(os.environ.get("FARSKIP_KERNEL_CACHE") or Path.home() / ".cache" / "farskip_jax")
+    return Path(_settings.cache_dir or Path.home() / ".cache" / "farskip_jax")
 
 
 def _compiler() -> str:
@@ -59,7 +82,7 @@ def _compiler() -> str:
         if shutil.which(c):
             return c
     raise KernelUnavailable("no C++ compiler found (tried $CXX, g++, c++, clang++); install one "
-                            "(e.g. `apt install g++`) or set moe.gmm: tiled")
+                            "(e.g. `apt install g++`) or set kernels.enabled: false")
 
 
 def _publish(dst: Path, write) -> None:
@@ -93,7 +116,7 @@ def build() -> Path:
             proc = subprocess.run(cmd, capture_output=True, text=True)
         except OSError as e:
             raise KernelUnavailable(f"cannot run the C++ compiler {cxx!r} ({e}); set CXX to a working one "
-                                    "or moe.gmm: tiled") from e
+                                    "or kernels.enabled: false") from e
         if proc.returncode != 0:
             raise KernelUnavailable(f"compiling {', '.join(f.name for f in SOURCES)} failed "
                                     f"({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
@@ -110,29 +133,24 @@ def _intel_cpu() -> bool:
         return False
 
 
-BLAS_ENV = "FARSKIP_BLAS"
-BLAS_CHOICES = {"auto": "MKL on Intel CPUs when the `mkl` extra is installed, else OpenBLAS",
-                "mkl": "MKL (the `mkl` extra)", "openblas": "never MKL"}
-
-
 def _mkl_libraries() -> list[str]:
-    """libmkl_rt of the `mkl` wheel (the `mkl` extra) in this environment; under `auto` only on Intel
-    CPUs, where its sgemm is 1.2-1.4x OpenBLAS's on the expert shapes (benchmarks/moe_layer.py) --
-    MKL takes slower paths on other vendors' CPUs."""
-    choice = env_choice(BLAS_ENV, BLAS_CHOICES)
+    """libmkl_rt of the `mkl` wheel (the `mkl` extra) in this environment; under kernels.blas: auto
+    only on Intel CPUs, where its sgemm is 1.2-1.4x OpenBLAS's on the expert shapes
+    (benchmarks/moe_layer.py) -- MKL takes slower paths on other vendors' CPUs."""
+    choice = _settings.blas
     if choice == "openblas" or (choice == "auto" and not _intel_cpu()):
         return []
     found = sorted(glob.glob(os.path.join(sys.prefix, "lib", "libmkl_rt.so*")))[:1]
     if choice == "mkl" and not found:
-        raise KernelUnavailable(f"{BLAS_ENV}=mkl but no libmkl_rt under {sys.prefix}/lib; install the extra "
-                                f"(pip install -e '.[mkl]') or unset {BLAS_ENV}")
+        raise KernelUnavailable(f"kernels.blas=mkl but no libmkl_rt under {sys.prefix}/lib; install the extra "
+                                "(pip install -e '.[mkl]') or set kernels.blas: auto")
     return found
 
 
 def _blas_candidates() -> list[str]:
     paths = []
-    if os.environ.get("FARSKIP_BLAS_LIB"):
-        paths.append(os.environ["FARSKIP_BLAS_LIB"])
+    if _settings.blas_lib:
+        paths.append(_settings.blas_lib)
     paths += _mkl_libraries()
     np_root = Path(np.__file__).resolve().parent
     for pattern in ("../numpy.libs/libscipy_openblas*.so*", ".dylibs/libscipy_openblas*.dylib", "../numpy.libs/*openblas*.so*"):
@@ -204,8 +222,8 @@ def _find_sgemm() -> tuple[ctypes.CDLL, int, int, str]:
                 break
         _KEEP_ALIVE.append(probe)
         return lib, ctypes.cast(fn, ctypes.c_void_p).value, ilp64, f"{sym} from {path} ({threads})"
-    raise KernelUnavailable(f"no cblas_sgemm found (tried {tried or 'no library'}); point FARSKIP_BLAS_LIB at an "
-                            "OpenBLAS/CBLAS shared library or set moe.gmm: tiled")
+    raise KernelUnavailable(f"no cblas_sgemm found (tried {tried or 'no library'}); point kernels.blas_lib at an "
+                            "OpenBLAS/CBLAS shared library or set kernels.enabled: false")
 
 
 @functools.lru_cache(maxsize=1)
@@ -217,8 +235,8 @@ def load() -> str:
         lib = ctypes.CDLL(str(path))
         blas_lib, addr, ilp64, desc = _find_sgemm()
     except OSError as e:  # an unwritable cache folder, a library that does not load
-        raise KernelUnavailable(f"{e}; set FARSKIP_KERNEL_CACHE to a writable folder (now {_cache_dir()}) "
-                                "or moe.gmm: tiled") from e
+        raise KernelUnavailable(f"{e}; set kernels.cache_dir to a writable folder (now {_cache_dir()}) "
+                                "or kernels.enabled: false") from e
     lib.farskip_set_sgemm.argtypes = (ctypes.c_void_p, ctypes.c_int)
     lib.farskip_set_sgemm(addr, ilp64)
     _KEEP_ALIVE.extend([lib, blas_lib])
@@ -239,8 +257,8 @@ def _amx_usable() -> bool:
 
 def amx_available() -> bool:
     """The bf16 grouped GEMM on Intel AMX can run here: the kernels are available, the CPU has AMX-BF16,
-    Linux granted the tile state, and FARSKIP_NO_AMX is not set (it forces the float32 kernels)."""
-    return available() and not os.environ.get("FARSKIP_NO_AMX") and _amx_usable()
+    Linux granted the tile state, and kernels.amx is not `off` (which forces the float32 kernels)."""
+    return _settings.amx == "auto" and available() and _amx_usable()
 
 
 _KEEP_ALIVE: list = []
@@ -254,7 +272,7 @@ def unavailable_reason() -> str | None:
         return None
     except KernelUnavailable as e:
         warnings.warn(f"the CPU BLAS kernels are unavailable (moe.gmm=auto uses `tiled`, "
-                      f"model.attention_impl=auto the naive core): {e}", stacklevel=2)
+                      f"model.attention_impl=auto the naive core, Linear layers XLA's dot): {e}", stacklevel=2)
         return str(e)
 
 
@@ -267,24 +285,3 @@ def require() -> None:
     reason = unavailable_reason()
     if reason:
         raise KernelUnavailable(reason)
-
-
-def pick(value: str, key: str, kernel: str, cpu_fallback: str, elsewhere: str, platform: str | None = None,
-         devices: int = 1) -> str:
-    """Resolve the config value `value` of `key` on `platform` (default: JAX's default backend):
-    `auto` -> `kernel` on CPU when the kernels are available here (`cpu_fallback` when not),
-    `elsewhere` on other platforms; the CPU kernel asked for by name on another platform is refused;
-    any other value is returned as it is. `devices`: how many devices the program that calls the
-    kernel is auto-partitioned over. Above 1, `auto` gives `cpu_fallback`: a custom call has no
-    partitioning rule, so XLA would gather its operands onto every device and run it replicated
-    (3 all-gathers for the attention core in a 4-device data-parallel program). Kernels called
-    inside a shard_map (the routed experts) see their device's shard and leave it at 1."""
-    platform = platform or jax.default_backend()
-    if value == kernel and platform != "cpu":
-        raise ValueError(f"{key}={kernel} is a CPU kernel and this program runs on {platform}; "
-                         f"use {key}: auto ({elsewhere} there) or {elsewhere}")
-    if value != "auto":
-        return value
-    if platform != "cpu":
-        return elsewhere
-    return kernel if devices == 1 and available() else cpu_fallback
