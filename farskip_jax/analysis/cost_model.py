@@ -72,6 +72,21 @@ def fused_attention_us(o, hw: Hardware) -> float:
     return hw.launch_us + 1e6 * f / (hw.peak_flops * hw.attn_eff)
 
 
+def in_place_update(o) -> bool:
+    """An op that writes a slice of a buffer in place (dynamic-update-slice, alone or as the root of a
+    fusion: a KV-cache write): it moves the update, not the buffer."""
+    last = (o.op_name or "").rsplit("/", 1)[-1]
+    return o.opcode == "dynamic-update-slice" or (o.opcode == "fusion" and last.startswith("dynamic_update_slice"))
+
+
+def moved_bytes(o, in_place_updates: bool = False) -> float:
+    """Bytes an op reads + writes; an in-place update (in_place_update) moves its update twice (read,
+    write) instead of the whole buffer in and out."""
+    if in_place_updates and in_place_update(o) and o.in_bytes >= o.out_bytes:
+        return 2.0 * (o.in_bytes - o.out_bytes)
+    return o.in_bytes + o.out_bytes
+
+
 def compute_time_us(flops: float, bytes_moved: float, hw: Hardware) -> float:
     return hw.launch_us + 1e6 * max(flops / (hw.peak_flops * hw.matmul_eff), bytes_moved / (hw.hbm_bw * hw.mem_eff))
 
@@ -138,7 +153,7 @@ def ragged_payload(schedule: Schedule, pair) -> float:
 def simulate(schedule: Schedule, hw: Hardware, group_size: int = 8,
              serialize: tuple[str, ...] = (), topology=None,
              own_stream: tuple[str, ...] = (), fused_attention: bool = False,
-             free: Optional["OptimizerStep"] = None) -> tuple[Schedule, list[float]]:
+             free: Optional["OptimizerStep"] = None, in_place_updates: bool = False) -> tuple[Schedule, list[float]]:
     """Re-time `schedule` on `hw` with the two-stream model; collectives whose kind is in `serialize`
     block the compute stream from their start to their end (no overlap). With `topology`
     (analysis/topology.Topology) a collective's time depends on which of its replica-group members
@@ -150,6 +165,8 @@ def simulate(schedule: Schedule, hw: Hardware, group_size: int = 8,
     kernel (fused_attention_us) instead of the naive core's materialised [s, s] scores. `free`
     (optimizer_step(schedule)) prices the gradient reductions and the parameter update at zero: the
     steady state of gradient accumulation over many micro-batches, where they run once per step.
+    `in_place_updates` prices a dynamic-update-slice (a KV-cache write) at its update's bytes
+    (moved_bytes) instead of the whole buffer in and out.
 
     Returns (the re-timed copy, modelled duration of every entry of `.pairs`)."""
     sched = copy.deepcopy(schedule)
@@ -167,7 +184,7 @@ def simulate(schedule: Schedule, hw: Hardware, group_size: int = 8,
             if fused_attention and scope_of(o.op_name) == "attention_core":
                 o.start, o.end = t, t + fused_attention_us(o, hw)
             else:
-                o.start, o.end = t, t + compute_time_us(o.flops, o.in_bytes + o.out_bytes, hw)
+                o.start, o.end = t, t + compute_time_us(o.flops, moved_bytes(o, in_place_updates), hw)
             t = o.end
         elif o.kind == "start" and o.id in pair_of_start:
             i = pair_of_start[o.id]

@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from farskip_jax.config import Config, MeshConfig, ModelConfig
-from farskip_jax.eval.generate import make_decode_fn
+from farskip_jax.eval.generate import decode_step, make_decode_fn
 from farskip_jax.parallel.inference import TpEpLayout, abstract_inference_model, inference_model, layout_for
 from farskip_jax.parallel.mesh import make_mesh
 
@@ -56,7 +56,7 @@ def cache_entry_shapes(m: ModelConfig, batch: int, max_len: int, layout: TpEpLay
     return k, v
 
 
-def _program(cfg: Config, mesh: Mesh, batch: int, t: int, max_len: int):
+def _program(cfg: Config, mesh: Mesh, batch: int, t: int, max_len: int, last_logits: bool = False):
     layout = TpEpLayout(mesh)
     graphdef, state = abstract_inference_model(cfg, mesh)
     dt = jnp.dtype(cfg.model.compute_dtype)
@@ -67,7 +67,17 @@ def _program(cfg: Config, mesh: Mesh, batch: int, t: int, max_len: int):
     args = (state, jax.ShapeDtypeStruct((batch, t), jnp.int32, sharding=layout.batch_sharding(2)),
             jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())), cache,
             jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=layout.batch_sharding(1)))
-    return make_decode_fn(graphdef, cfg.farskip, layout), args
+    if not last_logits:
+        return make_decode_fn(graphdef, cfg.farskip, layout), args
+    fs = cfg.farskip
+
+    def fn(state, tokens, start, cache, pad):  # make_decode_fn's step, final norm + LM head on the last slot only
+        model = nnx.merge(graphdef, state)
+        output = model.output
+        model.output = lambda full, *rest: output(full[:, -1:], *rest)
+        return decode_step(model, tokens, start, cache, fs, pad, layout)
+
+    return jax.jit(fn, donate_argnums=3, compiler_options=layout.compiler_options()), args
 
 
 def decode_program(cfg: Config, mesh: Mesh, batch: int, max_len: int):
@@ -76,6 +86,8 @@ def decode_program(cfg: Config, mesh: Mesh, batch: int, max_len: int):
     return _program(cfg, mesh, batch, 1, max_len)
 
 
-def prefill_program(cfg: Config, mesh: Mesh, batch: int, prompt_len: int, max_len: int):
-    """(jitted prefill, abstract args): prompt_len tokens per row (left-padded) into a max_len cache."""
-    return _program(cfg, mesh, batch, prompt_len, max_len)
+def prefill_program(cfg: Config, mesh: Mesh, batch: int, prompt_len: int, max_len: int, last_logits: bool = False):
+    """(jitted prefill, abstract args): prompt_len tokens per row (left-padded) into a max_len cache.
+    last_logits: the final norm and LM head on the last prompt slot only (logits [b, 1, V]), as a
+    server computes the first token (what TTFT measures); default every slot (generate's prefill)."""
+    return _program(cfg, mesh, batch, prompt_len, max_len, last_logits)

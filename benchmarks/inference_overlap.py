@@ -1,0 +1,267 @@
+"""FarSkip at inference, modelled: TTFT and time per output token on the paper's TP = EP all-reduce
+layout, standard vs farskip, on 8 GPUs (one node) and 16 GPUs (two nodes) (issue 24 part 4).
+
+    JAX_PLATFORMS=cpu python benchmarks/inference_overlap.py [--models dsv2_lite,dsv2,scout]
+        [--gpus 8,16] [--programs prefill,decode] [--prompts 1024,...,16384] [--decode-batches 16,...,1024]
+        [--context 2048] [--depth auto|full|cut] [--hardware h200] [--out benchmarks/results/inference]
+        [--plot-only]
+
+Every point compiles eval/serving.prefill_program (16 requests x prompt length, LM head on the last
+slot) or decode_program (one token per request against a `--context` cache) deviceless for H200s
+(analysis/inference_report.py: LHS on, all-reduce combiners and the dot merger off, routed experts at
+a balanced grouped GEMM's cost) under standard and FarSkip connectivity, and re-times XLA's schedule
+with the two-stream model: H200 roofline, NVLink 4 inside a node, 8 x 400 Gb/s NICs per node
+(analysis/topology.py). Layout: TP = EP = all GPUs where the heads split that many ways, else TP 8
+inside each node with EP over all GPUs (Llama-4-Scout's 40 heads on 16 GPUs).
+
+Depth: `auto` = DeepSeek-V2-Lite at full depth (27 layers), DeepSeek-V2 and Llama-4-Scout cut to
+2 and 4 layers and extrapolated linearly to 60 / 48 (inference_report.extrapolate; the cut is stated
+in every row). Compiled schedules are cached (--cache): a re-run only re-times. Results:
+OUT/results.json (raw, per compiled depth), OUT/table.md, OUT/speedup.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import pickle
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# name: (config, label, depths to compile when cut)
+MODELS = {"dsv2_lite": ("configs/deepseek_v2_lite.yaml", "DeepSeek-V2-Lite", (2, 4)),
+          "dsv2": ("configs/deepseek_v2.yaml", "DeepSeek-V2", (2, 4)),
+          "scout": ("configs/llama4_scout.yaml", "Llama-4-Scout", (2, 4))}
+FULL_BY_DEFAULT = ("dsv2_lite",)
+# the paper's inference figures (arXiv 2511.11505, as quoted in issue 24): vLLM TTFT at EP 8 / TP 8 with
+# 16 concurrent requests, all-reduce overlap; SGLang DeepSeek-V3
+PAPER = {"dsv2": {"ttft": (1.082, 1.168), "overlap": 0.976}, "scout": {"ttft": (1.122, 1.185), "overlap": 0.953},
+         "sglang_dsv3": {"prefill": 1.34, "decode_2node": 1.25}}
+
+
+def key(model, gpus, program, batch, tokens, ctx, layers, preset):
+    return f"{model}|g{gpus}|{program}|b{batch}|t{tokens}|c{ctx}|L{layers}|{preset}"
+
+
+def compile_point(base, model, gpus, gpn, program, batch, tokens, ctx, layers, preset, hardware, cache_dir, log):
+    """ServingTiming json of one compiled point (compiled, or re-timed from the schedule cache)."""
+    from farskip_jax.analysis import inference_report as ir
+
+    k = key(model, gpus, program, batch, tokens, ctx, layers, preset)
+    cpath = os.path.join(cache_dir, k.replace("|", "_") + ".pkl.gz")
+    if os.path.exists(cpath):
+        with gzip.open(cpath, "rb") as f:
+            c = pickle.load(f)
+    else:
+        from farskip_jax.analysis.deviceless import gpu_devices
+
+        cfg = ir.serving_config(base, preset, gpus, gpn, layers)
+        devices = gpu_devices("h200", gpus, gpus_per_node=min(gpn, gpus), memory_gb=1e4)
+        mesh = ir.serving_mesh(cfg, devices)
+        t0 = time.time()
+        prog = ir.compile_serving(cfg, mesh, program, batch, tokens if program == "prefill" else 1,
+                                  tokens if program == "prefill" else ctx)
+        c = {"schedule": prog.schedule, "node_of": ir.node_of(mesh), "compile_s": time.time() - t0,
+             "mesh": dict(mesh.shape), "layers": cfg.model.num_layers,
+             "expected_ar_bytes": ir.expected_ar_bytes(cfg, batch, tokens if program == "prefill" else 1)}
+        with gzip.open(cpath, "wb") as f:
+            pickle.dump(c, f)
+        log(f"[inference] {k}: compiled in {c['compile_s']:.0f}s (mesh {c['mesh']})")
+    t = ir.time_serving(c["schedule"], c["node_of"], hardware, program)
+    layer_ars = [p.bytes for p in c["schedule"].pairs
+                 if p.collective == "all-reduce" and ir.role_of(p.start.op_name) in ir.LAYER_ROLES]
+    return {**t.to_json(), "compile_s": c["compile_s"], "mesh": c["mesh"], "layers": c["layers"],
+            "nodes": len(set(c["node_of"])), "expected_ar_bytes": c["expected_ar_bytes"],
+            "layer_ar_bytes": sorted(set(layer_ars))}
+
+
+def timing_at(results, model, gpus, program, batch, tokens, ctx, preset, full_layers):
+    """(ServingTiming at full depth, how: 'full' or 'cut a/b'), or (None, None) when missing."""
+    from farskip_jax.analysis.inference_report import ServingTiming, extrapolate
+
+    full = results.get(key(model, gpus, program, batch, tokens, ctx, full_layers, preset))
+    if full:
+        return ServingTiming.from_json(full), "full", full
+    la, lb = MODELS[model][2]
+    a = results.get(key(model, gpus, program, batch, tokens, ctx, la, preset))
+    b = results.get(key(model, gpus, program, batch, tokens, ctx, lb, preset))
+    if a and b:
+        return (extrapolate(ServingTiming.from_json(a), la, ServingTiming.from_json(b), lb, full_layers),
+                f"cut {la}/{lb}", b)
+    return None, None, None
+
+
+def rows_of(results, models, gpus_list, points, ctx, full_layers):
+    rows = []
+    for m in models:
+        for g in gpus_list:
+            for program, batch, tokens in points:
+                std, how, raw = timing_at(results, m, g, program, batch, tokens, ctx, "standard", full_layers[m])
+                fs, how_f, _ = timing_at(results, m, g, program, batch, tokens, ctx, "farskip", full_layers[m])
+                if std is None or fs is None:
+                    continue
+                rows.append({
+                    "model": m, "gpus": g, "nodes": raw["nodes"], "mesh": raw["mesh"], "program": program,
+                    "batch": batch, "tokens": tokens, "context": ctx if program == "decode" else tokens,
+                    "depth": how if how == how_f else f"{how}/{how_f}", "layers": full_layers[m],
+                    "standard_ms": std.time_us / 1e3, "farskip_ms": fs.time_us / 1e3,
+                    "serial_ms": std.serial_us / 1e3, "ceiling_ms": std.ceiling_us / 1e3,
+                    "speedup": std.time_us / fs.time_us, "speedup_vs_serial": std.serial_us / fs.time_us,
+                    "ceiling_speedup": std.time_us / std.ceiling_us,
+                    "std_hidden": std.layer_hidden_frac, "fs_hidden": fs.layer_hidden_frac,
+                    "std_hidden_all": std.hidden_frac, "fs_hidden_all": fs.hidden_frac,
+                    "ar_share": std.ar_us / std.serial_us, "ar_ms": std.ar_us / 1e3,
+                    "ar_per_layer_us": (std.by_role["attention"]["us"] + std.by_role["routed"]["us"])
+                    / max(std.by_role["attention"]["count"] + std.by_role["routed"]["count"], 1),
+                    "layer_ar_bytes": raw["layer_ar_bytes"], "expected_ar_bytes": raw["expected_ar_bytes"],
+                    "compute_ms": std.compute_us / 1e3,
+                })
+    return rows
+
+
+def table_md(rows) -> str:
+    out = ["| model | GPUs (nodes) | mesh E x T | program | batch x tokens | depth | standard ms | farskip ms | "
+           "speedup | vs sync AR | ceiling | AR share | AR hidden std / farskip | MB per AR |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        what = "TTFT" if r["program"] == "prefill" else f"TPOT (ctx {r['context']})"
+        bt = f"{r['batch']} x {r['tokens']}" if r["program"] == "prefill" else f"{r['batch']} x 1"
+        mb = ", ".join(f"{b / 2**20:.2f}" for b in r["layer_ar_bytes"])
+        out.append(f"| {MODELS[r['model']][1]} | {r['gpus']} ({r['nodes']}) | {r['mesh']['expert']} x "
+                   f"{r['mesh']['tensor']} | {what} | {bt} | {r['depth']} | {r['standard_ms']:.3f} | "
+                   f"{r['farskip_ms']:.3f} | **{r['speedup']:.3f}x** | {r['speedup_vs_serial']:.3f}x | "
+                   f"{r['ceiling_speedup']:.3f}x | {100 * r['ar_share']:.1f}% | {100 * r['std_hidden']:.1f}% / "
+                   f"{100 * r['fs_hidden']:.1f}% | {mb} |")
+    return "\n".join(out)
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    colors = {"dsv2_lite": "#4C72B0", "dsv2": "#C44E52", "scout": "#55A868"}
+    for ax, program in zip(axes, ("prefill", "decode")):
+        for m in colors:
+            for g, ls in ((8, "-"), (16, "--")):
+                pts = sorted((r["tokens"] if program == "prefill" else r["batch"], r["speedup"], r["ceiling_speedup"])
+                             for r in rows if r["model"] == m and r["gpus"] == g and r["program"] == program)
+                if not pts:
+                    continue
+                xs = [p[0] for p in pts]
+                ax.plot(xs, [p[1] for p in pts], ls, marker="o", color=colors[m],
+                        label=f"{MODELS[m][1]}, {g // 8} node{'s' if g > 8 else ''}")
+                ax.plot(xs, [p[2] for p in pts], ls, color=colors[m], alpha=0.3, lw=1)
+        if program == "prefill":
+            for m, mk in (("dsv2", "v"), ("scout", "^")):
+                lo, hi = PAPER[m]["ttft"]
+                ax.errorbar([16384 * 1.25], [(lo + hi) / 2], yerr=[[(hi - lo) / 2], [(hi - lo) / 2]], fmt=mk,
+                            color=colors[m], capsize=4, label=f"paper {MODELS[m][1]} TTFT (vLLM, 8 GPUs)")
+            ax.set_xlabel("prompt length (16 requests)")
+            ax.set_title("prefill: TTFT speedup farskip / standard", fontsize=10)
+        else:
+            ax.axhline(PAPER["sglang_dsv3"]["decode_2node"], color="black", ls=":", lw=1,
+                       label="paper: SGLang DeepSeek-V3 2-node decode (up to)")
+            ax.set_xlabel("decode batch (requests)")
+            ax.set_title("decode: time-per-output-token speedup", fontsize=10)
+        ax.set_xscale("log", base=2)
+        ax.axhline(1.0, color="black", lw=0.5)
+        ax.set_ylabel("speedup (faint: ceiling, every all-reduce hidden)")
+        ax.legend(fontsize=7)
+    fig.suptitle("FarSkip at inference, modelled: tp_ep layout on H200 (NVLink 4; 8 x 400 Gb/s NICs per node)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="dsv2_lite,dsv2,scout")
+    ap.add_argument("--gpus", default="8,16")
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--programs", default="prefill,decode")
+    ap.add_argument("--prompts", default="1024,2048,4096,8192,16384")
+    ap.add_argument("--prefill-batch", type=int, default=16)
+    ap.add_argument("--decode-batches", default="16,64,256,1024")
+    ap.add_argument("--context", type=int, default=2048, help="decode: KV-cache length")
+    ap.add_argument("--depth", default="auto", choices=("auto", "full", "cut"))
+    ap.add_argument("--hardware", default="h200")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "inference"))
+    ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "farskip_inference_cache"))
+    ap.add_argument("--plot-only", action="store_true", help="rewrite table.md / speedup.png from results.json")
+    a = ap.parse_args()
+
+    from farskip_jax.config import load_config
+
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    os.makedirs(a.out, exist_ok=True)
+    os.makedirs(a.cache, exist_ok=True)
+    res_path = os.path.join(a.out, "results.json")
+    results = json.load(open(res_path)) if os.path.exists(res_path) else {}
+    models = [m for m in a.models.split(",") if m]
+    gpus_list = [int(g) for g in a.gpus.split(",")]
+    points = []
+    if "prefill" in a.programs:
+        points += [("prefill", a.prefill_batch, int(p)) for p in a.prompts.split(",")]
+    if "decode" in a.programs:
+        points += [("decode", int(b), 1) for b in a.decode_batches.split(",")]
+    bases = {m: load_config(os.path.join(ROOT, MODELS[m][0])) for m in MODELS}
+    full_layers = {m: bases[m].model.num_layers for m in MODELS}
+    if not a.plot_only:
+        for m in models:
+            full = a.depth == "full" or (a.depth == "auto" and m in FULL_BY_DEFAULT)
+            depths = [None] if full else list(MODELS[m][2])
+            for g in gpus_list:
+                for program, batch, tokens in points:
+                    for layers in depths:
+                        for preset in ("standard", "farskip"):
+                            n_l = layers or full_layers[m]
+                            k = key(m, g, program, batch, tokens, a.context if program == "decode" else tokens,
+                                    n_l, preset)
+                            try:
+                                results[k] = compile_point(bases[m], m, g, a.gpus_per_node, program, batch, tokens,
+                                                           a.context, layers, preset, a.hardware, a.cache, log)
+                            except Exception as e:  # keep the sweep going; the row stays missing
+                                log(f"[inference] {k}: FAILED {type(e).__name__}: {str(e)[:300]}")
+                                continue
+                            with open(res_path, "w") as f:
+                                json.dump(results, f, indent=1, sort_keys=True)
+                            e = results[k]
+                            log(f"[inference] {k}: {e['time_us'] / 1e3:.3f} ms, all-reduces {e['ar_us'] / 1e3:.3f} ms "
+                                f"({100 * e['layer_hidden_frac']:.1f}% of the layer ones hidden)")
+    ctxs = sorted({int(k.split("|")[5][1:]) for k in results if "|decode|" in k} | {a.context})
+    rows = []
+    for ctx in ctxs:
+        rows += [r for r in rows_of(results, list(MODELS), [8, 16], points, ctx, full_layers)
+                 if r["program"] == "prefill" and ctx == a.context or r["program"] == "decode"]
+    rows = [r for i, r in enumerate(rows) if r not in rows[:i]]
+    with open(os.path.join(a.out, "rows.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    md = ["# FarSkip at inference (modelled): TTFT and time per output token, standard vs farskip", "",
+          f"Two-stream {a.hardware} model re-timing deviceless compiles of the tp_ep serving programs "
+          "(docs/inference.md). Speedup = standard / farskip as XLA schedules both; 'vs sync AR' = standard "
+          "with every all-reduce synchronous (a serving engine's standard model) / farskip; ceiling = standard "
+          "/ (standard with every all-reduce hidden); AR share = all-reduce time / standard with synchronous "
+          "all-reduces; AR hidden = share of the layer all-reduces (attention + routed) hidden. Depth 'cut a/b' = "
+          "compiled at a and b layers, extrapolated linearly to the full depth.", "",
+          f"Command: `JAX_PLATFORMS=cpu python benchmarks/inference_overlap.py --context {a.context}`", "",
+          table_md(rows), ""]
+    with open(os.path.join(a.out, "table.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    if rows:
+        plot(rows, os.path.join(a.out, "speedup.png"))
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,366 @@
+"""Overlap report for the serving programs of the tp_ep layout (issue 24 part 4): prefill and decode
+compiled deviceless for GPUs, their all-reduces priced by the two-stream model, standard vs FarSkip.
+
+    python -m farskip_jax.analysis.inference_report --config configs/deepseek_v2_lite.yaml \
+        --program prefill --batch 16 --tokens 1024 [--devices 16 --gpus-per-node 8] [--hardware h200]
+    python -m farskip_jax.analysis.inference_report --config ... --program decode --batch 64 --context 2048
+
+    mesh = serving_mesh(cfg, gpu_devices("h200", 16, gpus_per_node=8))   # TP = EP over the devices
+    prog = compile_serving(cfg_of(cfg, "farskip"), mesh, "prefill", batch=16, tokens=1024, max_len=1024)
+    t = time_serving(prog.schedule, node_of(mesh), "h200", "prefill")    # ServingTiming (microseconds)
+
+The programs are eval/serving.prefill_program / decode_program (prefill with the LM head on the last
+slot only: what the first token costs), compiled with LHS_FLAGS + TpEpLayout.compiler_options() (the
+latency-hiding scheduler on, XLA's all-reduce combiners off), on the layout of parallel/inference.py:
+per layer one attention all-reduce (scope attention_allreduce) and one routed all-reduce
+(routed_allreduce), payload batch x tokens x d_model x 2 bytes (bf16). The schedule XLA chose is
+re-timed by cost_model.simulate on analysis/topology.py's links (intra-node NVLink / Infinity Fabric;
+NICs between nodes, hierarchical all-reduce), prefill with the attention core priced as a causal
+flash kernel (a server's prefill attention), decode with the core as compiled (it reads the cache:
+memory bound), KV-cache writes at the bytes of the update (in place). Reported per program (ServingTiming):
+
+    time_us           modelled TTFT (prefill) / time per output token (decode)
+    hidden_frac       all-reduce time hidden under compute / all-reduce time (the paper's "overlap");
+                      layer_hidden_frac: the same for the layer all-reduces (attention + routed) only
+    serial_us         the same schedule with every all-reduce synchronous (vLLM / SGLang's standard
+                      model: nothing runs under an all-reduce)
+    ceiling_us        time_us minus every exposed all-reduce microsecond (all of them hidden)
+
+Routed experts: a deviceless compile has no grouped GEMM, so `jax.lax.ragged_dot` is traced as a cost
+proxy at the useful rows of a perfectly balanced router (`balanced_grouped_gemm`: a batched GEMM of
+rows * k / EP rows over the local experts, each expert's weights read once): the layout's dropless
+buffer holds T * min(k, E/EP) rows per device, of which T * k / EP are real at balance.
+Depth-cut models: `extrapolate` (two depths, linear in the layer count; every ServingTiming field
+is a sum over layers plus a constant).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import math
+import sys
+from typing import Optional, Sequence
+
+ROLES = ("attention", "routed", "dense_mlp", "other")
+LAYER_ROLES = ("attention", "routed")
+REDUCTIONS = ("all-reduce", "all-gather", "reduce-scatter")
+# XLA's dot merger fuses dots that share an operand (gate and up projections of one token batch) by
+# concatenating their weights in every call: a copy of the weights per step, which a server does once
+# at load time (fused gate_up weights). In a weight-bandwidth-bound decode step that copy costs as
+# much as the GEMMs, so the serving programs compile without it (merge_weights=True keeps it).
+NO_WEIGHT_MERGE = ("dot-merger",)
+
+
+def role_of(op_name: str) -> str:
+    """attention | routed | dense_mlp | other (embedding lookup, LM head) of an all-reduce's op_name."""
+    op_name = op_name or ""
+    if "attention_allreduce" in op_name:
+        return "attention"
+    if "routed_allreduce" in op_name:
+        return "routed"
+    if "dense_mlp" in op_name:
+        return "dense_mlp"
+    return "other"
+
+
+# --------------------------------------------------------------------------------------------------
+# configs, meshes, programs
+# --------------------------------------------------------------------------------------------------
+
+
+def serving_shape(cfg, num_devices: int, gpus_per_node: Optional[int] = None) -> tuple[int, int]:
+    """(mesh.expert, mesh.tensor) of the paper's layout on `num_devices` GPUs: TP = EP = every device
+    when the attention heads (and GQA kv heads) split that many ways, else TP over one node's GPUs
+    with the attention replicated over `expert` = nodes (EP still every device)."""
+    m = cfg.model
+
+    def ok(tp):
+        kv_ok = m.attention != "gqa" or m.num_kv_heads % tp == 0 or tp % m.num_kv_heads == 0
+        return m.num_heads % tp == 0 and kv_ok
+
+    if ok(num_devices):
+        return 1, num_devices
+    per = gpus_per_node or num_devices
+    if ok(per):
+        return num_devices // per, per
+    from farskip_jax.errors import ConfigError
+
+    raise ConfigError(f"model.num_heads={m.num_heads} splits neither {num_devices} nor {per} ways; "
+                      "the tp_ep layout needs mesh.tensor to divide the heads")
+
+
+def serving_config(cfg, preset: str, num_devices: int, gpus_per_node: Optional[int] = None,
+                   layers: Optional[int] = None):
+    """cfg on the tp_ep layout of num_devices GPUs (serving_shape), connectivity `preset`, bf16, no
+    remat; `layers` cuts the depth (model.num_layers)."""
+    from farskip_jax.config import replace
+
+    expert, tensor = serving_shape(cfg, num_devices, gpus_per_node)
+    over = {"inference.layout": "tp_ep", "mesh.data": 1, "mesh.fsdp": 1, "mesh.expert": expert,
+            "mesh.tensor": tensor, "moe.capacity_factor": None, "farskip.preset": preset,
+            "model.remat": "none", "model.compute_dtype": "bfloat16", "model.param_dtype": "bfloat16",
+            "moe.dispatch": "all_to_all" if expert > 1 else "local"}
+    if layers is not None:
+        over["model.num_layers"] = layers
+        if cfg.model.nope_layers:
+            over["model.nope_layers"] = [i for i in cfg.model.nope_layers if i < layers]
+        if cfg.model.chunked_layers is not None:
+            over["model.chunked_layers"] = [i for i in cfg.model.chunked_layers if i < layers]
+    return replace(cfg, **over)
+
+
+def serving_mesh(cfg, devices):
+    from farskip_jax.parallel.mesh import make_mesh
+
+    return make_mesh(cfg.mesh, list(devices))
+
+
+def node_of(mesh) -> tuple[int, ...]:
+    """Node (host) of each logical device of the mesh, in the program's device order."""
+    return tuple(int(d.process_index) for d in mesh.devices.flat)
+
+
+def _balanced_grouped_gemm(fraction: float):
+    def proxy(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, **kw):
+        import jax.numpy as jnp
+
+        m, k = lhs.shape
+        g = rhs.shape[0]
+        per = max(1, math.ceil(m * fraction / g))  # rows per local expert at balance
+        u = min(per * g, m - m % g) if m >= g else m
+        per = max(u // g, 1)
+        x = lhs[: per * g] + jnp.zeros((), lhs.dtype) * group_sizes.sum().astype(lhs.dtype)  # keep the dependency
+        # output in the input dtype, then cast: a bf16 x bf16 -> f32 dot of few rows compiles (XLA:GPU)
+        # to f32 copies of the weights around the GEMM; a grouped GEMM accumulates in f32 reading bf16
+        if g == 1:
+            y = jnp.dot(x, rhs[0], precision=precision)
+        else:
+            y = jnp.einsum("gmk,gkn->gmn", x.reshape(g, per, k), rhs, precision=precision).reshape(g * per, -1)
+        y = y.astype(preferred_element_type or y.dtype)
+        return jnp.pad(y, ((0, m - g * per), (0, 0)))
+
+    return proxy
+
+
+@contextlib.contextmanager
+def balanced_grouped_gemm(fraction: float):
+    """While tracing inside this block, `jax.lax.ragged_dot(lhs [M, K], rhs [G, K, N], sizes)` is a
+    batched GEMM of ceil(M * fraction) rows split evenly over the G groups (each group's weights read
+    once, the useful FLOPs of a balanced grouped GEMM), zero-padded to M rows. Analysis compiles only:
+    the values are wrong, the costs, shapes and dependencies are a balanced grouped GEMM's."""
+    import jax
+
+    orig = jax.lax.ragged_dot
+    jax.lax.ragged_dot = _balanced_grouped_gemm(fraction)
+    try:
+        yield
+    finally:
+        jax.lax.ragged_dot = orig
+
+
+def useful_fraction(cfg, mesh) -> float:
+    """Real rows / buffer rows of ReplicatedEPCompute at a balanced router: T * k / EP of the
+    T * min(k, E / EP) rows per device."""
+    ep = mesh.shape["expert"] * mesh.shape["tensor"]
+    k, e = cfg.moe.top_k, cfg.moe.num_experts
+    if not e:
+        return 1.0
+    return min(1.0, k / (ep * min(k, e // ep)))
+
+
+def compile_serving(cfg, mesh, program: str, batch: int, tokens: int, max_len: int, flags: Optional[dict] = None,
+                    merge_weights: bool = False):
+    """deviceless.CompiledProgram of the prefill (tokens per row = the prompt) or decode (tokens = 1)
+    program of `cfg` on `mesh`, with LHS_FLAGS + TpEpLayout.compiler_options() (+ `flags`).
+    merge_weights=False also disables NO_WEIGHT_MERGE (see there)."""
+    from farskip_jax.analysis.deviceless import LHS_FLAGS, compile_deviceless
+    from farskip_jax.errors import ConfigError
+    from farskip_jax.eval.serving import decode_program, prefill_program
+    from farskip_jax.parallel.inference import TpEpLayout
+
+    if program not in ("prefill", "decode"):
+        raise ConfigError(f"program {program!r}: choose prefill or decode")
+    opts = {**LHS_FLAGS, **TpEpLayout.compiler_options(), **(flags or {})}
+    if merge_weights is False:  # xla_disable_hlo_passes is one comma-separated option
+        opts["xla_disable_hlo_passes"] = ",".join(x for x in (opts.get("xla_disable_hlo_passes"), *NO_WEIGHT_MERGE) if x)
+    with balanced_grouped_gemm(useful_fraction(cfg, mesh)):
+        if program == "prefill":
+            fn, args = prefill_program(cfg, mesh, batch, tokens, max_len, last_logits=True)
+        else:
+            fn, args = decode_program(cfg, mesh, batch, max_len)
+        return compile_deviceless(fn, *args, flags=opts)
+
+
+# --------------------------------------------------------------------------------------------------
+# timing
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ServingTiming:
+    """Modelled figures of one serving program (us unless named otherwise); every field is additive
+    over layers (see extrapolate)."""
+
+    time_us: float
+    serial_us: float  # every all-reduce synchronous
+    compute_us: float
+    ar_us: float  # all-reduce time (modelled durations), every all-reduce
+    ar_hidden_us: float
+    layer_ar_us: float  # attention + routed all-reduces
+    layer_ar_hidden_us: float
+    ar_count: float
+    ar_bytes: float  # payload bytes summed over all-reduces
+    by_role: dict  # role -> {count, us, hidden_us, bytes}
+    other_collective_us: float = 0.0  # gathers etc. (GSPMD's)
+    sync_collectives: float = 0.0  # collectives XLA left synchronous (priced as memory ops by the model)
+
+    @property
+    def ar_exposed_us(self) -> float:
+        return self.ar_us - self.ar_hidden_us
+
+    @property
+    def ceiling_us(self) -> float:
+        return self.time_us - self.ar_exposed_us
+
+    @property
+    def hidden_frac(self) -> float:
+        return self.ar_hidden_us / self.ar_us if self.ar_us else 1.0
+
+    @property
+    def layer_hidden_frac(self) -> float:
+        return self.layer_ar_hidden_us / self.layer_ar_us if self.layer_ar_us else 1.0
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(ar_exposed_us=self.ar_exposed_us, ceiling_us=self.ceiling_us, hidden_frac=self.hidden_frac,
+                 layer_hidden_frac=self.layer_hidden_frac)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ServingTiming":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def topology_for(node_of_devices: Sequence[int], hardware: str, **links_over):
+    from farskip_jax.analysis.topology import LINKS, Topology, resized
+
+    nodes = tuple(node_of_devices)
+    per = max(nodes.count(x) for x in set(nodes))
+    return Topology(resized(LINKS[hardware], per, **links_over), nodes)
+
+
+def time_serving(schedule, node_of_devices: Sequence[int], hardware: str = "h200", program: str = "prefill",
+                 **links_over) -> ServingTiming:
+    """Re-time a compiled serving program with the two-stream model on `hardware` (cost_model.HARDWARE,
+    topology.LINKS), its collectives priced by which devices share a node (`node_of_devices`)."""
+    from farskip_jax.analysis.cost_model import HARDWARE, simulate
+    from farskip_jax.analysis.hlo import COLLECTIVES
+    from farskip_jax.analysis.report import analyze
+
+    topo = topology_for(node_of_devices, hardware, **links_over)
+    hw = HARDWARE[hardware]
+    kw = dict(topology=topo, fused_attention=program == "prefill", in_place_updates=True)
+    sched, durs = simulate(schedule, hw, **kw)
+    rep = analyze(sched, durs, kinds=("all-reduce",), with_bound=False)
+    serial, _ = simulate(schedule, hw, serialize=REDUCTIONS, **kw)
+    ars = [p for p in schedule.pairs if p.collective == "all-reduce"]
+    by_role = {r: {"count": 0, "us": 0.0, "hidden_us": 0.0, "bytes": 0.0} for r in ROLES}
+    for p, s in zip(ars, rep.stats):
+        b = by_role[role_of(p.start.op_name)]
+        b["count"] += 1
+        b["us"] += s.duration
+        b["hidden_us"] += s.hidden
+        b["bytes"] += p.bytes
+    other = sum(d for p, d in zip(sched.pairs, durs) if p.collective != "all-reduce")
+    sync = sum(1 for o in schedule.ops if o.kind == "compute" and o.opcode in COLLECTIVES)
+    tot = rep.totals("all")
+    lay_us = sum(by_role[r]["us"] for r in LAYER_ROLES)
+    lay_hid = sum(by_role[r]["hidden_us"] for r in LAYER_ROLES)
+    return ServingTiming(time_us=rep.step_time, serial_us=serial.makespan, compute_us=rep.compute_time,
+                         ar_us=tot["duration"], ar_hidden_us=tot["hidden"], layer_ar_us=lay_us,
+                         layer_ar_hidden_us=lay_hid, ar_count=len(ars), ar_bytes=float(sum(p.bytes for p in ars)),
+                         by_role=by_role, other_collective_us=other, sync_collectives=sync)
+
+
+def extrapolate(a: ServingTiming, la: int, b: ServingTiming, lb: int, layers: int) -> ServingTiming:
+    """The figures at `layers` from two depth-cut compiles (la < lb layers): each field
+    a + (b - a) (layers - la) / (lb - la); exact when the layers between la and lb are the model's
+    repeating layer (the constant holds the embedding, dense layers, LM head)."""
+    f = (layers - la) / (lb - la)
+
+    def lin(x, y):
+        if isinstance(x, dict):
+            return {k: lin(x[k], y[k]) for k in x}
+        return x + (y - x) * f
+
+    da, db = dataclasses.asdict(a), dataclasses.asdict(b)
+    return ServingTiming(**{k: lin(da[k], db[k]) for k in da})
+
+
+def expected_ar_bytes(cfg, batch: int, tokens: int) -> int:
+    """Payload of one layer all-reduce: batch x tokens x d_model x bytes of the compute dtype."""
+    import numpy as np
+
+    return batch * tokens * cfg.model.d_model * np.dtype(cfg.model.compute_dtype).itemsize
+
+
+def format_pair(std: ServingTiming, fs: ServingTiming, what: str) -> str:
+    """Standard vs FarSkip for one program, as text."""
+    rows = [f"{'':<40}{'standard':>14}{'farskip':>14}",
+            f"{what + ' (ms)':<40}{std.time_us / 1e3:>14.3f}{fs.time_us / 1e3:>14.3f}",
+            f"{'all-reduces synchronous (ms)':<40}{std.serial_us / 1e3:>14.3f}{fs.serial_us / 1e3:>14.3f}",
+            f"{'compute (ms)':<40}{std.compute_us / 1e3:>14.3f}{fs.compute_us / 1e3:>14.3f}",
+            f"{'all-reduces (count, ms)':<40}{f'{std.ar_count:.0f}, {std.ar_us / 1e3:.3f}':>14}"
+            f"{f'{fs.ar_count:.0f}, {fs.ar_us / 1e3:.3f}':>14}",
+            f"{'all-reduce hidden (all / layer)':<40}{f'{100 * std.hidden_frac:.1f}/{100 * std.layer_hidden_frac:.1f}%':>14}"
+            f"{f'{100 * fs.hidden_frac:.1f}/{100 * fs.layer_hidden_frac:.1f}%':>14}",
+            f"{'ceiling: every all-reduce hidden (ms)':<40}{std.ceiling_us / 1e3:>14.3f}{fs.ceiling_us / 1e3:>14.3f}",
+            f"speedup farskip / standard {std.time_us / fs.time_us:.3f}x (vs synchronous all-reduces "
+            f"{std.serial_us / fs.time_us:.3f}x; ceiling {std.time_us / std.ceiling_us:.3f}x)"]
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--program", default="prefill", choices=("prefill", "decode"))
+    ap.add_argument("--batch", type=int, default=16, help="concurrent requests")
+    ap.add_argument("--tokens", type=int, default=1024, help="prefill: prompt length")
+    ap.add_argument("--context", type=int, default=2048, help="decode: cache length (tokens)")
+    ap.add_argument("--devices", type=int, default=8)
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--target", default="h200")
+    ap.add_argument("--hardware", default="h200", help="two-stream model: h200, h100_sxm, mi300x, mi325x")
+    ap.add_argument("--layers", type=int, default=None, help="cut the model to this many layers")
+    ap.add_argument("overrides", nargs="*", help="config overrides key=value")
+    a = ap.parse_args(argv)
+
+    from farskip_jax.analysis.deviceless import gpu_devices
+    from farskip_jax.config import load_config
+    from farskip_jax.errors import FarSkipError
+
+    try:
+        base = load_config(a.config, a.overrides)
+        devices = gpu_devices(a.target, a.devices, gpus_per_node=min(a.gpus_per_node, a.devices), memory_gb=1e4)
+        tokens = a.tokens if a.program == "prefill" else 1
+        max_len = a.tokens if a.program == "prefill" else a.context
+        out = {}
+        for preset in ("standard", "farskip"):
+            cfg = serving_config(base, preset, a.devices, a.gpus_per_node, a.layers)
+            mesh = serving_mesh(cfg, devices)
+            print(f"[inference_report] compiling {a.program} ({preset}, batch {a.batch} x {tokens} tokens, cache "
+                  f"{max_len}, mesh {dict(mesh.shape)}) ...", file=sys.stderr, flush=True)
+            prog = compile_serving(cfg, mesh, a.program, a.batch, tokens, max_len)
+            out[preset] = time_serving(prog.schedule, node_of(mesh), a.hardware, a.program)
+    except FarSkipError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_pair(out["standard"], out["farskip"], "TTFT" if a.program == "prefill" else "time per output token"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
