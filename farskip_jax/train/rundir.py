@@ -16,7 +16,7 @@ import os
 import shutil
 from typing import Optional
 
-from farskip_jax.config import Config, config_from_dict, dump_config, to_dict
+from farskip_jax.config import Config, KernelsConfig, config_from_dict, dump_config, to_dict
 from farskip_jax.errors import ConfigError, FarSkipError
 
 RESUMABLE_KEYS = {"train.steps", "train.time_limit_s", "train.log_every", "train.eval_every", "train.tensorboard",
@@ -26,6 +26,9 @@ RESUMABLE_KEYS = {"train.steps", "train.time_limit_s", "train.log_every", "train
                   # with one may resume with another, e.g. a run from before model.attention_impl=auto
                   "model.attention_impl", "model.attention_block", "model.remat", "moe.gmm", "moe.gmm_tile",
                   "data.prefetch"}
+
+# the CPU kernels (config.KernelsConfig) change how the same math is computed, never what
+RESUMABLE_KEYS |= {f"kernels.{f.name}" for f in dataclasses.fields(KernelsConfig)}
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
