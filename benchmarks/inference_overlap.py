@@ -183,6 +183,34 @@ def plot(rows, path):
     fig.savefig(path, dpi=120)
 
 
+def timelines(cache_dir, hardware, out, ctx, full_layers) -> list[str]:
+    """One layer's two streams, standard above farskip, for DeepSeek-V2-Lite (else the first model
+    cached) at prefill 16 x 4096 and decode batch 64 on 8 GPUs, from the schedule cache."""
+    from farskip_jax.analysis.inference_report import plot_serving_timelines
+
+    written = []
+    for program, batch, tokens in (("prefill", 16, 4096), ("decode", 64, 1)):
+        for m in MODELS:
+            for layers in (full_layers[m], MODELS[m][2][1]):
+                paths = [os.path.join(cache_dir, key(m, 8, program, batch, tokens, ctx if program == "decode" else tokens,
+                                                      layers, p).replace("|", "_") + ".pkl.gz")
+                         for p in ("standard", "farskip")]
+                if all(os.path.exists(p) for p in paths):
+                    items = []
+                    for preset, p in zip(("standard", "farskip"), paths):
+                        with gzip.open(p, "rb") as f:
+                            c = pickle.load(f)
+                        items.append((f"{MODELS[m][1]} {program} {preset}", c["schedule"], c["node_of"]))
+                    path = os.path.join(out, f"timeline_{m}_{program}.png")
+                    plot_serving_timelines(items, hardware, program, layers // 2, path)
+                    written.append(path)
+                    break
+            else:
+                continue
+            break
+    return written
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="dsv2_lite,dsv2,scout")
@@ -259,6 +287,8 @@ def main() -> int:
         f.write("\n".join(md) + "\n")
     if rows:
         plot(rows, os.path.join(a.out, "speedup.png"))
+    for path in timelines(a.cache, a.hardware, a.out, a.context, full_layers):
+        log(f"[inference] wrote {path}")
     print("\n".join(md))
     return 0
 

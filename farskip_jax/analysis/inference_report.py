@@ -307,6 +307,23 @@ def expected_ar_bytes(cfg, batch: int, tokens: int) -> int:
     return batch * tokens * cfg.model.d_model * np.dtype(cfg.model.compute_dtype).itemsize
 
 
+def plot_serving_timelines(items, hardware: str, program: str, layer: int, path: Optional[str] = None):
+    """Two-stream timelines of one layer (analysis/timeline.py), one panel per (label, schedule,
+    node_of_devices), the all-reduces coloured attention / routed."""
+    from farskip_jax.analysis.cost_model import HARDWARE, simulate
+    from farskip_jax.analysis.report import analyze
+    from farskip_jax.analysis.timeline import plot_layer_timelines
+
+    panels, names = [], {}
+    for label, schedule, nodes in items:
+        sched, durs = simulate(schedule, HARDWARE[hardware], topology=topology_for(nodes, hardware),
+                               fused_attention=program == "prefill", in_place_updates=True)
+        panels.append((label, sched, analyze(sched, durs, label=label, kinds=("all-reduce",), with_bound=False)))
+        names.update({p.start.name: f"{role_of(p.start.op_name)} all-reduce" for p in schedule.pairs})
+    return plot_layer_timelines(panels, layer, "fwd", path, role_of=lambda st: names.get(st.name, "other"),
+                                lane="all-reduce")
+
+
 def format_pair(std: ServingTiming, fs: ServingTiming, what: str) -> str:
     """Standard vs FarSkip for one program, as text."""
     rows = [f"{'':<40}{'standard':>14}{'farskip':>14}",

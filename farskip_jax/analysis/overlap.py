@@ -15,6 +15,10 @@ deviceless model (printed after it for reference: it rates the routed experts' r
 naive attention scores tens of times too high; a WARNING says when the two disagree by more than
 2x on compute). Writes report.json and one timeline picture per program (standard above farskip,
 on the headline model's timeline) into --out.
+
+Serving programs (prefill / decode on the paper's all-reduce layout, inference.layout=tp_ep) have no
+all-to-all; their report (all-reduce hidden fraction, TTFT / time per output token, standard vs
+FarSkip) is analysis/inference_report.py (`python -m farskip_jax.analysis.inference_report`).
 """
 
 from __future__ import annotations

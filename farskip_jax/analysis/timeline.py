@@ -17,7 +17,8 @@ from farskip_jax.analysis.report import OverlapReport
 from farskip_jax.analysis.scopes import COARSE, layer_of, scope_of
 
 COLORS = {"attention": "#4C72B0", "moe": "#DD8452", "shared": "#55A868", "other": "#8C8C8C",
-          "dispatch": "#C44E52", "combine": "#8172B3"}
+          "dispatch": "#C44E52", "combine": "#8172B3",
+          "attention all-reduce": "#1F3B73", "routed all-reduce": "#8B3A0F"}
 
 
 def _layer_span(rep: OverlapReport, layer: int, direction: str) -> tuple[float, float]:
@@ -31,8 +32,12 @@ def _layer_span(rep: OverlapReport, layer: int, direction: str) -> tuple[float, 
 
 
 def plot_layer_timelines(items: Sequence[tuple[str, Schedule, OverlapReport]], layer: int, direction: str = "fwd",
-                         path: Optional[str] = None, margin: float = 0.6):
-    """One panel per (label, schedule, report); returns the matplotlib figure (saved when path)."""
+                         path: Optional[str] = None, margin: float = 0.6, role_of=None, lane: str = "all-to-all"):
+    """One panel per (label, schedule, report); returns the matplotlib figure (saved when path).
+    role_of(stat) -> the collective's colour key (default its dispatch/combine role; e.g. "attention
+    all-reduce" for the serving programs' reports, analysis/inference_report.py); `lane` names the
+    collective lane."""
+    role_of = role_of or (lambda s: s.role)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -53,15 +58,16 @@ def plot_layer_timelines(items: Sequence[tuple[str, Schedule, OverlapReport]], l
         for s in rep.stats:
             if s.t_start > hi or s.t_start + s.duration < lo:
                 continue
-            color = COLORS.get(s.role, COLORS["other"])
+            role = role_of(s)
+            color = COLORS.get(role, COLORS["other"])
             ax.broken_barh([(s.t_start, s.hidden)], (0.1, 0.8), facecolors=color, edgecolor="black", lw=0.4)
             ax.broken_barh([(s.t_start + s.hidden, s.exposed)], (0.1, 0.8), facecolors="white", edgecolor=color,
                            hatch="///", lw=0.8)
-            ax.text(s.t_start, 0.5, f" {s.role[:4]} L{s.layer} {s.direction}", va="center", fontsize=7)
+            ax.text(s.t_start, 0.5, f" {role[:4]} L{s.layer} {s.direction}", va="center", fontsize=7)
         tot = rep.totals(direction)
-        ax.set_title(f"{label}: layer {layer} {direction} — all-to-alls {100 * tot['hidden_frac']:.1f}% hidden, "
+        ax.set_title(f"{label}: layer {layer} {direction} — {lane}s {100 * tot['hidden_frac']:.1f}% hidden, "
                      f"step {rep.step_time / 1000:.2f} ms", fontsize=9, loc="left")
-        ax.set_yticks([0.5, 1.5], ["all-to-all", "compute"])
+        ax.set_yticks([0.5, 1.5], [lane, "compute"])
         ax.set_xlim(lo, hi)
         ax.set_xlabel("modelled time (us)")
     handles = [matplotlib.patches.Patch(color=c, label=k) for k, c in COLORS.items()]
