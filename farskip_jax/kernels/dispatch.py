@@ -32,11 +32,8 @@ import jax.numpy as jnp
 
 from farskip_jax.config import KernelsConfig
 from farskip_jax.kernels import library
-from farskip_jax.kernels.library import KernelUnavailable, amx_available, available
+from farskip_jax.kernels.library import available
 from farskip_jax.model import ops
-
-__all__ = ["BACKENDS", "KernelUnavailable", "amx_available", "available", "install", "installed", "resolve",
-           "FFI_TARGETS"]
 
 # backend name -> the op of model/ops.py it implements
 BACKENDS = {"blas": ops.GROUPED_MATMUL, "fused_cpu": ops.ATTENTION_CORE, "blas_dense": ops.MATMUL}

@@ -1,4 +1,5 @@
-"""CPU grouped matmul through BLAS (`moe.gmm: blas`, the dense BLAS/AMX matmul): csrc/grouped_gemm.cc, one sgemm per group part.
+"""CPU grouped matmul through BLAS (backends `blas` and `blas_dense`): csrc/grouped_gemm.cc, one sgemm
+per group part.
 
     gmm(lhs [M, K], rhs [G, K, N], group_sizes [G]) -> [M, N]      (rows sorted by group, float32)
     tgmm(lhs [M, K], dy [M, N], group_sizes [G]) -> [G, K, N]       (per-group lhs^T dy: weight gradient)
@@ -92,7 +93,7 @@ def matmul(x: jax.Array, w: jax.Array, transpose_w: bool = False) -> jax.Array:
     if not transpose_w:
         return gmm(x, w[None], sizes)
     if x.dtype != jnp.float32:
-        raise ValueError(f"blas_gmm.matmul(transpose_w=True) takes float32 rows, not {x.dtype}")
+        raise ValueError(f"kernels.gmm.matmul(transpose_w=True) takes float32 rows, not {x.dtype}")
     library.require()
     return _gmm_f32(x.astype(jnp.float32), w.astype(jnp.float32)[None], sizes, True).astype(x.dtype)
 
