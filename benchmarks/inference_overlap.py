@@ -40,6 +40,7 @@ MODELS = {"dsv2_lite": ("configs/deepseek_v2_lite.yaml", "DeepSeek-V2-Lite", (2,
           "dsv2": ("configs/deepseek_v2.yaml", "DeepSeek-V2", (2, 4)),
           "scout": ("configs/llama4_scout.yaml", "Llama-4-Scout", (2, 4))}
 FULL_BY_DEFAULT = ("dsv2_lite",)
+MODEL_CFGS: dict = {}  # name -> loaded config (main)
 # the paper's inference figures (arXiv 2511.11505, as quoted in issue 24): vLLM TTFT at EP 8 / TP 8 with
 # 16 concurrent requests, all-reduce overlap; SGLang DeepSeek-V3
 PAPER = {"dsv2": {"ttft": (1.082, 1.168), "overlap": 0.976}, "scout": {"ttft": (1.122, 1.185), "overlap": 0.953},
@@ -50,11 +51,17 @@ def key(model, gpus, program, batch, tokens, ctx, layers, preset):
     return f"{model}|g{gpus}|{program}|b{batch}|t{tokens}|c{ctx}|L{layers}|{preset}"
 
 
+def scores_of(base, mesh_shape: dict, program: str, batch: int, tokens: int) -> int:
+    """Elements of one GPU's prefill attention scores (inference_report.score_elements)."""
+    return batch * (base.model.num_heads // mesh_shape["tensor"]) * tokens * tokens if program == "prefill" else 0
+
+
 def compile_point(base, model, gpus, gpn, program, batch, tokens, ctx, layers, preset, hardware, cache_dir, log):
     """ServingTiming json of one compiled point (compiled, or re-timed from the schedule cache)."""
     from farskip_jax.analysis import inference_report as ir
 
-    k = key(model, gpus, program, batch, tokens, ctx, layers, preset)
+    k = key(model, gpus, program, batch, tokens, ctx if program == "decode" else tokens,
+            layers or base.model.num_layers, preset)  # = the results key
     cpath = os.path.join(cache_dir, k.replace("|", "_") + ".pkl.gz")
     if os.path.exists(cpath):
         with gzip.open(cpath, "rb") as f:
@@ -74,7 +81,7 @@ def compile_point(base, model, gpus, gpn, program, batch, tokens, ctx, layers, p
         with gzip.open(cpath, "wb") as f:
             pickle.dump(c, f)
         log(f"[inference] {k}: compiled in {c['compile_s']:.0f}s (mesh {c['mesh']})")
-    t = ir.time_serving(c["schedule"], c["node_of"], hardware, program)
+    t = ir.time_serving(c["schedule"], c["node_of"], hardware, program, scores_of(base, c["mesh"], program, batch, tokens))
     layer_ars = [p.bytes for p in c["schedule"].pairs
                  if p.collective == "all-reduce" and ir.role_of(p.start.op_name) in ir.LAYER_ROLES]
     return {**t.to_json(), "compile_s": c["compile_s"], "mesh": c["mesh"], "layers": c["layers"],
@@ -183,6 +190,28 @@ def plot(rows, path):
     fig.savefig(path, dpi=120)
 
 
+def weight_floor_md(rows, bases, gpn) -> list[str]:
+    """Plausibility of the decode rows: the weight-bandwidth floor (parameter bytes per GPU / (HBM
+    bandwidth x mem_eff)) next to the modelled time per output token at the smallest batch."""
+    from farskip_jax.analysis import inference_report as ir
+    from farskip_jax.analysis.cost_model import HARDWARE
+    from farskip_jax.analysis.deviceless import gpu_devices
+
+    hw = HARDWARE["h200"]
+    out = ["", "Decode plausibility: parameter bytes each GPU reads per step / (HBM bandwidth x "
+           f"{hw.mem_eff}) = the weight-bandwidth floor, next to the modelled standard time per output token.", "",
+           "| model | GPUs | GB per GPU | weight floor ms | TPOT ms by batch (standard) |", "|---|---|---|---|---|"]
+    seen = sorted({(r["model"], r["gpus"]) for r in rows if r["program"] == "decode"})
+    for m, g in seen:
+        cfg = ir.serving_config(bases[m], "standard", g, gpn)
+        mesh = ir.serving_mesh(cfg, gpu_devices("h200", g, gpus_per_node=min(gpn, g)))
+        b = ir.weight_bytes_per_device(cfg, mesh)
+        tp = ", ".join(f"{r['batch']}: {r['standard_ms']:.2f}" for r in rows
+                       if r["model"] == m and r["gpus"] == g and r["program"] == "decode")
+        out.append(f"| {MODELS[m][1]} | {g} | {b / 1e9:.2f} | {1e3 * b / (hw.hbm_bw * hw.mem_eff):.2f} | {tp} |")
+    return out + [""]
+
+
 def timelines(cache_dir, hardware, out, ctx, full_layers) -> list[str]:
     """One layer's two streams, standard above farskip, for DeepSeek-V2-Lite (else the first model
     cached) at prefill 16 x 4096 and decode batch 64 on 8 GPUs, from the schedule cache."""
@@ -202,7 +231,8 @@ def timelines(cache_dir, hardware, out, ctx, full_layers) -> list[str]:
                             c = pickle.load(f)
                         items.append((f"{MODELS[m][1]} {program} {preset}", c["schedule"], c["node_of"]))
                     path = os.path.join(out, f"timeline_{m}_{program}.png")
-                    plot_serving_timelines(items, hardware, program, layers // 2, path)
+                    plot_serving_timelines(items, hardware, program, layers // 2, path,
+                                           scores_of(MODEL_CFGS[m], c["mesh"], program, batch, tokens))
                     written.append(path)
                     break
             else:
@@ -243,6 +273,7 @@ def main() -> int:
     if "decode" in a.programs:
         points += [("decode", int(b), 1) for b in a.decode_batches.split(",")]
     bases = {m: load_config(os.path.join(ROOT, MODELS[m][0])) for m in MODELS}
+    MODEL_CFGS.update(bases)
     full_layers = {m: bases[m].model.num_layers for m in MODELS}
     if not a.plot_only:
         for m in models:
@@ -283,6 +314,7 @@ def main() -> int:
           "compiled at a and b layers, extrapolated linearly to the full depth.", "",
           f"Command: `JAX_PLATFORMS=cpu python benchmarks/inference_overlap.py --context {a.context}`", "",
           table_md(rows), ""]
+    md += weight_floor_md(rows, bases, a.gpus_per_node)
     with open(os.path.join(a.out, "table.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     if rows:

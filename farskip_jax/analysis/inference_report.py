@@ -252,14 +252,40 @@ def topology_for(node_of_devices: Sequence[int], hardware: str, **links_over):
     return Topology(resized(LINKS[hardware], per, **links_over), nodes)
 
 
+def score_elements(cfg, mesh, batch: int, tokens: int, max_len: int) -> int:
+    """Elements of one device's attention scores [b, heads / TP, t, L] (prefill: t = L = the prompt)."""
+    return batch * (cfg.model.num_heads // mesh.shape["tensor"]) * tokens * max_len
+
+
+def flash_scores(schedule, scores: int):
+    """A copy of `schedule` whose attention ops that stream the [b, h, t, L] scores through HBM (no
+    FLOPs, at least one bf16 score tensor of `scores` elements moved: the masked softmax XLA fuses
+    under a reshape's name, outside the attention_core scope) count as part of the attention core,
+    which a flash kernel keeps on chip (cost_model.fused_attention_us prices them at zero)."""
+    import copy
+
+    from farskip_jax.analysis.scopes import scope_of
+
+    sched = copy.deepcopy(schedule)
+    for o in sched.ops:
+        if (o.kind == "compute" and o.flops <= 0 and o.in_bytes + o.out_bytes >= 2 * scores
+                and scope_of(o.op_name) in ("attention", "attention_core")):
+            o.op_name = f"{o.op_name}/attention_core"
+    return sched
+
+
 def time_serving(schedule, node_of_devices: Sequence[int], hardware: str = "h200", program: str = "prefill",
-                 **links_over) -> ServingTiming:
+                 scores: Optional[int] = None, **links_over) -> ServingTiming:
     """Re-time a compiled serving program with the two-stream model on `hardware` (cost_model.HARDWARE,
-    topology.LINKS), its collectives priced by which devices share a node (`node_of_devices`)."""
+    topology.LINKS), its collectives priced by which devices share a node (`node_of_devices`).
+    Prefill: the attention core as a causal flash kernel, `scores` (score_elements) marks the
+    materialised softmax of the naive core as part of it (flash_scores)."""
     from farskip_jax.analysis.cost_model import HARDWARE, simulate
     from farskip_jax.analysis.hlo import COLLECTIVES
     from farskip_jax.analysis.report import analyze
 
+    if program == "prefill" and scores:
+        schedule = flash_scores(schedule, scores)
     topo = topology_for(node_of_devices, hardware, **links_over)
     hw = HARDWARE[hardware]
     kw = dict(topology=topo, fused_attention=program == "prefill", in_place_updates=True)
@@ -300,6 +326,26 @@ def extrapolate(a: ServingTiming, la: int, b: ServingTiming, lb: int, layers: in
     return ServingTiming(**{k: lin(da[k], db[k]) for k in da})
 
 
+def weight_bytes_per_device(cfg, mesh) -> float:
+    """Parameter bytes one device reads in a decode step on the tp_ep layout (its shards of every
+    weight; the embedding table is left out when the LM head is separate: a lookup reads b rows).
+    Divided by the HBM bandwidth: the weight-bandwidth floor of a small-batch decode step."""
+    import jax
+    import numpy as np
+
+    from farskip_jax.parallel.inference import abstract_inference_model
+
+    _, state = abstract_inference_model(cfg, mesh)
+    total = 0.0
+    for path, x in jax.tree_util.tree_leaves_with_path(state):
+        keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+        if "embed" in keys and not cfg.model.tie_embeddings:
+            continue
+        shard = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+        total += float(np.prod(shard)) * np.dtype(x.dtype).itemsize
+    return total
+
+
 def expected_ar_bytes(cfg, batch: int, tokens: int) -> int:
     """Payload of one layer all-reduce: batch x tokens x d_model x bytes of the compute dtype."""
     import numpy as np
@@ -307,15 +353,18 @@ def expected_ar_bytes(cfg, batch: int, tokens: int) -> int:
     return batch * tokens * cfg.model.d_model * np.dtype(cfg.model.compute_dtype).itemsize
 
 
-def plot_serving_timelines(items, hardware: str, program: str, layer: int, path: Optional[str] = None):
+def plot_serving_timelines(items, hardware: str, program: str, layer: int, path: Optional[str] = None,
+                           scores: Optional[int] = None):
     """Two-stream timelines of one layer (analysis/timeline.py), one panel per (label, schedule,
-    node_of_devices), the all-reduces coloured attention / routed."""
+    node_of_devices), the all-reduces coloured attention / routed; `scores` as time_serving."""
     from farskip_jax.analysis.cost_model import HARDWARE, simulate
     from farskip_jax.analysis.report import analyze
     from farskip_jax.analysis.timeline import plot_layer_timelines
 
     panels, names = [], {}
     for label, schedule, nodes in items:
+        if program == "prefill" and scores:
+            schedule = flash_scores(schedule, scores)
         sched, durs = simulate(schedule, HARDWARE[hardware], topology=topology_for(nodes, hardware),
                                fused_attention=program == "prefill", in_place_updates=True)
         panels.append((label, sched, analyze(sched, durs, label=label, kinds=("all-reduce",), with_bound=False)))
@@ -371,7 +420,8 @@ def main(argv=None) -> int:
             print(f"[inference_report] compiling {a.program} ({preset}, batch {a.batch} x {tokens} tokens, cache "
                   f"{max_len}, mesh {dict(mesh.shape)}) ...", file=sys.stderr, flush=True)
             prog = compile_serving(cfg, mesh, a.program, a.batch, tokens, max_len)
-            out[preset] = time_serving(prog.schedule, node_of(mesh), a.hardware, a.program)
+            out[preset] = time_serving(prog.schedule, node_of(mesh), a.hardware, a.program,
+                                       score_elements(cfg, mesh, a.batch, tokens, max_len))
     except FarSkipError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
