@@ -82,6 +82,10 @@ class ModelConfig:
     param_dtype: DType = "float32"
     compute_dtype: DType = "float32"
     remat: Literal["none", "full", "dots", "minimal"] = "none"
+    # run the repeated layers as one jax.lax.scan per stack of identical layers (parameters stacked
+    # on a leading "layers" axis; model/stacking.py): compile time and program size stop growing
+    # with depth. A runtime key: checkpoints and HF folders convert at load (docs/scan.md)
+    scan_layers: bool = False
     # attention core: naive = one [t, s] score matrix; blockwise = flash-style online softmax over
     # `attention_block`-token query/key blocks with the blocks above the causal diagonal skipped;
     # causal_blocks = each query block against its key prefix (exact softmax, plain autodiff);
@@ -708,7 +712,7 @@ def replace(cfg: Any, **changes: Any) -> Any:
 
 # Which keys of a checkpoint's config are the checkpoint's (the model/moe shape) and which stay the
 # user's when weights are loaded from an HF folder or another run (train.init_from_hf, distill.init_from_run).
-RUNTIME_MODEL_KEYS = ("compute_dtype", "remat", "max_seq_len")
+RUNTIME_MODEL_KEYS = ("compute_dtype", "remat", "max_seq_len", "scan_layers")
 RUNTIME_MOE_KEYS = ("dispatch", "gmm", "gmm_tile", "capacity_factor", "aux_loss_weight", "z_loss_weight",
                     "bias_update_rate", "num_groups")  # FoE keeps the parameter layout: the user's H
 

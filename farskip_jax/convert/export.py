@@ -9,6 +9,8 @@ skip distance); a DeepSeek-V3-layout model with FarSkip on also gets the Instell
 ("farskip", "farskip_start_idx", "farskip_end_idx") so it re-imports with FarSkip on. Tensors are
 written by a streaming safetensors writer (sharded past `max_shard_bytes`, with an index). Everything
 goes to a temporary folder renamed into place at the end: on failure OUT_DIR is not created.
+A model with `model.scan_layers` exports the same folder: each stacked parameter is sliced per layer
+on device (model/stacking.per_layer_values) and written under the per-layer HF names.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from farskip_jax.convert.families import family_by_name, family_for, farskip_nat
 from farskip_jax.convert.reader import TOKENIZER_FILES
 from farskip_jax.convert.safetensors_io import write_file
 from farskip_jax.errors import CheckpointError
+from farskip_jax.model.stacking import per_layer_values, plan_segments
 from farskip_jax.model.transformer import Transformer
 
 DTYPE_NAMES = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}
@@ -83,7 +86,8 @@ def export_hf(model: Transformer, cfg: Config, out_dir: str, *, base_config: Opt
     hf_cfg, fam = hf_config_for(cfg, base_config, family)
     hf_cfg["dtype"] = dtype
     specs = fam.specs(cfg)
-    params = dict(nnx.to_flat_state(nnx.state(model)))
+    values = per_layer_values(dict(nnx.to_flat_state(nnx.state(model))),
+                              plan_segments(cfg) if cfg.model.scan_layers else None)  # stacked: one row per layer
     np_dtype = _np_dtype(dtype)
 
     # hf name -> (shape, [specs producing it]) in spec order
@@ -96,7 +100,7 @@ def export_hf(model: Transformer, cfg: Config, out_dir: str, *, base_config: Opt
     def param(spec) -> np.ndarray:
         if cache.get("path") != spec.path:
             cache.clear()
-            cache.update(path=spec.path, arr=np.asarray(jax.device_get(params[spec.path].get_value())))
+            cache.update(path=spec.path, arr=np.asarray(jax.device_get(values[spec.path]())))
         return cache["arr"]
 
     def produce(name: str) -> np.ndarray:

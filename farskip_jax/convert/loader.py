@@ -10,7 +10,9 @@
    shape mismatches raise CheckpointError naming the tensor), then built with
    `jax.make_array_from_callback(shape, sharding, cb)`: each device shard's callback reads only its
    slice from the memory-mapped safetensors and casts it to the parameter dtype (bf16/fp32). No host
-   ever holds the whole model, only the slices of one tensor that its devices own.
+   ever holds the whole model, only the slices of one tensor that its devices own. Under
+   `model.scan_layers` a stacked parameter [repeats, ...] reads each of its layers' tensors
+   (the HF names stay per layer; model/stacking.py maps them).
 
 With a mesh the model is placed as `parallel.build.create_model` places it: target shardings follow
 the logical-axis rules (`parallel.sharding.state_shardings`), and the routed-expert exchange is
@@ -25,6 +27,7 @@ from __future__ import annotations
 import re
 import sys
 import time
+from dataclasses import replace
 from typing import Callable, Iterable, Optional, Union
 
 import jax
@@ -38,6 +41,7 @@ from farskip_jax.convert.families import family_for, text_part
 from farskip_jax.convert.reader import HFCheckpoint
 from farskip_jax.convert.spec import TensorSpec
 from farskip_jax.errors import CheckpointError
+from farskip_jax.model.stacking import plan_segments, stacked_specs
 from farskip_jax.model.transformer import Transformer
 from farskip_jax.parallel.build import placement_mesh, routed_compute_on, state_shardings_on
 
@@ -148,23 +152,35 @@ def _progress_printer(stream=sys.stderr):
 
 def load_params(ckpt: HFCheckpoint, cfg: Config, *, mesh=None, routed_compute=None,
                 progress: Optional[Callable] = None) -> Transformer:
-    """Build the Transformer of `cfg` with its parameters streamed from `ckpt`."""
+    """Build the Transformer of `cfg` with its parameters streamed from `ckpt`. Under
+    model.scan_layers each stacked parameter [repeats, ...] is one array whose shard callback reads
+    and stacks its rows' slices (model/stacking.py), so the stacked layout streams like the per-layer one."""
     fam = family_for(ckpt.config)
     mesh, routed_compute = model_placement(cfg, mesh, routed_compute)
     model = abstract_model(cfg, routed_compute)
     graphdef, state = nnx.split(model)
     params = dict(nnx.to_flat_state(state))
     specs = fam.specs(cfg)
-    validate(ckpt, specs, params, ckpt.config, cfg.model.tie_embeddings, getattr(fam, "ignored", None))
+    scanned = cfg.model.scan_layers
+    layer_params = params if not scanned else dict(nnx.to_flat_state(nnx.state(abstract_model(
+        replace(cfg, model=replace(cfg.model, scan_layers=False))))))
+    validate(ckpt, specs, layer_params, ckpt.config, cfg.model.tie_embeddings, getattr(fam, "ignored", None))
     sharding_of = target_shardings(state, mesh)
-    for i, spec in enumerate(specs):
-        var = params[spec.path]
+    groups = stacked_specs(specs, plan_segments(cfg)) if scanned else {s.path: [s] for s in specs}
+    for i, (path, rows) in enumerate(groups.items()):
+        var = params[path]
         dtype = np.dtype(var.get_value().dtype)
-        arr = jax.make_array_from_callback(tuple(spec.shape), sharding_of(spec.path),
-                                           lambda idx, s=spec, d=dtype: s.read(ckpt, idx).astype(d))
-        var.set_value(arr)
+        if scanned and len(var.get_value().shape) == len(rows[0].shape) + 1:
+            def read(idx, rows=rows, d=dtype):
+                return np.stack([rows[r].read(ckpt, idx[1:]).astype(d) for r in range(len(rows))[idx[0]]])
+            shape = (len(rows), *rows[0].shape)
+        else:
+            def read(idx, s=rows[0], d=dtype):
+                return s.read(ckpt, idx).astype(d)
+            shape = tuple(rows[0].shape)
+        var.set_value(jax.make_array_from_callback(shape, sharding_of(path), read))
         if progress:
-            progress(i, len(specs), spec)
+            progress(i, len(groups), rows[0])
     return nnx.merge(graphdef, state)
 
 

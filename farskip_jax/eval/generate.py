@@ -85,7 +85,7 @@ def init_cache(model, batch: int, max_len: int, layout=None) -> tuple:
     d = model.cfg.model.d_model
     hg = model.cfg.moe.num_groups
     cache = []
-    for block in model.layers:
+    for block in model.blocks():
         if hg > 1:
             qkv = partial(group_qkv, block.attn, num_groups=hg)
             x = jax.ShapeDtypeStruct((hg, batch, 1, d), jnp.float32)
@@ -140,7 +140,8 @@ def decode_step(model, tokens: jax.Array, start: jax.Array, cache: tuple, farski
     pad = jnp.zeros((b,), jnp.int32) if pad is None else pad.astype(jnp.int32)
     positions, k_pos = slot_positions(start, t, cache[0][0].shape[1], pad)
     q_pos, kv_pos = (jnp.tile(positions, (hg, 1)), jnp.tile(k_pos, (hg, 1))) if hg > 1 else (positions, k_pos)
-    new_cache = [None] * len(model.layers)
+    blocks = model.blocks()  # per-layer views under model.scan_layers (decoding runs the unrolled loop)
+    new_cache = [None] * len(blocks)
 
     def cached_attention(i, attn):
         def fn(xn):  # normalised attention input ([b, t, d], FoE [H, b, t, d]) -> attention output
@@ -155,7 +156,7 @@ def decode_step(model, tokens: jax.Array, start: jax.Array, cache: tuple, farski
         return fn
 
     out = model(tokens, positions, farskip=farskip,
-                attention_fns=[cached_attention(i, blk.attn) for i, blk in enumerate(model.layers)])
+                attention_fns=[cached_attention(i, blk.attn) for i, blk in enumerate(blocks)])
     return out.logits, tuple(new_cache)
 
 

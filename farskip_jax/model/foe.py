@@ -62,7 +62,7 @@ from jax.ad_checkpoint import checkpoint_name
 from farskip_jax.config import Config, FarSkipConfig
 from farskip_jax.errors import ConfigError
 from farskip_jax.model.attention import Attention, core_attention, layer_mask
-from farskip_jax.model.connectivity import Streams, _add
+from farskip_jax.model.connectivity import Streams, add_present
 from farskip_jax.model.experts import ExpertWeights
 from farskip_jax.model.router import RouteResult, Router
 from farskip_jax.model.transformer import REMAT_POLICIES, Block, ModelOutput, Transformer
@@ -281,8 +281,8 @@ def foe_block(block: Block, x_h: jax.Array, full: jax.Array, positions, segment_
                           aux_loss=route.aux_loss, z_loss=route.z_loss, load=route.load, dropped=dropped)
 
 
-def _backend(model: Transformer):
-    for blk in model.layers:
+def _backend(blocks: list):
+    for blk in blocks:
         if blk.moe is not None:
             return blk.moe.routed_compute
     return None
@@ -300,8 +300,9 @@ def foe_forward(model: Transformer, tokens: jax.Array, positions: Optional[jax.A
     cfg = model.cfg
     hg = check_foe(cfg, num_groups)
     fs = farskip if farskip is not None else cfg.farskip
-    backend = _backend(model)
-    n = len(model.layers)
+    blocks = model.blocks()  # per-layer views of stacked parameters under model.scan_layers (unrolled here)
+    backend = _backend(blocks)
+    n = len(blocks)
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     emb = model.embed(tokens)
@@ -316,7 +317,7 @@ def foe_forward(model: Transformer, tokens: jax.Array, positions: Optional[jax.A
                                                     for j in range(i + 1, min(i + fs.skip_distance, n - 1) + 1))
              for i in range(n)]
     outs, hidden, trace = [], [], []
-    for i, block in enumerate(model.layers):
+    for i, block in enumerate(blocks):
         attn_kind, moe_kind = kinds[i]
         pending = routed_h if i > 0 and defer[i - 1] else None
         with jax.named_scope(f"layer_{i}"):
@@ -337,7 +338,7 @@ def foe_forward(model: Transformer, tokens: jax.Array, positions: Optional[jax.A
                 trace.append(dict(attn_in=x_attn, moe_in=streams.moe_input(moe_kind, out.attn), attn=out.attn,
                                   attn_groups=out.attn_groups, shared=out.shared, routed=out.routed,
                                   routed_groups=out.routed_groups, attn_kind=attn_kind, moe_kind=moe_kind))
-            sync = _add(streams.full + out.attn, out.shared)
+            sync = add_present(streams.full + out.attn, out.shared)
             routed_h = out.routed_groups
             streams = streams.update(out.attn, out.shared, out.routed)
         outs.append((block.is_moe, out))

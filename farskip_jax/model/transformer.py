@@ -26,6 +26,7 @@ from farskip_jax.model.connectivity import Streams
 from farskip_jax.model.experts import RoutedComputeFn
 from farskip_jax.model.layers import Embed, Linear, RMSNorm, SwiGLU, dtype_of
 from farskip_jax.model.moe import MoEBlock
+from farskip_jax.model.stacking import LayerStack, plan_segments, slice_state
 
 
 @struct.dataclass
@@ -113,7 +114,11 @@ class Transformer(nnx.Module):
             from farskip_jax.model.foe import check_foe
             check_foe(cfg)
         self.embed = Embed(m.vocab_size, m.d_model, rngs=rngs, std=m.init_std, param_dtype=pd, compute_dtype=cd)
-        self.layers = nnx.List([Block(cfg, i, rngs=rngs, routed_compute=routed_compute) for i in range(m.num_layers)])
+        blocks = [Block(cfg, i, rngs=rngs, routed_compute=routed_compute) for i in range(m.num_layers)]
+        if m.scan_layers:  # same initial values as the unrolled model, stacked (model/stacking.py)
+            self.stacks = nnx.List([LayerStack(seg, blocks[seg.start:seg.stop]) for seg in plan_segments(cfg)])
+        else:
+            self.layers = nnx.List(blocks)
         self.final_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pd)
         self.lm_head = None if m.tie_embeddings else Linear(
             m.d_model, m.vocab_size, axes=("embed", "vocab"), rngs=rngs, std=m.init_std, param_dtype=pd, compute_dtype=cd)
@@ -125,23 +130,49 @@ class Transformer(nnx.Module):
         fn = nnx.remat(lambda b, xa, f, p, s: b(xa, f, p, s, moe_input), policy=REMAT_POLICIES[self.cfg.model.remat])
         return fn(block, x_attn, full, positions, segment_ids)
 
+    @property
+    def scanned(self) -> bool:
+        return self.cfg.model.scan_layers
+
+    def blocks(self) -> list:
+        """Per-layer Blocks in layer order: `self.layers` itself, or under scan_layers views whose
+        Variables are slices of the stacked ones (writes reach the stacks only through `write_blocks`)."""
+        if not self.scanned:
+            return list(self.layers)
+        out = []
+        for st in self.stacks:
+            out.extend(st.layer(q, r) for r in range(st.repeats) for q in range(st.period))
+        return out
+
+    def write_blocks(self, blocks: list) -> None:
+        """Put per-layer views from `blocks()` (modified in place) back into the stacks; no-op unrolled."""
+        if not self.scanned:
+            return
+        for st in self.stacks:
+            st.write_layers(blocks[st.start:st.start + st.period * st.repeats])
+
     def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None, segment_ids: Optional[jax.Array] = None,
                  *, farskip: Optional[FarSkipConfig] = None, return_hidden: bool = False,
                  return_trace: bool = False, attention_fns=None) -> ModelOutput:
         """attention_fns: per layer, fn(normalised attention input) -> attention output replacing the
-        layer's own attention (KV-cache decoding, eval/generate.py); no remat then."""
+        layer's own attention (KV-cache decoding, eval/generate.py); no remat then.
+        Under model.scan_layers the stacks run as scans; return_trace and attention_fns run the
+        unrolled loop over per-layer views of the stacked parameters instead (module docstring)."""
         if self.cfg.moe.num_groups > 1:  # Federation of Experts groups (model/foe.py)
             from farskip_jax.model.foe import foe_forward
             return foe_forward(self, tokens, positions, segment_ids, farskip=farskip, return_hidden=return_hidden,
                                return_trace=return_trace, attention_fns=attention_fns)
         fs = farskip if farskip is not None else self.cfg.farskip
-        n = len(self.layers)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         h = self.embed(tokens)
         streams = Streams.init(h, fs.skip_distance)
+        if self.scanned and not return_trace and attention_fns is None:
+            return self._scanned(streams, positions, segment_ids, fs, return_hidden)
+        blocks = self.blocks()
+        n = len(blocks)
         outs, hidden, trace = [], [], []
-        for i, block in enumerate(self.layers):
+        for i, block in enumerate(blocks):
             attn_kind, moe_kind = fs.layer_inputs(i, n)
             with jax.named_scope(f"layer_{i}"):
                 x_attn = streams.attn_input(attn_kind)
@@ -156,6 +187,39 @@ class Transformer(nnx.Module):
                 hidden.append(streams.full)
         return self.output(streams.full, outs, hidden if return_hidden else None, trace if return_trace else None)
 
+    def _scanned(self, streams: Streams, positions, segment_ids, fs: FarSkipConfig, return_hidden: bool) -> ModelOutput:
+        """The stacks in layer order; each stack's repeats split into runs of equal (static)
+        connectivity; a run of >= 2 repeats is one jax.lax.scan, a run of 1 is called directly."""
+        n = self.cfg.model.num_layers
+        remat = self.cfg.model.remat
+        outs, hidden = [], []
+        for s, st in enumerate(self.stacks):
+            seg = st.segment
+            split = [nnx.split(b) for b in st.blocks]
+            graphdefs, states = [g for g, _ in split], [x for _, x in split]
+            is_moe = [b.is_moe for b in st.blocks]
+            kinds = [tuple(fs.layer_inputs(seg.layer(q, r), n) for q in range(seg.period)) for r in range(seg.repeats)]
+            for r0, r1 in _runs(kinds):
+                body = _stack_body(graphdefs, kinds[r0], positions, segment_ids, remat, return_hidden,
+                                   pad=r1 - r0 > 1)
+                with jax.named_scope(f"stack_{s}"):
+                    if r1 - r0 == 1:
+                        streams, (stats, hid) = body(streams, [slice_state(x, r0) for x in states])
+                        stats, hid = [[y] for y in stats], [[y] for y in hid]
+                    else:
+                        xs = [slice_state(x, slice(r0, r1)) for x in states]
+                        carry = _stable_carry(body, streams.padded(), [slice_state(x, r0) for x in states])
+                        streams, (ys, hys) = jax.lax.scan(body, carry, xs)
+                        unstack = lambda t, j: jax.tree.map(lambda y: y[j], t)  # noqa: E731
+                        stats = [[unstack(ys[q], j) for j in range(r1 - r0)] for q in range(seg.period)]
+                        hid = [[None if hys[q] is None else hys[q][j] for j in range(r1 - r0)]
+                               for q in range(seg.period)]
+                for j in range(r1 - r0):
+                    for q in range(seg.period):
+                        outs.append((is_moe[q], stats[q][j]))
+                        hidden.append(hid[q][j])
+        return self.output(streams.full, outs, hidden if return_hidden else None, None)
+
     def output(self, full: jax.Array, outs: list, hidden: Optional[list], trace: Optional[list]) -> ModelOutput:
         """Final norm of the FULL stream, logits, and the router statistics of `outs` [(is_moe, BlockOutput)]:
         aux/z losses averaged over MoE layers, load stacked [n_moe, E], dropped summed over layers."""
@@ -169,3 +233,51 @@ class Transformer(nnx.Module):
                            dropped=jnp.sum(jnp.stack([o.dropped for _, o in outs])),
                            hidden=tuple(hidden) if hidden is not None else None,
                            trace=tuple(trace) if trace is not None else None)
+
+
+def _runs(kinds: list) -> list[tuple[int, int]]:
+    """[(r0, r1)] maximal runs of equal entries of `kinds`."""
+    runs, r0 = [], 0
+    for r in range(1, len(kinds) + 1):
+        if r == len(kinds) or kinds[r] != kinds[r0]:
+            runs.append((r0, r))
+            r0 = r
+    return runs
+
+
+def _stable_carry(body, carry: Streams, states0) -> Streams:
+    """`carry` cast to the dtypes one body step gives back (lax.scan needs carry in == carry out;
+    a stream may widen after the first layer, e.g. bf16 + f32 -> f32, as it would in the loop)."""
+    for _ in range(3):
+        out = jax.eval_shape(lambda c: body(c, states0)[0], carry)
+        if jax.tree.all(jax.tree.map(lambda a, b: a.dtype == b.dtype, carry, out)):
+            return carry
+        carry = jax.tree.map(lambda a, b: a.astype(b.dtype), carry, out)
+    return carry
+
+
+def _stack_body(graphdefs, kinds, positions, segment_ids, remat: str, return_hidden: bool, pad: bool):
+    """Scan body over one repeat of a stack: (streams, [state of block q]) -> (streams, (stats, hidden)).
+    stats[q]: layer q's BlockOutput without its activations (aux/z loss, load, dropped); hidden[q]:
+    the full stream after it (None unless return_hidden). pad: keep the carry in Streams.padded form."""
+
+    def body(streams: Streams, states):
+        stats, hid = [], []
+        for q, (gd, st) in enumerate(zip(graphdefs, states)):
+            attn_kind, moe_kind = kinds[q]
+
+            def run(st, x_attn, full, gd=gd, moe_kind=moe_kind):
+                return nnx.merge(gd, st)(x_attn, full, positions, segment_ids, moe_kind)
+
+            if remat != "none":  # the policy applies inside the scan body, per layer
+                run = jax.checkpoint(run, policy=REMAT_POLICIES[remat])
+            with jax.named_scope(f"layer_q{q}"):
+                out = run(st, streams.attn_input(attn_kind), streams.full)
+                streams = streams.update(out.attn, out.shared, out.routed)
+            if pad:
+                streams = streams.padded()
+            stats.append(out.replace(attn=None, shared=None, routed=None))
+            hid.append(streams.full if return_hidden else None)
+        return streams, (stats, hid)
+
+    return body

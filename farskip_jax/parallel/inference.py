@@ -312,7 +312,7 @@ class TpEpLayout:
         """The model's forward (ModelOutput) with tensor-parallel attention; `model` from inference_model."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        fns = [self.attention_fn(blk.attn, positions, segment_ids) for blk in model.layers]
+        fns = [self.attention_fn(blk.attn, positions, segment_ids) for blk in model.blocks()]
         return model(tokens, positions, segment_ids, farskip=farskip, attention_fns=fns, **kw)
 
 

@@ -9,6 +9,9 @@ each name to mesh axes:
                                         all-gathers them where they are used. No-op when fsdp = 1.
     vocab, heads, kv_heads, mlp -> tensor   Megatron-style tensor parallelism of the dense part
     head_dim, None -> replicated
+    layers    -> replicated             the leading axis of stacked layer parameters (model.scan_layers,
+                                        model/stacking.py): every other dim shards as in one layer, so
+                                        a scan step slices its layer without any collective
 
 Expert weights keep their `mlp` dim whole (the expert compute in shard_map is not tensor-parallel).
 A dim that the mapped mesh axes do not divide stays replicated rather than failing (e.g. a vocab
@@ -36,6 +39,7 @@ RULES: dict[str, Any] = {
     "kv_heads": "tensor",
     "mlp": "tensor",
     "head_dim": None,
+    "layers": None,
 }
 
 EXPERT_RULES = {**RULES, "mlp": None}  # for arrays that have an "expert" axis

@@ -18,6 +18,12 @@ step from the manager's list, which then keeps too many checkpoints and judges t
 A data state is deleted only once orbax has deleted its step folder (orbax deletes old steps after
 the next save commits), so every checkpoint on disk keeps its data state. Saving a step that is
 already saved or in flight is a no-op.
+
+Layer layout: a checkpoint written with `model.scan_layers` stores stacked parameters
+("params.stacks.<s>.blocks.<q>....", leading layer axis) where one without stores
+"params.layers.<i>....". `restore` converts either into the other when the template has the other
+layout (optimizer moments included; model/stacking.py maps the keys): a run resumes across a change
+of model.scan_layers. The stacks of a stacked checkpoint are read back from its own key names and shapes.
 """
 
 from __future__ import annotations
@@ -29,8 +35,10 @@ from typing import Any, Optional
 
 import jax
 import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from farskip_jax.errors import CheckpointError
+from farskip_jax.model import stacking
 
 
 def _key_str(path) -> str:
@@ -131,16 +139,63 @@ class Checkpointer:
         flat_t = flatten_state(template)
         abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=getattr(v, "sharding", None))
                     for k, v in flat_t.items()}
+        convert = self._layout_conversion(step, abstract)
+        if convert is not None:
+            abstract, convert = convert
         try:
             out = self.mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
         except Exception as e:
             raise CheckpointError(self._unreadable(step, e)) from None
+        if convert is not None:
+            out = {"state": convert(dict(out["state"]))}
         try:
             with open(self._data_path(step)) as f:
                 data_state = json.load(f)
         except (OSError, ValueError) as e:
             raise CheckpointError(self._unreadable(step, e)) from None
         return unflatten_state(dict(out["state"]), template), data_state
+
+    def _stored(self, step: int) -> Optional[dict]:
+        """{key: shape} of the state saved at `step`, or None when orbax's metadata does not read."""
+        try:
+            tree = self.mngr.item_metadata(step)["state"]
+            return {k: tuple(v.shape) for k, v in tree.items()}
+        except Exception:  # noqa: BLE001 -- unreadable metadata: the plain restore reports it
+            return None
+
+    def _layout_conversion(self, step: int, abstract: dict):
+        """(abstract target in the checkpoint's layer layout, fn converting its restored flat dict to
+        the template's) when the checkpoint's layout (per-layer / stacked) differs from the
+        template's; None when they agree or the keys match neither way (the plain restore reports it)."""
+        stored = self._stored(step)
+        if stored is None or set(stored) == set(abstract):
+            return None
+        want = set(abstract)
+        if stacking.is_stacked_layout(want) and stacking.is_layer_layout(stored):  # per-layer -> stacked
+            segs = stacking.segments_from_keys({k: v.shape for k, v in abstract.items()})
+            src = {}
+            for k in stored:
+                tk, r = stacking.stacked_key(k, segs)
+                if tk not in abstract:
+                    return None
+                t = abstract[tk]
+                src[k] = t if r < 0 else jax.ShapeDtypeStruct(t.shape[1:], t.dtype, sharding=_drop_lead(t.sharding))
+            if set(stacking.stack_flat(dict.fromkeys(stored, 0), segs, stack=len)) != want:
+                return None
+            return src, lambda flat: _place(stacking.stack_flat(flat, segs), abstract)
+        if stacking.is_layer_layout(want) and stacking.is_stacked_layout(stored):  # stacked -> per-layer
+            segs = stacking.segments_from_keys(stored)
+            src = {}
+            for k, shape in stored.items():
+                rows = stacking.layer_key(k, segs)
+                if any(lk not in abstract for lk, _ in rows):
+                    return None
+                t = abstract[rows[0][0]]
+                src[k] = t if rows[0][1] < 0 else jax.ShapeDtypeStruct(shape, t.dtype, sharding=_add_lead(t.sharding))
+            if {lk for k in stored for lk, _ in stacking.layer_key(k, segs)} != want:
+                return None
+            return src, lambda flat: _place(stacking.unstack_flat(flat, segs), abstract)
+        return None
 
     def _unreadable(self, step: int, e: Exception) -> str:
         """The message for a step whose files do not restore (truncated, corrupted, another model)."""
@@ -159,3 +214,23 @@ class Checkpointer:
     def close(self) -> None:
         self.wait()
         self.mngr.close()
+
+
+def _drop_lead(sharding):
+    """The sharding of one row of an array sharded as `sharding` (its leading layer axis dropped)."""
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[1:]))
+    return sharding
+
+
+def _add_lead(sharding):
+    """The sharding of rows stacked on a new, unsharded leading axis."""
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, P(None, *tuple(sharding.spec)))
+    return sharding
+
+
+def _place(flat: dict, abstract: dict) -> dict:
+    """Each array of `flat` on the sharding of its template entry."""
+    return {k: jax.device_put(v, abstract[k].sharding) if abstract[k].sharding is not None else v
+            for k, v in flat.items()}

@@ -111,7 +111,8 @@ def update_router_bias(graphdef, params, bias, rest, load: jax.Array, rate: floa
     bias = jax.tree.map(lambda x: x, bias)  # fresh Variables: the caller's `bias` must stay untouched
     model = nnx.merge(graphdef, params, bias, rest)
     j = 0
-    for block in model.layers:
+    blocks = model.blocks()  # per-layer views under model.scan_layers, written back below
+    for block in blocks:
         if not block.is_moe:
             continue
         r = block.moe.router
@@ -119,6 +120,7 @@ def update_router_bias(graphdef, params, bias, rest, load: jax.Array, rate: floa
             lj = load[j]
             r.bias[...] = r.bias[...] + rate * jnp.sign(jnp.mean(lj) - lj)
         j += 1
+    model.write_blocks(blocks)
     return nnx.state(model, RouterBias)
 
 
