@@ -110,8 +110,9 @@ def rows_of(results, models, gpus_list, points, ctx, full_layers):
     for m in models:
         for g in gpus_list:
             for program, batch, tokens in points:
-                std, how, raw = timing_at(results, m, g, program, batch, tokens, ctx, "standard", full_layers[m])
-                fs, how_f, _ = timing_at(results, m, g, program, batch, tokens, ctx, "farskip", full_layers[m])
+                c = ctx if program == "decode" else tokens
+                std, how, raw = timing_at(results, m, g, program, batch, tokens, c, "standard", full_layers[m])
+                fs, how_f, _ = timing_at(results, m, g, program, batch, tokens, c, "farskip", full_layers[m])
                 if std is None or fs is None:
                     continue
                 rows.append({
@@ -188,6 +189,40 @@ def plot(rows, path):
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def paper_cell(model: str, gpus: int, program: str) -> str:
+    if program == "prefill" and gpus == 8 and model in ("dsv2", "scout"):
+        lo, hi = PAPER[model]["ttft"]
+        return f"TTFT {lo:.3f}-{hi:.3f}x (vLLM), overlap {100 * PAPER[model]['overlap']:.1f}%"
+    if program == "prefill":
+        return f"(SGLang DeepSeek-V3 prefill up to {PAPER['sglang_dsv3']['prefill']:.2f}x)"
+    if gpus == 16:
+        return f"(SGLang DeepSeek-V3 2-node decode up to {PAPER['sglang_dsv3']['decode_2node']:.2f}x)"
+    return "-"
+
+
+def summary_md(rows) -> str:
+    """Per model, GPUs and program: the range over the points of the speedups and hidden fractions."""
+    out = ["| model | GPUs (nodes) | program | points | speedup vs XLA standard | vs synchronous all-reduces | "
+           "ceiling | AR hidden: standard | AR hidden: farskip | paper |", "|---|---|---|---|---|---|---|---|---|---|"]
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((list(MODELS).index(r["model"]), r["gpus"], r["program"]), []).append(r)
+
+    def rng(rs, k, pct=False):
+        lo, hi = min(r[k] for r in rs), max(r[k] for r in rs)
+        f = (lambda v: f"{100 * v:.1f}%") if pct else (lambda v: f"{v:.3f}x")
+        return f(lo) if abs(hi - lo) < 5e-4 else f"{f(lo)} - {f(hi)}"
+
+    for (mi, g, prog), rs in sorted(groups.items()):
+        m = list(MODELS)[mi]
+        pts = ", ".join(str(r["tokens"] if prog == "prefill" else r["batch"]) for r in rs)
+        what = f"prefill 16 x ({pts})" if prog == "prefill" else f"decode batch ({pts})"
+        out.append(f"| {MODELS[m][1]} ({rs[0]['depth']}) | {g} ({rs[0]['nodes']}) | {what} | {len(rs)} | "
+                   f"{rng(rs, 'speedup')} | {rng(rs, 'speedup_vs_serial')} | {rng(rs, 'ceiling_speedup')} | "
+                   f"{rng(rs, 'std_hidden', True)} | {rng(rs, 'fs_hidden', True)} | {paper_cell(m, g, prog)} |")
+    return "\n".join(out)
 
 
 def weight_floor_md(rows, bases, gpn) -> list[str]:
@@ -297,12 +332,7 @@ def main() -> int:
                             e = results[k]
                             log(f"[inference] {k}: {e['time_us'] / 1e3:.3f} ms, all-reduces {e['ar_us'] / 1e3:.3f} ms "
                                 f"({100 * e['layer_hidden_frac']:.1f}% of the layer ones hidden)")
-    ctxs = sorted({int(k.split("|")[5][1:]) for k in results if "|decode|" in k} | {a.context})
-    rows = []
-    for ctx in ctxs:
-        rows += [r for r in rows_of(results, list(MODELS), [8, 16], points, ctx, full_layers)
-                 if r["program"] == "prefill" and ctx == a.context or r["program"] == "decode"]
-    rows = [r for i, r in enumerate(rows) if r not in rows[:i]]
+    rows = rows_of(results, list(MODELS), [8, 16], points, a.context, full_layers)
     with open(os.path.join(a.out, "rows.json"), "w") as f:
         json.dump(rows, f, indent=1)
     md = ["# FarSkip at inference (modelled): TTFT and time per output token, standard vs farskip", "",
@@ -313,7 +343,7 @@ def main() -> int:
           "all-reduces; AR hidden = share of the layer all-reduces (attention + routed) hidden. Depth 'cut a/b' = "
           "compiled at a and b layers, extrapolated linearly to the full depth.", "",
           f"Command: `JAX_PLATFORMS=cpu python benchmarks/inference_overlap.py --context {a.context}`", "",
-          table_md(rows), ""]
+          "## Summary (range over the points)", "", summary_md(rows), "", "## Every point", "", table_md(rows), ""]
     md += weight_floor_md(rows, bases, a.gpus_per_node)
     with open(os.path.join(a.out, "table.md"), "w") as f:
         f.write("\n".join(md) + "\n")
