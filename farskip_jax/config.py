@@ -89,7 +89,7 @@ class ModelConfig:
     # attention core: naive = one [t, s] score matrix; blockwise = flash-style online softmax over
     # `attention_block`-token query/key blocks with the blocks above the causal diagonal skipped;
     # causal_blocks = each query block against its key prefix (exact softmax, plain autodiff);
-    # fused_cpu = the C++ CPU kernel (model/blas_attention.py: any mask, no [t, s] buffers in memory);
+    # fused_cpu = the C++ CPU kernel (kernels/attention.py: any mask, no [t, s] buffers in memory);
     # auto = fused_cpu on CPU when the kernel builds here, naive elsewhere
     attention_impl: Literal["auto", "naive", "blockwise", "causal_blocks", "fused_cpu"] = "auto"
     attention_block: int = 512

@@ -6,8 +6,8 @@ Rows of `lhs` are sorted by group: the first group_sizes[0] rows use rhs[0], and
 sum(group_sizes) give zeros. Backends (plain JAX):
 - `ragged_dot`: jax.lax.ragged_dot (grouped GEMM on GPU/TPU; on CPU XLA expands it to a dense dot
   over every group, G x the useful work).
-- `tiled` (the CPU default without the CPU kernels): a flat walk over the groups. Each group's rows are one masked window of a
-  bucketed row count (8, 16, 32, 64, 96, ... in steps of 32 up to `tile` = 256), plus full tiles of
+- `tiled` (the CPU default without the CPU kernels): a flat walk over the groups. Each group's rows
+  are one masked window of a bucketed row count (8, 16, 32, 64, 96, ... in steps of 32 up to `tile` = 256), plus full tiles of
   `tile` rows for groups larger than that; one loop per bucket and one over the full tiles, so the
   loop count does not grow with the number of groups. One matmul per group and weight, its weight
   slice taken once. Custom VJP: d lhs is the same walk with the weights transposed; d rhs is
