@@ -56,8 +56,10 @@ def scores_of(base, mesh_shape: dict, program: str, batch: int, tokens: int) -> 
     return batch * (base.model.num_heads // mesh_shape["tensor"]) * tokens * tokens if program == "prefill" else 0
 
 
-def compile_point(base, model, gpus, gpn, program, batch, tokens, ctx, layers, preset, hardware, cache_dir, log):
-    """ServingTiming json of one compiled point (compiled, or re-timed from the schedule cache)."""
+def compile_point(base, model, gpus, gpn, program, batch, tokens, ctx, layers, preset, hardware, cache_dir, log,
+                  compile_missing: bool = True):
+    """ServingTiming json of one compiled point (compiled, or re-timed from the schedule cache; None
+    when it is not cached and compile_missing is False)."""
     from farskip_jax.analysis import inference_report as ir
 
     k = key(model, gpus, program, batch, tokens, ctx if program == "decode" else tokens,
@@ -66,6 +68,8 @@ def compile_point(base, model, gpus, gpn, program, batch, tokens, ctx, layers, p
     if os.path.exists(cpath):
         with gzip.open(cpath, "rb") as f:
             c = pickle.load(f)
+    elif not compile_missing:
+        return None
     else:
         from farskip_jax.analysis.deviceless import gpu_devices
 
@@ -150,7 +154,7 @@ def table_md(rows) -> str:
     return "\n".join(out)
 
 
-def plot(rows, path):
+def plot(rows, path, hardware: str = "h200"):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -185,8 +189,8 @@ def plot(rows, path):
         ax.axhline(1.0, color="black", lw=0.5)
         ax.set_ylabel("speedup (faint: ceiling, every all-reduce hidden)")
         ax.legend(fontsize=7)
-    fig.suptitle("FarSkip at inference, modelled: tp_ep layout on H200 (NVLink 4; 8 x 400 Gb/s NICs per node)",
-                 fontsize=10)
+    fig.suptitle(f"FarSkip at inference, modelled: tp_ep layout, two-stream {hardware} model "
+                 "(8 x 400 Gb/s NICs per node)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -225,14 +229,14 @@ def summary_md(rows) -> str:
     return "\n".join(out)
 
 
-def weight_floor_md(rows, bases, gpn) -> list[str]:
+def weight_floor_md(rows, bases, gpn, hardware: str = "h200") -> list[str]:
     """Plausibility of the decode rows: the weight-bandwidth floor (parameter bytes per GPU / (HBM
     bandwidth x mem_eff)) next to the modelled time per output token at the smallest batch."""
     from farskip_jax.analysis import inference_report as ir
     from farskip_jax.analysis.cost_model import HARDWARE
     from farskip_jax.analysis.deviceless import gpu_devices
 
-    hw = HARDWARE["h200"]
+    hw = HARDWARE[hardware]
     out = ["", "Decode plausibility: parameter bytes each GPU reads per step / (HBM bandwidth x "
            f"{hw.mem_eff}) = the weight-bandwidth floor, next to the modelled standard time per output token.", "",
            "| model | GPUs | GB per GPU | weight floor ms | TPOT ms by batch (standard) |", "|---|---|---|---|---|"]
@@ -291,6 +295,8 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "inference"))
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "farskip_inference_cache"))
     ap.add_argument("--plot-only", action="store_true", help="rewrite table.md / speedup.png from results.json")
+    ap.add_argument("--retime-only", action="store_true",
+                    help="re-time the cached schedules (e.g. with another --hardware); compile nothing")
     a = ap.parse_args()
 
     from farskip_jax.config import load_config
@@ -322,8 +328,11 @@ def main() -> int:
                             k = key(m, g, program, batch, tokens, a.context if program == "decode" else tokens,
                                     n_l, preset)
                             try:
-                                results[k] = compile_point(bases[m], m, g, a.gpus_per_node, program, batch, tokens,
-                                                           a.context, layers, preset, a.hardware, a.cache, log)
+                                e = compile_point(bases[m], m, g, a.gpus_per_node, program, batch, tokens, a.context,
+                                                  layers, preset, a.hardware, a.cache, log, not a.retime_only)
+                                if e is None:
+                                    continue
+                                results[k] = e
                             except Exception as e:  # keep the sweep going; the row stays missing
                                 log(f"[inference] {k}: FAILED {type(e).__name__}: {str(e)[:300]}")
                                 continue
@@ -344,11 +353,11 @@ def main() -> int:
           "compiled at a and b layers, extrapolated linearly to the full depth.", "",
           f"Command: `JAX_PLATFORMS=cpu python benchmarks/inference_overlap.py --context {a.context}`", "",
           "## Summary (range over the points)", "", summary_md(rows), "", "## Every point", "", table_md(rows), ""]
-    md += weight_floor_md(rows, bases, a.gpus_per_node)
+    md += weight_floor_md(rows, bases, a.gpus_per_node, a.hardware)
     with open(os.path.join(a.out, "table.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     if rows:
-        plot(rows, os.path.join(a.out, "speedup.png"))
+        plot(rows, os.path.join(a.out, "speedup.png"), a.hardware)
     for path in timelines(a.cache, a.hardware, a.out, a.context, full_layers):
         log(f"[inference] wrote {path}")
     print("\n".join(md))
