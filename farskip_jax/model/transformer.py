@@ -8,6 +8,22 @@
 
 Connectivity is an argument of the call (default `cfg.farskip`), not of the parameters: the same
 weights run under every connectivity, which is what FCSD distillation needs (teacher = standard).
+
+Scan over layers (`model.scan_layers`, docs/scan.md). The blocks live in stacks of alike layers
+(model/stacking.py: parameters with a leading "layers" axis; `self.stacks` instead of
+`self.layers`). Each stack's repeats are split into maximal runs of EQUAL connectivity
+(FarSkipConfig.layer_inputs of every layer of one repeat) and each run of two or more is one
+`jax.lax.scan` whose body has that connectivity as static Python: the carry is the `Streams`
+(full, no_routed, no_moe and the last d routed / shared outputs, zero-padded to a fixed length:
+`Streams.padded`, exact since x + 0 == x). Connectivity is deliberately NOT scanned data: a
+`select` between streams inside the body would make attention of layer k depend on the routed
+output of layer k-1 (a data dependency through the select's unused operand), which is exactly what
+FarSkip removes to let the combine all-to-all of k-1 overlap attention of k. A converted-layer set
+that changes kind inside a stack therefore costs one more scan (sliced stacked parameters), not a
+dependency. Remat policies wrap each layer inside the scan body. Per-layer results come out of the
+scan stacked (router statistics; the full stream for return_hidden). `return_trace`, per-layer
+`attention_fns` (KV-cache decoding) and FoE (moe.num_groups > 1) run the unrolled loop over
+`blocks()`, per-layer views sliced out of the stacks: same function, no scan.
 """
 
 from __future__ import annotations

@@ -1,0 +1,219 @@
+"""Compile time and program size of a train step, layers unrolled (a Python loop) vs scanned
+(model.scan_layers), side by side, deviceless for 8 compile-only H100s (no GPU needed).
+
+    JAX_PLATFORMS=cpu python benchmarks/scan_compile.py [--config configs/deepseek_v2_lite.yaml]
+        [--layers 4,27,61] [--modes loop,scan] [--batch 8] [--seq 2048] [--timeout 1200]
+        [--out benchmarks/results/scan] [config overrides ...]
+
+Each (layers, mode) is compiled in its own subprocess (fresh XLA and JAX caches, and a --timeout that
+kills one that runs too long: the 61-layer loop on a small CPU), with the config's mesh (EP 8),
+`model.num_layers` overridden, the all_to_all dispatch at capacity factor 1.0, the latency-hiding
+scheduler on (analysis/deviceless.LHS_FLAGS) and the routed experts as the grouped-GEMM cost proxy
+(analysis/programs.grouped_gemm_proxy), as the overlap report compiles it. Measured: trace + lower
+seconds, XLA compile seconds, and the number of HLO instructions in the compiled, scheduled module
+(`compiled.as_text()`: lines `%name = ...` over all computations; a while body counts once).
+Results: OUT/compile.json (updated after every compile; an entry already there is reused unless
+--force) and OUT/compile.md. Timings are CPU seconds on whatever host runs this: read the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+INSTR = re.compile(r"^\s*(ROOT\s+)?%[\w.\-]+ = ", re.M)
+
+
+def measure(config: str, layers: int, mode: str, batch: int, seq: int, overrides: list[str]) -> dict:
+    """Runs in the child process: one deviceless compile, its figures."""
+    import jax
+
+    from farskip_jax.analysis.deviceless import LHS_FLAGS, gpu_devices
+    from farskip_jax.analysis.programs import analysis_mesh, grouped_gemm_proxy, train_program
+    from farskip_jax.config import load_config
+
+    cfg = load_config(config, ["moe.dispatch=all_to_all", "moe.capacity_factor=1.0", *overrides,
+                               f"model.num_layers={layers}", f"model.scan_layers={str(mode == 'scan').lower()}"])
+    mesh = analysis_mesh(cfg, gpu_devices("h100_sxm", 8))
+    t0 = time.perf_counter()
+    with grouped_gemm_proxy():
+        fn, args = train_program(cfg, mesh, batch, seq)
+        lowered = fn.lower(*args)
+    t1 = time.perf_counter()
+    compiled = lowered.compile(compiler_options=dict(LHS_FLAGS))
+    t2 = time.perf_counter()
+    text = compiled.as_text()
+    while_ops = len(re.findall(r"^\s*%\S+ = .* while\(", text, re.M))
+    return dict(layers=layers, mode=mode, lower_s=round(t1 - t0, 2), compile_s=round(t2 - t1, 2),
+                instructions=len(INSTR.findall(text)), while_loops=while_ops, hlo_chars=len(text),
+                jax=jax.__version__, batch=batch, seq=seq, config=config, overrides=overrides)
+
+
+def computations(text: str) -> dict[str, list[str]]:
+    """{computation name: its instruction lines in (scheduled) order} of an HLO module text."""
+    out, cur = {}, None
+    for line in text.splitlines():
+        m = re.match(r"^(?:ENTRY )?%([\w.\-]+) .*\{$", line)
+        if m:
+            cur = out.setdefault(m.group(1), [])
+        elif line.startswith("}"):
+            cur = None
+        elif cur is not None and INSTR.match(line):
+            cur.append(line)
+    return out
+
+
+def _scope(line: str) -> str:
+    m = re.search(r'op_name="([^"]*)"', line)
+    name = m.group(1) if m else ""
+    bwd = "bwd" if "transpose(" in name else "fwd"
+    for key in ("dispatch", "combine", "attention", "shared", "expert_compute", "router", "dense_mlp"):
+        if f"/{key}" in name:
+            return f"{bwd}:{key}"
+    return f"{bwd}:other"
+
+
+def while_body_overlap(text: str) -> list[dict]:
+    """Raw facts of the scheduled while bodies: for every async all-to-all in a body, its scope
+    (fwd/bwd : dispatch/combine), and the compute instructions XLA placed between its start and its
+    done, counted per scope (attention, shared, expert_compute, router, ...)."""
+    comps = computations(text)
+    bodies = []
+    for lines in comps.values():
+        for ln in lines:
+            m = re.search(r" while\(.*body=%([\w.\-]+)", ln)
+            if m:
+                bodies.append(m.group(1))
+    out = []
+    for b in bodies:
+        lines = comps.get(b, [])
+        name = lambda ln: re.match(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = ", ln).group(1)  # noqa: E731
+        starts = {}
+        pairs = []
+        for pos, ln in enumerate(lines):
+            if " all-to-all-start(" in ln:
+                starts[name(ln)] = pos
+            m = re.search(r" all-to-all-done\(%([\w.\-]+)\)", ln)
+            if m and m.group(1) in starts:
+                p0 = starts[m.group(1)]
+                between: dict[str, int] = {}
+                for x in lines[p0 + 1:pos]:
+                    if any(k in x for k in (" fusion(", " custom-call(", " dot(", " convolution(")):
+                        sc = _scope(x)
+                        between[sc] = between.get(sc, 0) + 1
+                pairs.append(dict(collective=_scope(lines[p0]), start=p0, done=pos, compute_between=between))
+        out.append(dict(body=b, instructions=len(lines), all_to_alls=pairs))
+    return out
+
+
+def overlap_facts(config: str, batch: int, seq: int, overrides: list[str]) -> dict:
+    """Compile the scanned 4-layer train step for farskip and standard; while-body facts of each."""
+    from farskip_jax.analysis.deviceless import LHS_FLAGS, gpu_devices
+    from farskip_jax.analysis.programs import analysis_mesh, grouped_gemm_proxy, train_program
+    from farskip_jax.config import load_config
+
+    res = {}
+    for preset in ("standard", "farskip"):
+        cfg = load_config(config, ["moe.dispatch=all_to_all", "moe.capacity_factor=1.0", *overrides,
+                                   "model.num_layers=4", "model.scan_layers=true", f"farskip.preset={preset}"])
+        mesh = analysis_mesh(cfg, gpu_devices("h100_sxm", 8))
+        with grouped_gemm_proxy():
+            fn, args = train_program(cfg, mesh, batch, seq)
+            lowered = fn.lower(*args)
+        text = lowered.compile(compiler_options=dict(LHS_FLAGS)).as_text()
+        res[preset] = while_body_overlap(text)
+    return res
+
+
+def table(results: dict, layers: list[int]) -> str:
+    rows = ["| layers | loop compile s | scan compile s | compile loop/scan | loop instructions | scan instructions "
+            "| instructions loop/scan | lower s (loop / scan) |", "|---|---|---|---|---|---|---|---|"]
+    for n in layers:
+        lo, sc = results.get(f"{n}/loop"), results.get(f"{n}/scan")
+
+        def f(r, k):
+            if r is None:
+                return "-"
+            return str(r[k]) if "error" not in r else r["error"]
+
+        ratio = lambda k: (f"{lo[k] / sc[k]:.2f}x" if lo and sc and "error" not in lo and "error" not in sc  # noqa: E731
+                           and sc[k] else "-")
+        rows.append(f"| {n} | {f(lo, 'compile_s')} | {f(sc, 'compile_s')} | {ratio('compile_s')} | "
+                    f"{f(lo, 'instructions')} | {f(sc, 'instructions')} | {ratio('instructions')} | "
+                    f"{f(lo, 'lower_s')} / {f(sc, 'lower_s')} |")
+    return "\n".join(rows) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="configs/deepseek_v2_lite.yaml")
+    ap.add_argument("--layers", default="4,27,61")
+    ap.add_argument("--modes", default="loop,scan")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per compile before it is killed")
+    ap.add_argument("--out", default="benchmarks/results/scan")
+    ap.add_argument("--force", action="store_true", help="recompile entries already in compile.json")
+    ap.add_argument("--overlap", action="store_true",
+                    help="instead: the while-body schedule facts of the scanned 4-layer program, farskip vs standard "
+                         "(OUT/overlap_while_body.json)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    a, overrides = ap.parse_known_args(argv)
+    if a.overlap:
+        os.makedirs(a.out, exist_ok=True)
+        facts = overlap_facts(a.config, a.batch, a.seq, overrides)
+        with open(os.path.join(a.out, "overlap_while_body.json"), "w") as f:
+            json.dump(facts, f, indent=2)
+        for preset, bodies in facts.items():
+            for b in bodies:
+                print(f"{preset} body {b['body']} ({b['instructions']} instructions)")
+                for p in b["all_to_alls"]:
+                    print(f"   {p['collective']:<14} start@{p['start']:<5} done@{p['done']:<5} between: {p['compute_between']}")
+        return 0
+    if a.child:
+        layers, mode = a.child.split("/")
+        print(json.dumps(measure(a.config, int(layers), mode, a.batch, a.seq, overrides)))
+        return 0
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, "compile.json")
+    results = json.load(open(path)) if os.path.isfile(path) else {}
+    layers = [int(x) for x in a.layers.split(",")]
+    for n in layers:
+        for mode in a.modes.split(","):
+            key = f"{n}/{mode}"
+            if key in results and "error" not in results[key] and not a.force:
+                print(f"{key}: cached {results[key]}", flush=True)
+                continue
+            cmd = [sys.executable, __file__, "--child", key, "--config", a.config, "--batch", str(a.batch),
+                   "--seq", str(a.seq), *overrides]
+            t0 = time.perf_counter()
+            env = dict(os.environ, JAX_PLATFORMS="cpu")
+            try:
+                p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=env)
+                if p.returncode:
+                    res = dict(layers=n, mode=mode, error=f"failed (rc {p.returncode})",
+                               stderr=p.stderr.strip().splitlines()[-3:])
+                else:
+                    res = json.loads(p.stdout.strip().splitlines()[-1])
+            except subprocess.TimeoutExpired:
+                res = dict(layers=n, mode=mode, error=f"timeout > {a.timeout:.0f} s")
+            res["wall_s"] = round(time.perf_counter() - t0, 1)
+            results[key] = res
+            print(f"{key}: {res}", flush=True)
+            with open(path, "w") as f:
+                json.dump(results, f, indent=2)
+    md = table(results, layers)
+    with open(os.path.join(a.out, "compile.md"), "w") as f:
+        f.write(f"Train step of `{a.config}` (overrides {overrides or 'none'}), batch {a.batch} x seq {a.seq}, "
+                "deviceless for 8 x H100 (EP 8), latency-hiding scheduler on.\n\n" + md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
