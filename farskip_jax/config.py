@@ -167,7 +167,9 @@ class MoEConfig:
     aux_loss_weight: float = 0.01  # load-balance loss weight
     z_loss_weight: float = 0.0  # router z-loss weight
     capacity_factor: Optional[float] = None  # None = dropless
-    dispatch: Literal["local", "all_to_all", "ragged"] = "local"
+    dispatch: Literal["local", "all_to_all", "hierarchical", "ragged"] = "local"
+    # hierarchical dispatch: GPUs per node (a device's node = device.id // gpus_per_node); null = process_index
+    gpus_per_node: Optional[int] = None
     gmm: Literal["auto", "blas", "ragged_dot", "tiled", "einsum"] = "auto"
     gmm_tile: int = 256
     num_groups: int = 1  # Federation of Experts groups (1 = ordinary MoE)
@@ -189,6 +191,9 @@ class MoEConfig:
             )
         _check(self.capacity_factor is None or self.capacity_factor > 0, "moe.capacity_factor must be > 0 or null (dropless)")
         _check(self.gmm_tile >= 1, "moe.gmm_tile must be >= 1")
+        _check(self.gpus_per_node is None or self.gpus_per_node >= 1, "moe.gpus_per_node must be >= 1 or null")
+        _check(self.gpus_per_node is None or self.dispatch == "hierarchical",
+               f"moe.gpus_per_node is read by moe.dispatch=hierarchical only (got dispatch={self.dispatch!r})")
         _check(self.num_groups >= 1, "moe.num_groups must be >= 1")
         _check(not self.route_on_input or self.top_k == 1,
                f"moe.route_on_input scales each expert's input by its weight and needs moe.top_k=1, got {self.top_k}")
@@ -713,7 +718,7 @@ def replace(cfg: Any, **changes: Any) -> Any:
 # Which keys of a checkpoint's config are the checkpoint's (the model/moe shape) and which stay the
 # user's when weights are loaded from an HF folder or another run (train.init_from_hf, distill.init_from_run).
 RUNTIME_MODEL_KEYS = ("compute_dtype", "remat", "max_seq_len", "scan_layers")
-RUNTIME_MOE_KEYS = ("dispatch", "gmm", "gmm_tile", "capacity_factor", "aux_loss_weight", "z_loss_weight",
+RUNTIME_MOE_KEYS = ("dispatch", "gpus_per_node", "gmm", "gmm_tile", "capacity_factor", "aux_loss_weight", "z_loss_weight",
                     "bias_update_rate", "num_groups")  # FoE keeps the parameter layout: the user's H
 
 

@@ -65,7 +65,7 @@ def routed_compute_on(cfg: Config, mesh: Optional[Mesh]):
     """The RoutedComputeFn of cfg.moe.dispatch on `mesh` (FoECompute on a FoE mesh)."""
     if mesh is not None and GROUP_AXIS in mesh.shape:
         return FoECompute(mesh, cfg.moe.dispatch)
-    return routed_compute_for(cfg.moe.dispatch, mesh)
+    return routed_compute_for(cfg.moe.dispatch, mesh, cfg.moe.gpus_per_node)
 
 
 def placement_mesh(cfg: Config, mesh: Mesh) -> Mesh:

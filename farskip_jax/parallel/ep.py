@@ -23,6 +23,11 @@ Backends:
   sends an expert at most one row per token). Assignments past C are dropped: their output is 0
   (the token passes through the residual) and they are counted in `dropped` (summed over shards).
   Buffers move E/k times the useful bytes when dropless; ~capacity_factor times with capacity.
+- `HierarchicalCompute` (`moe.dispatch=hierarchical`): the all_to_all backend's buffers and drops,
+  node-deduplicated as DeepEP does: the expert axis is viewed as nodes x GPUs per node, a token
+  crosses to each destination node once (an all-to-all among the same-local-rank GPUs of the
+  nodes, `axis_index_groups`), and an intra-node all-to-all forwards it to its experts' GPUs; the
+  combine sums a node's weighted outputs before the one cross-node return.
 - `RaggedCompute`: `jax.lax.ragged_all_to_all` (GPU/TPU), dropless, moving only the real rows:
   offsets and sizes come from the all-gathered traffic matrix [ep, E] (MaxText's scheme).
   XLA:CPU cannot compile it, so on CPU it fails early with a BackendError naming `all_to_all`.
@@ -37,6 +42,7 @@ from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from farskip_jax.config import MoEConfig
@@ -117,6 +123,42 @@ def a2a_capacity(tokens_local: int, k: int, num_experts: int, capacity_factor: O
     return min(tokens_local, capacity(tokens_local * k, num_experts, capacity_factor))
 
 
+def packed_expert_compute(recv, counts, experts: ExpertWeights, cfg: MoEConfig, cap: int):
+    """Expert outputs of the fixed-capacity receive buffer, in its layout.
+
+    recv: [n_src, E_l * cap, d], slot (s, e, c) = row c of local expert e from source s (filled
+    slots first); counts: [n_src, E_l] filled slots. The filled slots are packed expert-major
+    (slot (s, e, c) -> row start[e] + before[s, e] + c) so the grouped matmul skips empty slots;
+    returns ys [n_src, E_l * cap, d] (empty slots 0)."""
+    n_src, _, d = recv.shape
+    e_l = counts.shape[1]
+    sizes = counts.sum(0)  # [E_l]
+    start = jnp.cumsum(sizes) - sizes
+    before = jnp.cumsum(counts, axis=0) - counts  # [n_src, E_l]
+    c_idx = jnp.arange(cap, dtype=jnp.int32)
+    row = start[None, :, None] + before[:, :, None] + c_idx
+    rows = n_src * e_l * cap
+    row = jnp.where(c_idx < counts[:, :, None], row, rows).reshape(-1)  # [n_src*E_l*C]; empty -> out
+    slot_of_row = jnp.full((rows,), rows, jnp.int32).at[row].set(
+        jnp.arange(rows, dtype=jnp.int32), mode="drop", unique_indices=True)
+    xs = jnp.take(recv.reshape(rows, d), slot_of_row, axis=0, mode="fill", fill_value=0)
+    ys = expert_swiglu(xs, sizes, experts, cfg)  # rows past sum(sizes): 0
+    return jnp.take(ys, row, axis=0, mode="fill", fill_value=0).reshape(n_src, e_l * cap, d)
+
+
+def run_chunks(one: Callable, n_chunks: int, xt, idx, w, wg, wu, wd):
+    """`one(x, idx, w, wg, wu, wd) -> (y, dropped)` on `n_chunks` equal token chunks of a device;
+    (y concatenated, dropped summed over chunks and token shards)."""
+    t = xt.shape[0]
+    if t % n_chunks:
+        raise ConfigError(f"{t} tokens per device do not split into chunks={n_chunks}; pick a divisor")
+    tc = t // n_chunks
+    outs = [one(xt[i * tc:(i + 1) * tc], idx[i * tc:(i + 1) * tc], w[i * tc:(i + 1) * tc], wg, wu, wd)
+            for i in range(n_chunks)]
+    y = outs[0][0] if n_chunks == 1 else jnp.concatenate([o[0] for o in outs], axis=0)
+    return y, jax.lax.psum(sum(o[1] for o in outs), BATCH_AXES)
+
+
 @dataclasses.dataclass(frozen=True)
 class AllToAllCompute:
     """EP with `jax.lax.all_to_all` over `expert` of [ep, E_l * C, d] buffers (see module doc).
@@ -139,15 +181,7 @@ class AllToAllCompute:
         n_chunks = self.chunks
 
         def body(xt, idx, w, wg, wu, wd):
-            t = xt.shape[0]
-            if t % n_chunks:
-                raise ConfigError(f"{t} tokens per device do not split into chunks={n_chunks}; pick a divisor")
-            tc = t // n_chunks
-            outs = [one(xt[i * tc:(i + 1) * tc], idx[i * tc:(i + 1) * tc], w[i * tc:(i + 1) * tc], wg, wu, wd)
-                    for i in range(n_chunks)]
-            y = outs[0][0] if n_chunks == 1 else jnp.concatenate([o[0] for o in outs], axis=0)
-            dropped = jax.lax.psum(sum(o[1] for o in outs), BATCH_AXES)
-            return y, dropped
+            return run_chunks(one, n_chunks, xt, idx, w, wg, wu, wd)
 
         def one(xt, idx, w, wg, wu, wd):
             t, d = xt.shape
@@ -170,23 +204,190 @@ class AllToAllCompute:
                 sent = jnp.minimum(group_sizes, cap).reshape(ep, e_l)
                 counts = jax.lax.all_to_all(sent, EXPERT_AXIS, 0, 0, tiled=True)  # [ep sources, E_l]
             with jax.named_scope("expert_compute"):
-                # pack the filled slots expert-major: slot (s, e, c) -> row start[e] + before[s, e] + c
-                sizes = counts.sum(0)  # [E_l]
-                start = jnp.cumsum(sizes) - sizes
-                before = jnp.cumsum(counts, axis=0) - counts  # [ep, E_l]
-                c_idx = jnp.arange(cap, dtype=jnp.int32)
-                row = start[None, :, None] + before[:, :, None] + c_idx
-                rows = ep * e_l * cap
-                row = jnp.where(c_idx < counts[:, :, None], row, rows).reshape(-1)  # [ep*E_l*C]; empty -> out
-                slot_of_row = jnp.full((rows,), rows, jnp.int32).at[row].set(
-                    jnp.arange(rows, dtype=jnp.int32), mode="drop", unique_indices=True)
-                xs = jnp.take(recv.reshape(rows, d), slot_of_row, axis=0, mode="fill", fill_value=0)
-                ys = expert_swiglu(xs, sizes, ExpertWeights(wg, wu, wd), cfg)  # rows past sum(sizes): 0
-                ys = jnp.take(ys, row, axis=0, mode="fill", fill_value=0).reshape(ep, e_l * cap, d)
+                ys = packed_expert_compute(recv, counts, ExpertWeights(wg, wu, wd), cfg, cap)
             with jax.named_scope("combine"):
                 back = jax.lax.all_to_all(ys, EXPERT_AXIS, 0, 0, tiled=True).reshape(num_e * cap, d)
                 y = jnp.take(back, slot, axis=0, mode="fill", fill_value=0)  # [N, d]; dropped -> 0
                 y = (y * w.reshape(-1, 1).astype(y.dtype)).reshape(t, k, d).sum(1)
+            return y, jnp.sum(~kept).astype(jnp.int32)
+
+        return _exchange(body, self.mesh, x, route, experts, _W_SPEC)
+
+
+# --------------------------------------------------------------------------------------------------
+# hierarchical: node-deduplicated dispatch (DeepEP-style), expert axis = nodes x GPUs per node
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeLayout:
+    """The expert axis viewed as `nodes` x `per_node` (expert rank r = node * per_node + local rank).
+
+    cross: axis_index_groups of the same local rank on every node (one GPU per node);
+    intra: axis_index_groups of the GPUs of one node."""
+
+    nodes: int
+    per_node: int
+
+    @property
+    def cross(self) -> list[list[int]]:
+        return [[n * self.per_node + g for n in range(self.nodes)] for g in range(self.per_node)]
+
+    @property
+    def intra(self) -> list[list[int]]:
+        return [[n * self.per_node + g for g in range(self.per_node)] for n in range(self.nodes)]
+
+
+def expert_node_layout(mesh: Mesh, gpus_per_node: Optional[int] = None) -> NodeLayout:
+    """How the `expert` axis of `mesh` spans nodes. A device's node is `device.id // gpus_per_node`
+    when gpus_per_node is given (moe.gpus_per_node), else its `process_index` (one process per host).
+    Every expert group (the expert axis at fixed data/fsdp/tensor indices) must be `nodes` blocks of
+    `per_node` consecutive ranks, one block per node, the same for every group."""
+    if gpus_per_node is not None and gpus_per_node < 1:
+        raise ConfigError(f"moe.gpus_per_node={gpus_per_node} must be >= 1")
+    axis = mesh.axis_names.index(EXPERT_AXIS)
+    devs = np.moveaxis(np.arange(mesh.devices.size).reshape(mesh.devices.shape), axis, -1)
+    flat = list(mesh.devices.flat)
+    node = (lambda d: d.id // gpus_per_node) if gpus_per_node else (lambda d: d.process_index)
+    ep = mesh.shape[EXPERT_AXIS]
+    layouts = set()
+    for row in devs.reshape(-1, ep).tolist():
+        nodes = [node(flat[i]) for i in row]
+        blocks = [nodes[0]]
+        for a, b in zip(nodes, nodes[1:]):
+            if b != a:
+                blocks.append(b)
+        per = ep // len(blocks)
+        if len(set(blocks)) != len(blocks) or ep % len(blocks) or nodes != [b for b in blocks for _ in range(per)]:
+            raise ConfigError(
+                f"moe.dispatch=hierarchical needs every expert group to be equal blocks of consecutive "
+                f"ranks on distinct nodes; the expert axis ({ep}) lies on nodes {nodes} "
+                f"(moe.gpus_per_node={gpus_per_node}); make mesh.expert a multiple of the GPUs per node "
+                f"(or a divisor of them) with `expert` the innermost axis above `tensor`")
+        layouts.add((len(blocks), per))
+    if len(layouts) != 1:
+        raise ConfigError(f"moe.dispatch=hierarchical: the expert groups of the mesh span nodes differently {layouts}")
+    return NodeLayout(*layouts.pop())
+
+
+@dataclasses.dataclass(frozen=True)
+class HierarchicalCompute:
+    """Node-deduplicated EP (DeepEP's normal kernels, in two `jax.lax.all_to_all`s per direction).
+
+    The expert axis is `nodes` x `per_node` (expert_node_layout); node m holds the E_n = E / nodes
+    experts of its per_node GPUs. Per device (source s = (node n, local rank g)), T_l tokens:
+
+      dispatch  1. cross-node: each token goes ONCE to every node holding any of its (kept) experts,
+                   to the GPU of the same local rank g there: an all-to-all over the `nodes` GPUs of
+                   rank g (one per node) of [nodes, C1, d] + its routing for that node ([nodes, C1, k]
+                   local expert ids, E_n = none, and router weights, 0 = none). C1 = min(T_l, E_n C).
+                2. intra-node: the forwarding GPU sorts the nodes*C1*k received assignments by expert
+                   and sends each row to the GPU of its expert: an all-to-all over the node's
+                   per_node GPUs of [per_node, E_l * C2, d], C2 = nodes * C slots per (forwarder,
+                   expert) (each source sent an expert at most C rows).
+      experts   the grouped SwiGLU of the all_to_all backend on the rows that arrived
+      combine   2'. intra-node all-to-all back; the forwarder weights each output by its router
+                   weight and sums a token's outputs of that node: one row per (token, node);
+                3'. cross-node all-to-all back; the source sums its token's rows over the nodes.
+
+    Capacity (cfg.capacity_factor) is that of the all_to_all backend, per (source device, expert):
+    C = a2a_capacity(T_l, k, E, cf), the first C assignments of the source's tokens (token order)
+    to an expert are kept, the rest dropped (output 0, counted) before anything is sent; C1 and C2
+    are sized so that nothing else drops. The result is the all_to_all backend's (dropless when
+    cf is None). Bytes through the NICs per device: nodes * C1 rows instead of E * C (top-8 over 4
+    nodes with cf 1: 4 T_l rows, 3/4 of them remote, instead of 8 T_l rows, 3/4 remote).
+
+    One node (EP inside a node) is the all_to_all backend itself (the same program).
+    chunks / dispatch_dtype: as AllToAllCompute (the payload stays in dispatch_dtype through both
+    hops; the routing weights travel in their own dtype)."""
+
+    mesh: Mesh
+    gpus_per_node: Optional[int] = None
+    chunks: int = 1
+    dispatch_dtype: Optional[str] = None
+
+    def layout(self) -> NodeLayout:
+        return expert_node_layout(self.mesh, self.gpus_per_node)
+
+    def __call__(self, x, route: RouteResult, experts: ExpertWeights, cfg: MoEConfig) -> RoutedOutput:
+        ep = self.mesh.shape[EXPERT_AXIS]
+        num_e = experts.w_gate.shape[0]
+        if num_e % ep:
+            raise ConfigError(f"moe.num_experts={num_e} is not divisible by mesh.expert={ep}")
+        lay = self.layout()
+        if lay.nodes == 1:  # EP inside one node: nothing to deduplicate
+            return AllToAllCompute(self.mesh, self.chunks, self.dispatch_dtype)(x, route, experts, cfg)
+        n_nodes, per = lay.nodes, lay.per_node
+        e_n = num_e // n_nodes  # experts per node
+        cross, intra = lay.cross, lay.intra
+
+        def a2a(v, groups):
+            if len(groups[0]) == 1:
+                return v
+            return jax.lax.all_to_all(v, EXPERT_AXIS, 0, 0, tiled=True, axis_index_groups=groups)
+
+        def body(xt, idx, w, wg, wu, wd):
+            return run_chunks(one, self.chunks, xt, idx, w, wg, wu, wd)
+
+        def one(xt, idx, w, wg, wu, wd):
+            t, d = xt.shape
+            k = idx.shape[-1]
+            e_l = wg.shape[0]
+            cap = a2a_capacity(t, k, num_e, cfg.capacity_factor)
+            c1 = min(t, e_n * cap)  # rows per (source, destination node)
+            c2 = n_nodes * cap  # rows per (forwarder, expert)
+            flat_e = idx.reshape(-1)  # [N = t*k]
+            with jax.named_scope("dispatch"):
+                _, _, rank = sort_by_expert(flat_e, num_e)
+                kept = (rank < cap).reshape(t, k)  # the all_to_all backend's drops
+                dest = idx // e_n  # [t, k] destination node
+                to_node = kept[:, None, :] & (dest[:, None, :] == jnp.arange(n_nodes)[None, :, None])  # [t, nodes, k]
+                present = to_node.any(-1)  # [t, nodes]
+                pos = jnp.cumsum(present, axis=0, dtype=jnp.int32) - 1
+                slot1 = jnp.where(present, jnp.arange(n_nodes)[None, :] * c1 + pos, n_nodes * c1)  # [t, nodes]
+                tok = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[:, None], (t, n_nodes))
+                src1 = jnp.full((n_nodes * c1,), t, jnp.int32).at[slot1.reshape(-1)].set(
+                    tok.reshape(-1), mode="drop", unique_indices=True)  # slot -> token (t = empty)
+                send = jnp.take(xt, src1, axis=0, mode="fill", fill_value=0).reshape(n_nodes, c1, d)
+                if self.dispatch_dtype is not None:
+                    send = send.astype(self.dispatch_dtype)
+                # routing of each slot: the token's local expert ids on that node (e_n = none), weights
+                lid = jnp.where(to_node, (idx % e_n)[:, None, :], e_n)  # [t, nodes, k]
+                lw = jnp.where(to_node, w[:, None, :], 0).astype(w.dtype)
+                slot_node = jnp.arange(n_nodes * c1, dtype=jnp.int32) // c1
+                flat_tn = jnp.where(src1 < t, src1 * n_nodes + slot_node, t * n_nodes)  # row of [t*nodes]
+                ids = jnp.take(lid.reshape(t * n_nodes, k), flat_tn, axis=0, mode="fill", fill_value=e_n)
+                wts = jnp.take(lw.reshape(t * n_nodes, k), flat_tn, axis=0, mode="fill", fill_value=0)
+                with jax.named_scope("cross_node"):
+                    # [nodes (sources), C1, d] on the same-rank GPU of each node (in the compute dtype
+                    # there, so the backward sums a row's k cotangents in it; the forward is unchanged)
+                    recv1 = a2a(send, cross).astype(xt.dtype)
+                    ids1 = a2a(ids.reshape(n_nodes, c1, k), cross).reshape(-1)  # [M*k], M = nodes*C1
+                    wts1 = a2a(wts.reshape(n_nodes, c1, k), cross).reshape(-1, k)  # [M, k]
+                m_rows = n_nodes * c1
+                with jax.named_scope("intra_node"):
+                    _, gsz, rank2 = sort_by_expert(ids1, e_n + 1)  # e_n = no expert (last group)
+                    valid = ids1 < e_n  # rank2 < c2 holds for every valid assignment (see class doc)
+                    slot2 = jnp.where(valid, ids1 * c2 + rank2, e_n * c2)
+                    row1 = jnp.arange(ids1.shape[0], dtype=jnp.int32) // k
+                    src2 = jnp.full((e_n * c2,), m_rows, jnp.int32).at[slot2].set(row1, mode="drop", unique_indices=True)
+                    send2 = jnp.take(recv1.reshape(m_rows, d), src2, axis=0, mode="fill",
+                                     fill_value=0).reshape(per, e_l * c2, d)
+                    if self.dispatch_dtype is not None:
+                        send2 = send2.astype(self.dispatch_dtype)
+                    recv2 = a2a(send2, intra).astype(xt.dtype)  # [per (forwarders), E_l*C2, d]
+                    counts = a2a(jnp.minimum(gsz[:e_n], c2).reshape(per, e_l), intra)  # [per, E_l]
+            with jax.named_scope("expert_compute"):
+                ys = packed_expert_compute(recv2, counts, ExpertWeights(wg, wu, wd), cfg, c2)
+            with jax.named_scope("combine"):
+                with jax.named_scope("intra_node"):
+                    back2 = a2a(ys, intra).reshape(e_n * c2, d)
+                    y2 = jnp.take(back2, slot2, axis=0, mode="fill", fill_value=0)  # [M*k, d]
+                    y1 = (y2.reshape(m_rows, k, d) * wts1[:, :, None].astype(y2.dtype)).sum(1)  # [M, d]
+                with jax.named_scope("cross_node"):
+                    back1 = a2a(y1.reshape(n_nodes, c1, d), cross).reshape(n_nodes * c1, d)
+                y = jnp.take(back1, slot1.reshape(-1), axis=0, mode="fill", fill_value=0)
+                y = y.reshape(t, n_nodes, d).sum(1)
             return y, jnp.sum(~kept).astype(jnp.int32)
 
         return _exchange(body, self.mesh, x, route, experts, _W_SPEC)
@@ -299,8 +500,9 @@ class RaggedCompute:
 # --------------------------------------------------------------------------------------------------
 
 
-def routed_compute_for(dispatch: str, mesh: Optional[Mesh]):
-    """The RoutedComputeFn for `moe.dispatch` on `mesh` (None or 1 device: the plain local path)."""
+def routed_compute_for(dispatch: str, mesh: Optional[Mesh], gpus_per_node: Optional[int] = None):
+    """The RoutedComputeFn for `moe.dispatch` on `mesh` (None or 1 device: the plain local path).
+    gpus_per_node: moe.gpus_per_node, how `hierarchical` finds the nodes (None: process_index)."""
     if dispatch == "local":
         return local_routed_compute if mesh is None or mesh.size == 1 else LocalCompute(mesh)
     if mesh is None:
@@ -309,4 +511,8 @@ def routed_compute_for(dispatch: str, mesh: Optional[Mesh]):
         return AllToAllCompute(mesh)
     if dispatch == "ragged":
         return RaggedCompute(mesh)
-    raise ConfigError(f"moe.dispatch={dispatch!r} is unknown; choose local, all_to_all or ragged")
+    if dispatch == "hierarchical":
+        rc = HierarchicalCompute(mesh, gpus_per_node)
+        rc.layout()  # fail early on a mesh whose expert axis does not split into nodes
+        return rc
+    raise ConfigError(f"moe.dispatch={dispatch!r} is unknown; choose local, all_to_all, hierarchical or ragged")
