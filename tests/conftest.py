@@ -1,10 +1,18 @@
 """Test setup: 8 host CPU devices and CPU-only JAX, fixed before JAX is imported anywhere."""
 
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ["JAX_PLATFORMS"] = "cpu"  # keeps tests on the CPU when a GPU plugin is installed
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# One persistent compilation cache for the whole test run (both xdist workers and every subprocess they
+# start): the many tests that run the same tiny config compile its step once. A new run starts cold.
+# xdist workers and subprocesses inherit the controller's variable; the controller removes the folder at the end.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="farskip_jax_test_cache_"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 import farskip_jax  # noqa: E402,F401  (before jax: no CUDA-plugin noise on CPU machines, quiet_start.py)
 import jax  # noqa: E402
@@ -20,6 +28,11 @@ kernels.install(kernels_from_env())
 
 
 import pytest  # noqa: E402
+
+
+def pytest_sessionfinish(session):
+    if _OWN_CACHE and not hasattr(session.config, "workerinput"):  # the controller (or a run without xdist)
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

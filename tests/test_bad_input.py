@@ -20,7 +20,7 @@ import transformers
 import eval as eval_entry
 import train as train_entry
 
-FAST = ["train.steps=2", "train.batch_size=8", "train.seq_len=32", "train.eval_every=0", "train.eval_batches=1",
+FAST = ["model.num_layers=2", "train.steps=2", "train.batch_size=8", "train.seq_len=32", "train.eval_every=0", "train.eval_batches=1",
         "train.tensorboard=false", "train.peak_flops=1e9", "train.log_every=1", "data.max_docs=40"]
 DISTILL_FAST = [o for o in FAST if not o.startswith("data.max_docs")] + ["distill.eval_every=2", "train.warmup_steps=1"]
 
@@ -161,12 +161,12 @@ def test_folder_of_a_run_that_never_finished_a_step_is_reclaimed(tmp_path, capsy
     # what a run that died while compiling leaves: config.yaml of another config, a metrics file without steps
     from farskip_jax.config import dump_config, load_config
 
-    (run / "config.yaml").write_text(dump_config(load_config("configs/tiny.yaml", ["model.num_layers=2"])))
+    (run / "config.yaml").write_text(dump_config(load_config("configs/tiny.yaml", ["model.num_layers=1"])))
     (run / "metrics.jsonl").write_text(json.dumps({"kind": "event", "step": 0}) + "\n")
     assert train_entry.main(_train(str(run))) == 0
     assert "reclaimed" in capsys.readouterr().out
     # a folder with a finished step of another run is refused, with the fix named
-    _fails_cleanly(capsys, train_entry, _train(str(run), "model.num_layers=2"), str(run),
+    _fails_cleanly(capsys, train_entry, _train(str(run), "model.num_layers=1"), str(run),
                    r"belongs to another run .*model.num_layers.*train.overwrite=true")
 
 
