@@ -124,17 +124,36 @@ def update_router_bias(graphdef, params, bias, rest, load: jax.Array, rate: floa
     return nnx.state(model, RouterBias)
 
 
-def apply_if_finite(tx: optax.GradientTransformation, finite: jax.Array, grads, opt_state, params):
+def apply_if_finite(tx: optax.GradientTransformation, finite: jax.Array, grads, opt_state, params,
+                    guard: str = "platform"):
     """(params, opt_state) after one optimizer update, or both unchanged when `finite` is False.
+    guard: "platform" (below), or "cond" / "select" on every platform (benchmarks/optimizer_memory.py).
 
-    A lax.cond rather than a select of new vs old: a select makes one more pass over every parameter
-    and optimizer moment each step (7.7% of a CPU step of a 25M-parameter MoE, measured); the cond
-    costs nothing on the taken branch."""
+    Lowered per platform (`lax.platform_dependent`, decided by the compile target, so a deviceless GPU
+    compile on a CPU machine gets the GPU form):
+      - CPU: a lax.cond. A select of new vs old makes one more pass over every parameter and optimizer
+        moment there (7.7% of a CPU step of a 25M-parameter MoE, measured); the cond costs nothing on
+        the taken branch.
+      - GPU / TPU: a select per leaf. XLA fuses it into the update, which then writes into the donated
+        state; a cond's branch outputs cannot alias the donated inputs, so XLA:GPU builds a second
+        copy of the parameters and both AdamW moments among the temporaries (3x the fp32 parameters:
+        34.8 GiB per GPU of DeepSeek-V2-Lite at EP 8; `benchmarks/optimizer_memory.py`)."""
     def update(grads, opt_state, params):
         updates, new_opt = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), new_opt
 
-    return jax.lax.cond(finite, update, lambda g, o, p: (p, o), grads, opt_state, params)
+    def by_cond(finite, grads, opt_state, params):
+        return jax.lax.cond(finite, update, lambda g, o, p: (p, o), grads, opt_state, params)
+
+    def by_select(finite, grads, opt_state, params):
+        new = update(grads, opt_state, params)
+        return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, (params, opt_state))
+
+    if guard == "cond":
+        return by_cond(finite, grads, opt_state, params)
+    if guard == "select":
+        return by_select(finite, grads, opt_state, params)
+    return jax.lax.platform_dependent(finite, grads, opt_state, params, cpu=by_cond, default=by_select)
 
 
 def accumulate_grads(grad_fn: Callable, batch: dict, accum: int, sum_keys: tuple[str, ...] = ("tokens",)):
