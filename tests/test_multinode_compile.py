@@ -89,3 +89,40 @@ def test_levers_token_chunks_and_fp8_dispatch_in_the_compiled_program():
     by_role = lambda r, role: sum(p.bytes for p in token_a2a(r) if f"/{role}/" in p.start.op_name)
     assert by_role(f8, "dispatch") * 2 == by_role(base, "dispatch")
     assert by_role(f8, "combine") == by_role(base, "combine")
+
+
+def test_hierarchical_dispatch_cross_node_groups_hold_one_gpu_per_node():
+    """moe.dispatch=hierarchical on 16 compile-only GPUs over 2 nodes (EP 16, top-4): the token
+    all-to-alls are either cross-node ones whose replica groups hold one GPU per node (the same
+    local rank) or intra-node ones over a node's 8 GPUs, and the bytes through each GPU's NIC are
+    half those of the all_to_all dispatch (C1 = T_l rows to each of 2 nodes instead of E*C = 2 T_l)."""
+    from farskip_jax.analysis.overlap import run_overlap
+
+    def nic_bytes(r, pairs):  # per device: bytes to members on other nodes, summed over the exchanges
+        node = r.topology.node_of
+        return sum(p.bytes * max(sum(node[x] != node[d] for x in g) for g in p.groups for d in g) / len(p.groups[0])
+                   for p in pairs)
+
+    out = {}
+    for dispatch in ("hierarchical", "all_to_all"):
+        cfg = _small(**{"moe.dispatch": dispatch, "moe.num_experts": 16, "moe.top_k": 4, "mesh.expert": 16})
+        (r,) = run_overlap(cfg, ("farskip",), ("forward",), batch=16, seq=256, num_devices=16, gpus_per_node=8,
+                           hardware="mi325x", grouped_gemm=True, probe_latency=False)
+        assert r.topology.node_of == (0,) * 8 + (1,) * 8
+        big = max(p.bytes for p in r.schedule.pairs if p.collective == "all-to-all")
+        out[dispatch] = (r, [p for p in r.schedule.pairs if p.collective == "all-to-all" and p.bytes >= 0.1 * big])
+    r, tok = out["hierarchical"]
+    cross = [p for p in tok if "cross_node" in p.start.op_name]
+    intra = [p for p in tok if "intra_node" in p.start.op_name]
+    # per MoE layer (2): a cross-node and an intra-node exchange in the dispatch and in the combine
+    assert len(cross) == len(intra) == 4 and len(cross) + len(intra) == len(tok)
+    for p in cross:
+        assert sorted(p.groups) == [(g, 8 + g) for g in range(8)]  # one GPU per node, same local rank
+        assert all(len({r.topology.node_of[d] for d in g}) == len(g) for g in p.groups)
+        assert r.topology.crossing_fraction(p.groups) == 1.0
+    for p in intra:
+        assert sorted(p.groups) == [tuple(range(8)), tuple(range(8, 16))]
+        assert r.topology.crossing_fraction(p.groups) == 0.0
+    ra, ta = out["all_to_all"]
+    assert all(p.groups == (tuple(range(16)),) for p in ta)
+    assert nic_bytes(r, tok) == pytest.approx(0.5 * nic_bytes(ra, ta))
