@@ -49,7 +49,8 @@ def test_real_shape_train_step_lowers(name):
     n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(full["params"]))
     assert abs(n / 1e9 - billions) / billions < 0.02, n
     assert abs(n - total_params(cfg)) / n < 0.01  # the MFU/size formula agrees with the model
-    experts = [x for x in jax.tree.leaves(full["params"]) if x.ndim == 3 and x.shape[0] == cfg.moe.num_experts]
+    experts = [x for x in jax.tree.leaves(full["params"])  # [E, a, b], or [layers, E, a, b] under model.scan_layers
+               if x.ndim in (3, 4) and x.shape[-3] == cfg.moe.num_experts]
     assert experts and all("expert" in str(x.sharding.spec) for x in experts)
 
     cfg = load_config(os.path.join(ROOT, "configs", f"{name}.yaml"), cut)
