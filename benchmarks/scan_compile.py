@@ -107,7 +107,12 @@ def while_body_overlap(text: str) -> list[dict]:
                         sc = _scope(x)
                         between[sc] = between.get(sc, 0) + 1
                 pairs.append(dict(collective=_scope(lines[p0]), start=p0, done=pos, compute_between=between))
-        out.append(dict(body=b, instructions=len(lines), all_to_alls=pairs))
+        totals: dict[str, int] = {}
+        for x in lines:
+            if any(k in x for k in (" fusion(", " custom-call(", " dot(", " convolution(")):
+                sc = _scope(x)
+                totals[sc] = totals.get(sc, 0) + 1
+        out.append(dict(body=b, instructions=len(lines), compute_totals=totals, all_to_alls=pairs))
     return out
 
 
@@ -126,6 +131,9 @@ def overlap_facts(config: str, batch: int, seq: int, overrides: list[str]) -> di
             fn, args = train_program(cfg, mesh, batch, seq)
             lowered = fn.lower(*args)
         text = lowered.compile(compiler_options=dict(LHS_FLAGS)).as_text()
+        if os.environ.get("SCAN_HLO_DIR"):  # keep the scheduled module for reading
+            with open(os.path.join(os.environ["SCAN_HLO_DIR"], f"scan4_{preset}.hlo.txt"), "w") as f:
+                f.write(text)
         res[preset] = while_body_overlap(text)
     return res
 
@@ -171,7 +179,7 @@ def main(argv=None) -> int:
             json.dump(facts, f, indent=2)
         for preset, bodies in facts.items():
             for b in bodies:
-                print(f"{preset} body {b['body']} ({b['instructions']} instructions)")
+                print(f"{preset} body {b['body']} ({b['instructions']} instructions; compute {b['compute_totals']})")
                 for p in b["all_to_alls"]:
                     print(f"   {p['collective']:<14} start@{p['start']:<5} done@{p['done']:<5} between: {p['compute_between']}")
         return 0
