@@ -52,7 +52,7 @@ group-confined expert-parallel one in parallel/foe.py) is used as such.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +65,10 @@ from farskip_jax.model.attention import Attention, core_attention, layer_mask
 from farskip_jax.model.connectivity import Streams, add_present
 from farskip_jax.model.experts import ExpertWeights
 from farskip_jax.model.router import RouteResult, Router
-from farskip_jax.model.transformer import REMAT_POLICIES, Block, ModelOutput, Transformer
+
+if TYPE_CHECKING:  # annotations only: transformer.py imports this module lazily, not the reverse
+    from farskip_jax.model.transformer import Transformer
+from farskip_jax.model.block import REMAT_POLICIES, Block, ModelOutput
 
 
 def check_foe(cfg: Config, num_groups: Optional[int] = None) -> int:
