@@ -104,6 +104,10 @@ def run_overlap(cfg, presets: Sequence[str] = ("standard", "farskip"), programs:
     from farskip_jax.config import replace
 
     log = log or (lambda m: None)
+    if cfg.model.scan_layers:  # hlo.load_schedule reads the entry computation, not while bodies (docs/scan.md)
+        cfg = replace(cfg, **{"model.scan_layers": False})
+        log("model.scan_layers=false for this report: a scanned program's all-to-alls sit in while bodies, "
+            "which the report does not read yet (docs/scan.md)")
     if flags is None:
         flags = dict(preset_options("cuda_hopper"), **LHS_FLAGS)
     batch = batch or cfg.train.batch_size
