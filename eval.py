@@ -51,6 +51,8 @@ def run(a) -> dict:
                                           val_batches)
 
     ov = _overrides(a.overrides)
+    if a.mode == "generate":  # decoding runs the unrolled loop: stacked layers would be sliced (copied) every step
+        ov.setdefault("model.scan_layers", False)
     if bool(a.run) == bool(a.hf):
         raise ConfigError("pass exactly one of --run RUN_DIR or --hf HF_FOLDER")
     if a.run:

@@ -91,7 +91,11 @@ def _single_device():
     return _run(None, None, None)
 
 
-@pytest.mark.parametrize("data,ep,per_node", [(1, 8, 4), (1, 8, 2), (2, 4, 2)])
+EXT = pytest.mark.extended  # further cases of a property the default run checks (pytest -m extended)
+
+
+@pytest.mark.parametrize("data,ep,per_node", [(1, 8, 2), pytest.param(1, 8, 4, marks=EXT),
+                                              pytest.param(2, 4, 2, marks=EXT)])
 def test_exchange_dropless_matches_single_device(data, ep, per_node):
     mesh = make_mesh(MeshConfig(data=data, expert=ep))
     hier = HierarchicalCompute(mesh, gpus_per_node=per_node)
@@ -101,7 +105,7 @@ def test_exchange_dropless_matches_single_device(data, ep, per_node):
     _close(h, _single_device())  # = the all_to_all backend's (test_parallel_ep.py)
 
 
-@pytest.mark.parametrize("per_node", [4, 2])
+@pytest.mark.parametrize("per_node", [4, pytest.param(2, marks=EXT)])
 def test_capacity_drops_as_all_to_all(per_node):
     mesh = make_mesh(MeshConfig(data=1, expert=8))
     h = _run(HierarchicalCompute(mesh, gpus_per_node=per_node), mesh, 1.0)
@@ -109,6 +113,7 @@ def test_capacity_drops_as_all_to_all(per_node):
     _close(h, _all_to_all(1, 8, 1.0))
 
 
+@EXT
 def test_chunks_and_dispatch_dtype_options():
     mesh = make_mesh(MeshConfig(data=1, expert=8))
     opts = dict(chunks=2, dispatch_dtype="bfloat16")
@@ -140,7 +145,8 @@ def _reference(group_limited, preset):
     return {p: (_np(l), _np(o.logits), [_np(g) for g in jax.tree.leaves(gr)]) for p, (l, o, gr) in res.items()}
 
 
-@pytest.mark.parametrize("per_node,group_limited,preset", [(4, True, "farskip"), (2, False, "standard")])
+@pytest.mark.parametrize("per_node,group_limited,preset", [(4, True, "farskip"),
+                                                                pytest.param(2, False, "standard", marks=EXT)])
 def test_model_matches_single_device(per_node, group_limited, preset):
     cfg = _cfg("hierarchical", 8, data=1, group_limited=group_limited, gpus_per_node=per_node)
     mesh = make_mesh(cfg.mesh)

@@ -102,7 +102,11 @@ CASES = {  # 4 layers: layer 0 dense, layers 1-3 MoE (one stack of 3)
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+EXTENDED = {"attn_only", "mlp_only", "moe_every2", "no_shared"}  # run with pytest -m extended
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.extended) if c in EXTENDED else c
+                                  for c in sorted(CASES)])
 def test_scan_equals_loop(case):
     extra = CASES[case]
     loop_out, loop_g, _ = _loss_and_grads(extra, False)

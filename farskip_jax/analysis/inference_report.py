@@ -101,7 +101,10 @@ def serving_config(cfg, preset: str, num_devices: int, gpus_per_node: Optional[i
     over = {"inference.layout": "tp_ep", "mesh.data": 1, "mesh.fsdp": 1, "mesh.expert": expert,
             "mesh.tensor": tensor, "moe.capacity_factor": None, "farskip.preset": preset,
             "model.remat": "none", "model.compute_dtype": "bfloat16", "model.param_dtype": "bfloat16",
-            "moe.dispatch": "all_to_all" if expert > 1 else "local"}
+            "moe.dispatch": "all_to_all" if expert > 1 else "local",
+            # KV-cache decoding runs the unrolled loop over per-layer views; from stacked layers
+            # (model.scan_layers) each step would slice, i.e. copy, every layer's weights
+            "model.scan_layers": False}
     if layers is not None:
         over["model.num_layers"] = layers
         if cfg.model.nope_layers:
