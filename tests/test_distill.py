@@ -162,6 +162,7 @@ def test_early_stopping_max_drop_and_max_mode():
     assert es2.update(1, float("nan")).stop
 
 
+@pytest.mark.extended  # the shared accumulate_grads is checked in the default run by test_train_step.py
 def test_grad_accum_equals_the_full_batch_step():
     """train.grad_accum=2 (token-weighted micro-batches) gives the full-batch loss, gradient norm and
     update, with padding confined to one micro-batch (rows 0 and 1 hold 16 and 12 loss tokens)."""
