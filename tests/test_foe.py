@@ -43,7 +43,7 @@ def _tokens(cfg, b=2, s=12, seed=1):
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("preset", ["standard", "farskip"])
+@pytest.mark.parametrize("preset", [pytest.param("standard", marks=pytest.mark.extended), "farskip"])  # -m extended
 def test_one_group_equals_ordinary(preset):
     cfg = _cfg()
     model = Transformer(cfg, rngs=nnx.Rngs(0))

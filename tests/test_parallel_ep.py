@@ -73,7 +73,8 @@ def assert_matches_reference(cfg, presets=PRESETS):
     return model
 
 
-@pytest.mark.parametrize("ep", [pytest.param(2, marks=pytest.mark.extended), 4, 8])  # extended: pytest -m extended
+@pytest.mark.parametrize("ep", [pytest.param(2, marks=pytest.mark.extended), pytest.param(4, marks=pytest.mark.extended),
+                                8])  # extended: pytest -m extended
 def test_all_to_all_matches_single_device(ep):
     # data x expert meshes: (data 4, expert 2), (data 2, expert 4), (expert 8); standard and farskip
     model = assert_matches_reference(mw.tiny_config(ep=ep))
