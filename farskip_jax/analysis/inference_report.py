@@ -37,7 +37,6 @@ is a sum over layers plus a constant).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import math
 import sys
@@ -126,41 +125,36 @@ def node_of(mesh) -> tuple[int, ...]:
 
 
 def _balanced_grouped_gemm(fraction: float):
-    def proxy(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, **kw):
+    def proxy(lhs, rhs, group_sizes):
         import jax.numpy as jnp
 
         m, k = lhs.shape
         g = rhs.shape[0]
+        rhs = rhs.astype(lhs.dtype)
         per = max(1, math.ceil(m * fraction / g))  # rows per local expert at balance
         u = min(per * g, m - m % g) if m >= g else m
         per = max(u // g, 1)
         x = lhs[: per * g] + jnp.zeros((), lhs.dtype) * group_sizes.sum().astype(lhs.dtype)  # keep the dependency
-        # output in the input dtype, then cast: a bf16 x bf16 -> f32 dot of few rows compiles (XLA:GPU)
-        # to f32 copies of the weights around the GEMM; a grouped GEMM accumulates in f32 reading bf16
+        # output in the input dtype: a bf16 x bf16 -> f32 dot of few rows compiles (XLA:GPU) to f32
+        # copies of the weights around the GEMM; a grouped GEMM accumulates in f32 reading bf16
         if g == 1:
-            y = jnp.dot(x, rhs[0], precision=precision)
+            y = jnp.dot(x, rhs[0])
         else:
-            y = jnp.einsum("gmk,gkn->gmn", x.reshape(g, per, k), rhs, precision=precision).reshape(g * per, -1)
-        y = y.astype(preferred_element_type or y.dtype)
+            y = jnp.einsum("gmk,gkn->gmn", x.reshape(g, per, k), rhs).reshape(g * per, -1)
         return jnp.pad(y, ((0, m - g * per), (0, 0)))
 
     return proxy
 
 
-@contextlib.contextmanager
 def balanced_grouped_gemm(fraction: float):
-    """While tracing inside this block, `jax.lax.ragged_dot(lhs [M, K], rhs [G, K, N], sizes)` is a
-    batched GEMM of ceil(M * fraction) rows split evenly over the G groups (each group's weights read
-    once, the useful FLOPs of a balanced grouped GEMM), zero-padded to M rows. Analysis compiles only:
-    the values are wrong, the costs, shapes and dependencies are a balanced grouped GEMM's."""
-    import jax
+    """A context: while it is open, the grouped matmul `ragged_dot` of the model's backend seam
+    (model/ops.py; lhs [M, K], rhs [G, K, N], sizes) is a batched GEMM of ceil(M * fraction) rows
+    split evenly over the G groups (each group's weights read once, the useful FLOPs of a balanced
+    grouped GEMM), zero-padded to M rows. Analysis compiles only: the values are wrong, the costs,
+    shapes and dependencies are a balanced grouped GEMM's (as analysis/programs.grouped_gemm_proxy)."""
+    from farskip_jax.model import ops
 
-    orig = jax.lax.ragged_dot
-    jax.lax.ragged_dot = _balanced_grouped_gemm(fraction)
-    try:
-        yield
-    finally:
-        jax.lax.ragged_dot = orig
+    return ops.registered_while(ops.GROUPED_MATMUL, "ragged_dot", ops.Backend(_balanced_grouped_gemm(fraction), platform=None))
 
 
 def useful_fraction(cfg, mesh) -> float:
