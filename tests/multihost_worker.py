@@ -78,6 +78,27 @@ def loss_and_grads_presets(model, toks, presets):
     return {p: (loss, out, grads) for p, ((loss, out), grads) in nnx.jit(f)(model, toks).items()}
 
 
+def assert_matches_reference(res, ref, presets, rtol=1e-5, atol=1e-6):
+    """res {preset: (loss, ModelOutput, grads)} of a distributed model equals ref {preset: (loss,
+    logits, [grad leaves])} of the single-device one: nothing dropped, loss / logits to rtol / atol,
+    every gradient leaf non-zero and equal to rtol with atol scaled by the leaf's largest entry."""
+    import jax
+    import numpy as np
+
+    for p in presets:
+        loss, out, grads = res[p]
+        r_loss, r_logits, r_grads = ref[p]
+        assert int(out.dropped) == 0, p
+        np.testing.assert_allclose(np.asarray(jax.device_get(loss)), r_loss, rtol=rtol)
+        np.testing.assert_allclose(np.asarray(jax.device_get(out.logits)), r_logits, rtol=rtol, atol=atol)
+        grads = [np.asarray(jax.device_get(g)) for g in jax.tree.leaves(grads)]
+        assert len(grads) == len(r_grads), p
+        for g, r in zip(grads, r_grads):
+            scale = np.abs(r).max()
+            assert scale > 0, p  # every parameter (experts, router, shared, attention, embed) gets a gradient
+            np.testing.assert_allclose(g, r, rtol=rtol, atol=atol * max(scale, 1.0), err_msg=p)
+
+
 def step_summary(model, global_tokens) -> dict:
     """Loss, dropped count and every gradient (as numpy, replicated to each process) of one step on
     `global_tokens` (each process feeds its own rows when several run)."""

@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import multihost_worker as mw
@@ -153,17 +152,7 @@ def test_model_matches_single_device(per_node, group_limited, preset):
     model = create_model(cfg, mesh, seed=0)
     assert isinstance(model.layers[1].moe.routed_compute, HierarchicalCompute)
     res = mw.loss_and_grads_presets(model, shard_batch(mw.tokens(), mesh), (preset,))
-    ref = _reference(group_limited, preset)
-    for p in (preset,):
-        loss, out, grads = res[p]
-        r_loss, r_logits, r_grads = ref[p]
-        assert int(out.dropped) == 0
-        np.testing.assert_allclose(_np(loss), r_loss, rtol=RTOL)
-        np.testing.assert_allclose(_np(out.logits), r_logits, rtol=RTOL, atol=ATOL)
-        grads = [_np(g) for g in jax.tree.leaves(grads)]
-        assert len(grads) == len(r_grads)
-        for g, r in zip(grads, r_grads):
-            np.testing.assert_allclose(g, r, rtol=RTOL, atol=ATOL * max(np.abs(r).max(), 1.0), err_msg=p)
+    mw.assert_matches_reference(res, _reference(group_limited, preset), (preset,), RTOL, ATOL)
 
 
 # --------------------------------------------------------------------------------------------------

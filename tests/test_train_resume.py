@@ -56,7 +56,10 @@ def _run(run_dir, env, *extra):
 
 def _has_complete_checkpoint(run_dir):
     d = os.path.join(run_dir, "checkpoints")
-    return os.path.isdir(d) and any(os.path.isfile(os.path.join(d, s, "commit_success.txt")) for s in os.listdir(d))
+    # only a finalized step folder ("3"), not orbax's temporary one ("3.orbax-checkpoint-tmp-..."), which
+    # can hold commit_success.txt before its rename: a SIGKILL then leaves no step to resume from
+    return os.path.isdir(d) and any(s.isdigit() and os.path.isfile(os.path.join(d, s, "commit_success.txt"))
+                                    for s in os.listdir(d))
 
 
 def _run_until(run_dir, env, min_step, sig):

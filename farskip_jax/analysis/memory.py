@@ -408,7 +408,6 @@ def format_plan(cfg_name: str, rows: Sequence[Row], usable: float, devices=tuple
            f"{'act/seq':>8}{'peak@1':>8}  " + "  ".join(f"{'B ' + d:>10}" for d in devices))
     lines += [hdr, "-" * len(hdr)]
     for r in rows:
-        L = r.layers
         mb = [r.max_batch(usable * DEVICE_MEMORY[d]) for d in devices]
         mark = "*" if r.bound_from else " "
         lines.append(f"{r.mode:<9}{r.remat:<8}{r.fsdp:>3}{mark}{r.gpus:>5}{r.parts['params'] / GiB:>8.1f}"
