@@ -173,6 +173,9 @@ class MoEConfig:
     gmm: Literal["auto", "blas", "ragged_dot", "tiled", "einsum"] = "auto"
     gmm_tile: int = 256
     num_groups: int = 1  # Federation of Experts groups (1 = ordinary MoE)
+    # FoE under expert parallelism: tokens between the groups' sub-blocks replicated over the device
+    # groups (the paper's layout) or sharded over them (dense parts once; parallel/foe.py, docs/foe.md)
+    foe_tokens: Literal["replicated", "sharded"] = "replicated"
     shared_gate: bool = False  # shared-expert output *= sigmoid(x @ w_gate [d, 1]) (Qwen2-MoE)
     route_on_input: bool = False  # the routing weight scales the expert INPUT (Llama-4; needs top_k 1)
 
