@@ -206,3 +206,24 @@ def test_packed_attention_never_crosses_documents(text_dir):
     # and without segment ids the packed row would differ (the test can fail)
     mixed = np.asarray(fwd_noseg(model, jnp.asarray(b["tokens"]), jnp.asarray(b["positions"])))
     assert not np.allclose(mixed, packed, atol=1e-4)
+
+
+def test_train_bpe_tokenizer(tmp_path):
+    """A BPE fitted here (benchmarks/hard_corpus.py) is an ordinary HF tokenizer.json: BOS/EOS found, ids
+    within the vocabulary, unseen and non-ASCII text round-trips, frequent words become single tokens."""
+    from farskip_jax.data.tokenizer import train_bpe
+    from farskip_jax.errors import ConfigError
+
+    texts = ["To be, or not to be, that is the question:\n"] * 40 + ["Whether 'tis nobler in the mind to suffer\n"] * 40
+    path = str(tmp_path / "bpe" / "tokenizer.json")
+    tok = train_bpe(texts, 300, path)
+    assert (tok.bos_id, tok.eos_id) == (0, 1) and 256 < tok.vocab_size <= 300
+    assert load_tokenizer(path).vocab_size == tok.vocab_size
+    unseen = "Ay, there's the rub: ñ, é, 東京\n"
+    ids = tok.encode(unseen)
+    assert ids.max() < tok.vocab_size and tok.decode(ids) == unseen
+    assert len(tok.encode(" question")) <= 2 and len(tok.encode(texts[0])) < len(texts[0]) / 3
+    doc = tok.encode_document("to be")
+    assert doc[0] == tok.bos_id and doc[-1] == tok.eos_id
+    with pytest.raises(ConfigError, match="vocab_size=100"):
+        train_bpe(texts, 100, str(tmp_path / "small.json"))

@@ -135,3 +135,26 @@ def check_vocab(tok, vocab_size: int, model: str) -> None:
                + fix)
     raise ConfigError(f"data.tokenizer={getattr(tok, 'name', tok)!r} produces ids up to {tok.vocab_size - 1} but "
                       f"{model} has model.vocab_size={vocab_size}: {fix}")
+
+
+def train_bpe(texts, vocab_size: int, out_path: str, *, min_frequency: int = 2) -> "HFTokenizer":
+    """Train a byte-level BPE tokenizer (the `tokenizers` library) on an iterable of strings and write
+    it to `out_path` (tokenizer.json). Special tokens `<|begin_of_text|>` (BOS, id 0) and
+    `<|end_of_text|>` (EOS, id 1), found by HFTokenizer like any HF checkpoint's. Every byte is in the
+    initial alphabet, so any text encodes (no unknown token). Give it TRAINING text only: a tokenizer
+    fitted on validation documents leaks them. Returns the loaded HFTokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials = ["<|begin_of_text|>", "<|end_of_text|>"]
+    if vocab_size < 256 + len(specials) + 1:
+        raise ConfigError(f"BPE vocab_size={vocab_size} must exceed the 256 byte tokens plus "
+                          f"{len(specials)} special tokens")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    tok.save(out_path)
+    return HFTokenizer(out_path)
