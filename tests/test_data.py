@@ -222,7 +222,7 @@ def test_train_bpe_tokenizer(tmp_path):
     unseen = "Ay, there's the rub: ñ, é, 東京\n"
     ids = tok.encode(unseen)
     assert ids.max() < tok.vocab_size and tok.decode(ids) == unseen
-    assert len(tok.encode(" question")) <= 2 and len(tok.encode(texts[0])) < len(texts[0]) / 3
+    assert len(tok.encode(" question")) <= 2 and len(tok.encode(texts[0])) < len(texts[0]) / 2.5
     doc = tok.encode_document("to be")
     assert doc[0] == tok.bos_id and doc[-1] == tok.eos_id
     with pytest.raises(ConfigError, match="vocab_size=100"):
