@@ -50,9 +50,7 @@ def run(a) -> dict:
     from farskip_jax.eval.metrics import (STANDARD, evaluate_loss, evaluate_pair, make_compare_fn, make_loss_fn,
                                           val_batches)
 
-    ov = _overrides(a.overrides)
-    if a.mode == "generate":  # decoding runs the unrolled loop: stacked layers would be sliced (copied) every step
-        ov.setdefault("model.scan_layers", False)
+    ov = _overrides(a.overrides)  # generate honours model.scan_layers (stacked layers decode as a scan)
     if bool(a.run) == bool(a.hf):
         raise ConfigError("pass exactly one of --run RUN_DIR or --hf HF_FOLDER")
     if a.run:

@@ -11,6 +11,11 @@ A decode step is the model's own forward with each layer's attention swapped for
 (moe.num_groups > 1) goes through model/foe.py's forward, each group's heads reading the cache rows
 of its own representation.
 
+Stacked layers (`model.scan_layers`, docs/scan.md): the decode step is a scan per stack (and run of
+equal connectivity) over the whole stacked weights, the cache stacked on the same layer axis and
+carried (eval/decode_scan.py); no layer's weights are sliced out of a stack outside the loop. The
+unrolled loop over per-layer views stays for FoE and as `scan=False` (the former program).
+
     out = generate(model, prompt_bp, max_new_tokens=32)                   # greedy, cfg.farskip
     out = generate(model, prompt_bp, 32, farskip=FarSkipConfig(), temperature=0.8, top_p=0.9, seed=1)
     out = generate(model, [[5, 6, 7], [8, 9]], 16, layout=TpEpLayout(mesh))   # ragged, on a mesh
@@ -42,6 +47,7 @@ from flax import nnx
 
 from farskip_jax.config import FarSkipConfig
 from farskip_jax.errors import ConfigError
+from farskip_jax.eval.decode_scan import init_stacked_cache, scanned_decode, scanned_decode_step
 from farskip_jax.model.attention import attention_core, attention_mask
 from farskip_jax.model.foe import group_project_out, group_qkv
 
@@ -76,12 +82,16 @@ def pad_prompts(prompts, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return out, np.asarray([p - len(q) for q in seqs], np.int32)
 
 
-def init_cache(model, batch: int, max_len: int, layout=None) -> tuple:
+def init_cache(model, batch: int, max_len: int, layout=None, scan: Optional[bool] = None) -> tuple:
     """Zero KV cache: per layer (k [b, max_len, kv, d], v [b, max_len, kv, dv]) in the compute dtype.
     Federation of Experts (moe.num_groups = H > 1): k, v [H*b, max_len, kv/H, d] (group h's heads of
     sequence j at row h*b + j, as model/foe.py folds groups into the batch). On a `layout`
     (parallel/inference.TpEpLayout): heads split over `tensor` (replicated kv heads: one per rank),
-    rows over `data`, created in place on the mesh."""
+    rows over `data`, created in place on the mesh. Stacked layers (model.scan_layers, no FoE): the
+    stacked cache of eval/decode_scan.py, per stack per block (k, v) [repeats, b, max_len, heads, dim]
+    (scan=False: the per-layer cache of the unrolled loop anyway; None: scanned_decode(model))."""
+    if scanned_decode(model) if scan is None else scan:
+        return init_stacked_cache(model, batch, max_len, layout)
     d = model.cfg.model.d_model
     hg = model.cfg.moe.num_groups
     cache = []
@@ -128,19 +138,26 @@ def slot_positions(start: jax.Array, t: int, max_len: int, pad: jax.Array) -> tu
 
 
 def decode_step(model, tokens: jax.Array, start: jax.Array, cache: tuple, farskip: FarSkipConfig,
-                pad: Optional[jax.Array] = None, layout=None):
+                pad: Optional[jax.Array] = None, layout=None, scan: Optional[bool] = None):
     """Run tokens [b, t] in cache slots start..start+t-1 against the cache -> (logits [b, t, V] f32, cache).
 
     The model's own forward (its streams; FoE's group sums) with each layer's attention replaced by
     one that writes the new keys/values into cache slots [start, start + t) and reads every slot;
     slots < start must hold earlier tokens. pad [b]: left-pad tokens per row (module doc); layout:
-    parallel/inference.TpEpLayout (tensor-parallel cached attention), None = one program as is."""
+    parallel/inference.TpEpLayout (tensor-parallel cached attention), None = one program as is.
+    Stacked layers (model.scan_layers, no FoE): one scan per stack and run of equal connectivity
+    over the whole stacked weights and the stacked cache (eval/decode_scan.py); else (or scan=False:
+    the former program of a stacked model, for comparison) the unrolled loop over the model's layers."""
     b, t = tokens.shape
     hg = model.cfg.moe.num_groups
     pad = jnp.zeros((b,), jnp.int32) if pad is None else pad.astype(jnp.int32)
+    if scanned_decode(model) if scan is None else scan:
+        positions, k_pos = slot_positions(start, t, cache[0][0][0].shape[2], pad)
+        return scanned_decode_step(model, tokens, positions, start, cache, farskip,
+                                   lambda layer: _cache_mask(model, layer, positions, k_pos), layout)
     positions, k_pos = slot_positions(start, t, cache[0][0].shape[1], pad)
     q_pos, kv_pos = (jnp.tile(positions, (hg, 1)), jnp.tile(k_pos, (hg, 1))) if hg > 1 else (positions, k_pos)
-    blocks = model.blocks()  # per-layer views under model.scan_layers (decoding runs the unrolled loop)
+    blocks = model.blocks()  # the layers (FoE under model.scan_layers: per-layer views of the stacks)
     new_cache = [None] * len(blocks)
 
     def cached_attention(i, attn):
@@ -160,12 +177,17 @@ def decode_step(model, tokens: jax.Array, start: jax.Array, cache: tuple, farski
     return out.logits, tuple(new_cache)
 
 
-def make_decode_fn(graphdef, farskip: FarSkipConfig, layout=None):
+def make_decode_fn(graphdef, farskip: FarSkipConfig, layout=None, scan: Optional[bool] = None, jit: bool = True):
     """jitted fn(state, tokens [b, t], start [], cache, pad [b]) -> (logits, cache); state = nnx
-    state of the model. With a layout, compiled with its compiler options (layout.compiler_options)."""
+    state of the model. With a layout, compiled with its compiler options (layout.compiler_options).
+    scan: as decode_step (None: scanned when the model's layers are stacked); jit=False: the plain
+    function (e.g. for jax.make_jaxpr)."""
 
     def fn(state, tokens, start, cache, pad):
-        return decode_step(nnx.merge(graphdef, state), tokens, start, cache, farskip, pad, layout)
+        return decode_step(nnx.merge(graphdef, state), tokens, start, cache, farskip, pad, layout, scan)
+
+    if not jit:
+        return fn
 
     opts = layout.compiler_options() if layout is not None else None
     return jax.jit(fn, donate_argnums=3, compiler_options=opts)

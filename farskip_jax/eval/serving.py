@@ -11,7 +11,9 @@ decode programs as abstract (deviceless-lowerable) jitted functions.
 
 Both programs are `make_decode_fn` of eval/generate.py (the same step `generate` runs) on the tp_ep
 layout (parallel/inference.py): state, tokens [b, t], start [], cache, pad [b] as ShapeDtypeStructs
-with their shardings, so nothing is materialised and a CPU host can compile them for 8 GPUs.
+with their shardings, so nothing is materialised and a CPU host can compile them for 8 GPUs. Under
+model.scan_layers the programs are the scanned decode of eval/decode_scan.py (the stacked cache:
+per stack, per block, [repeats, b, max_len, heads, dim]).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from farskip_jax.config import Config, MeshConfig, ModelConfig
+from farskip_jax.eval.decode_scan import stacked_cache_shapes
 from farskip_jax.eval.generate import decode_step, make_decode_fn
 from farskip_jax.parallel.inference import TpEpLayout, abstract_inference_model, inference_model, layout_for
 from farskip_jax.parallel.mesh import make_mesh
@@ -62,8 +65,13 @@ def _program(cfg: Config, mesh: Mesh, batch: int, t: int, max_len: int, last_log
     dt = jnp.dtype(cfg.model.compute_dtype)
     cs = layout.cache_sharding()
     ks, vs = cache_entry_shapes(cfg.model, batch, max_len, layout)
-    cache = tuple((jax.ShapeDtypeStruct(ks, dt, sharding=cs), jax.ShapeDtypeStruct(vs, dt, sharding=cs))
-                  for _ in range(cfg.model.num_layers))
+    if cfg.model.scan_layers:  # the stacked cache of eval/decode_scan.py: per stack, per block, [repeats, ...]
+        ss = layout.stacked_cache_sharding()
+        cache = tuple(tuple(tuple(jax.ShapeDtypeStruct(x, dt, sharding=ss) for x in kv) for kv in stack)
+                      for stack in stacked_cache_shapes(cfg, lambda layer: (ks, vs)))
+    else:
+        cache = tuple((jax.ShapeDtypeStruct(ks, dt, sharding=cs), jax.ShapeDtypeStruct(vs, dt, sharding=cs))
+                      for _ in range(cfg.model.num_layers))
     args = (state, jax.ShapeDtypeStruct((batch, t), jnp.int32, sharding=layout.batch_sharding(2)),
             jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())), cache,
             jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=layout.batch_sharding(1)))

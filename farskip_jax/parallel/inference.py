@@ -30,7 +30,8 @@ N_k): XLA may run each all-reduce under the next sub-block (tests/test_inference
 the compiled HLO) -- provided its all-reduce combiner does not merge the two (now independent)
 all-reduces of a layer back into one: programs of this layout compile with
 `TpEpLayout.compiler_options()` (`forward_fn`, eval/generate.make_decode_fn pass it to jax.jit).
-KV-cache decoding: `layout.cached_attention` (eval/generate.py). Deviceless lowering for GPUs:
+KV-cache decoding: `layout.cached_attention` (eval/generate.py; with a stacked cache and a layer
+index under model.scan_layers, eval/decode_scan.py). Deviceless lowering for GPUs:
 `abstract_inference_model` (eval/serving.py builds the prefill / decode programs).
 """
 
@@ -225,6 +226,11 @@ class TpEpLayout:
         """KV cache entries [b, L, heads, dim]: rows over `data`, heads over `tensor` (each rank its own)."""
         return NamedSharding(self.mesh, P(DATA_AXIS, None, TP_AXIS, None))
 
+    def stacked_cache_sharding(self) -> NamedSharding:
+        """Stacked KV cache entries [repeats, b, L, heads, dim] (model.scan_layers): the layer axis
+        unsharded, the rest as cache_sharding."""
+        return NamedSharding(self.mesh, P(None, DATA_AXIS, None, TP_AXIS, None))
+
     def cache_heads(self, m: ModelConfig, heads: int) -> int:
         """Global head dim of a cache entry whose one-device head count is `heads`: kv heads replicated
         over tensor ranks get one slot per rank."""
@@ -281,30 +287,40 @@ class TpEpLayout:
         return fn
 
     def cached_attention(self, attn, xn: jax.Array, positions: jax.Array, entry: tuple, start: jax.Array,
-                         mask: jax.Array) -> tuple[jax.Array, tuple]:
+                         mask: jax.Array, layer: Optional[jax.Array] = None) -> tuple[jax.Array, tuple]:
         """KV-cache attention of one layer: xn [b, t, d] normalised input at positions [b, t]; entry
         (k, v) [b, L, heads, dim] sharded by cache_sharding; new keys/values written at slots
-        [start, start + t); mask [b, 1, t, L] -> (output [b, t, d] after the all-reduce, new entry)."""
+        [start, start + t); mask [b, 1, t, L] -> (output [b, t, d] after the all-reduce, new entry).
+        layer (a scalar, scanned decoding: eval/decode_scan.py): entry is a stacked cache
+        [repeats, b, L, heads, dim] (stacked_cache_sharding); this layer's row is written and read."""
         gd, state, specs, fix = self._split_attention(attn)
-        b3, cache = P(DATA_AXIS, None, None), P(DATA_AXIS, None, TP_AXIS, None)
+        b3 = P(DATA_AXIS, None, None)
+        cache = P(DATA_AXIS, None, TP_AXIS, None) if layer is None else P(None, DATA_AXIS, None, TP_AXIS, None)
 
-        def body(st, xn, pos, kc, vc, start, mask):
+        def body(st, xn, pos, kc, vc, start, mask, layer):
             local = nnx.merge(gd, fix(st, jax.lax.axis_index(TP_AXIS)))
             with jax.named_scope("attention_qkv"):
                 q, k, v = local.qkv(xn, pos)
-            kc = jax.lax.dynamic_update_slice(kc, k.astype(kc.dtype), (0, start, 0, 0))
-            vc = jax.lax.dynamic_update_slice(vc, v.astype(vc.dtype), (0, start, 0, 0))
+            if layer is None:
+                kc = kl = jax.lax.dynamic_update_slice(kc, k.astype(kc.dtype), (0, start, 0, 0))
+                vc = vl = jax.lax.dynamic_update_slice(vc, v.astype(vc.dtype), (0, start, 0, 0))
+            else:
+                kc = jax.lax.dynamic_update_slice(kc, k[None].astype(kc.dtype), (layer, 0, start, 0, 0))
+                vc = jax.lax.dynamic_update_slice(vc, v[None].astype(vc.dtype), (layer, 0, start, 0, 0))
+                kl = jax.lax.dynamic_index_in_dim(kc, layer, 0, keepdims=False)
+                vl = jax.lax.dynamic_index_in_dim(vc, layer, 0, keepdims=False)
             with jax.named_scope("attention_core"):
-                o = attention_core(q, kc, vc, mask, local.scale)
+                o = attention_core(q, kl, vl, mask, local.scale)
             with jax.named_scope("attention_out"):
                 o = local.project_out(o, xn)
             with jax.named_scope("attention_allreduce"):
                 return jax.lax.psum(o, TP_AXIS), kc, vc
 
         f = jax.shard_map(body, mesh=self.mesh,
-                          in_specs=(specs, b3, P(DATA_AXIS, None), cache, cache, P(), P(DATA_AXIS, None, None, None)),
+                          in_specs=(specs, b3, P(DATA_AXIS, None), cache, cache, P(), P(DATA_AXIS, None, None, None),
+                                    None if layer is None else P()),
                           out_specs=(b3, cache, cache), check_vma=False)
-        o, kc, vc = f(state, xn, positions, entry[0], entry[1], start, mask)
+        o, kc, vc = f(state, xn, positions, entry[0], entry[1], start, mask, layer)
         return o, (kc, vc)
 
     def forward(self, model, tokens: jax.Array, positions: Optional[jax.Array] = None,
