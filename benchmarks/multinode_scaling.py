@@ -35,6 +35,12 @@ Levers (--lever, each alone on top of the defaults; docs/multinode.md):
                 of chunk i+1 can run under the experts of chunk i (MaxText's num_moe_token_chunks)
   fp8_dispatch  the dispatch payload sent as float8_e4m3fn (DeepSeek-V3's fp8 dispatch), combine bf16
   chunks4_fp8   both
+  foe_sharded   FoE only (standard / farskip reuse `none`): moe.foe_tokens=sharded, tokens split over the
+                FoE device groups between the groups' sub-blocks (parallel/foe.py): the cross-group sums
+                are reduce-scatters, the dense parts (dense MLP, LM head, most shared experts) run once
+  --foe-groups strided  re-times the FoE compiles with group g = the ranks r % G == g (each sum
+                inside a node, each group's all-to-all across the nodes) instead of one group per
+                node: the same program (tests/test_multinode_compile.py), another device assignment
   hierarchical  node-deduplicated dispatch (moe.dispatch=hierarchical, parallel/ep.HierarchicalCompute):
                 a token crosses to each destination node once (all-to-all among the same-local-rank
                 GPUs of the nodes), then an intra-node all-to-all forwards it to its experts' GPUs
@@ -80,7 +86,14 @@ LEVERS = {
     "chunks4_fp8": ([], {}),
     "limit4": ([], {"xla_gpu_experimental_parallel_collective_overlap_limit": 4}),
     "hierarchical": (["moe.dispatch=hierarchical"], {}),
+    # XLA's own 30 MiB combine thresholds for reduce-scatter / all-gather instead of the preset's 128 MiB
+    # (set for FSDP weight gathers): combining an attention sum with the routed sum would make FarSkip's
+    # next attention wait for the experts
+    "foe_sharded": (["moe.foe_tokens=sharded"], {"xla_gpu_reduce_scatter_combine_threshold_bytes": 30 << 20,
+                                                 "xla_gpu_all_gather_combine_threshold_bytes": 30 << 20}),
 }
+# levers that change only the FoE variants: standard / farskip are lever `none`'s compiles
+FOE_ONLY_LEVERS = {"foe_sharded"}
 EP_OPTIONS = {"chunks2": {"chunks": 2}, "chunks4": {"chunks": 4}, "fp8_dispatch": {"dispatch_dtype": "float8_e4m3fn"},
               "chunks4_fp8": {"chunks": 4, "dispatch_dtype": "float8_e4m3fn"}}
 VARIANTS = ("standard", "farskip", "foe", "foe_farskip")
@@ -105,9 +118,11 @@ def compile_one(cfg, variant, program, batch, seq, n, gpus_per_node, nodes, flag
 
 
 def entry_of(c: dict, hardware: str, links_over: dict, streams: str, fused_attention: bool = True,
-             steady: bool = True, retime_gpus_per_node: Optional[int] = None) -> dict:
+             steady: bool = True, retime_gpus_per_node: Optional[int] = None, placement=None) -> dict:
     """The figures of one compiled variant: its schedule re-timed by the two-stream model on the
-    multi-node topology, as XLA scheduled it and with every all-to-all synchronous (no overlap)."""
+    multi-node topology, as XLA scheduled it and with every all-to-all synchronous (no overlap).
+    placement: (device groups, "strided") re-times a contiguous FoE compile with the strided group
+    placement (logical device p on plain position foe_device_order(...).flat[p])."""
     from farskip_jax.analysis.cost_model import HARDWARE, optimizer_step, simulate
     from farskip_jax.analysis.report import ALL_TO_ALLS, analyze
     from farskip_jax.analysis.topology import LINKS, Topology, resized
@@ -115,6 +130,12 @@ def entry_of(c: dict, hardware: str, links_over: dict, streams: str, fused_atten
     nodes = c["node_of"]
     if retime_gpus_per_node:  # the same program on nodes of another size (XLA's schedule ignores hosts)
         nodes = tuple(i // retime_gpus_per_node for i in range(len(nodes)))
+    if placement is not None:
+        from farskip_jax.parallel.foe import foe_device_order
+
+        gm, data, how = placement
+        order = foe_device_order((data, 1, len(nodes) // data, 1), gm, how).reshape(-1)
+        nodes = tuple(nodes[int(q)] for q in order)
     per = max(nodes.count(x) for x in set(nodes))
     topo = Topology(resized(LINKS[hardware], per, **links_over), nodes)
     hw = HARDWARE[hardware]
@@ -136,9 +157,26 @@ def entry_of(c: dict, hardware: str, links_over: dict, streams: str, fused_atten
         "other_coll_exposed_us": m.other_exposed, "a2a_bytes": sum(p.bytes for p in a2a),
         "a2a_cross_node_fraction": max((topo.crossing_fraction(p.groups) for p in a2a), default=0.0),
         "a2a_nic_bytes": nic_bytes(a2a, nodes),
+        "other_coll_us": sum(d for p, d in zip(sched.pairs, d_m) if p.collective not in ALL_TO_ALLS),
+        "other_coll_cross_node_fraction": _other_cross(sched.pairs, d_m, nodes),
         "nodes": len(set(nodes)), "compile_s": c["compile_s"], "xla_step_us": c["xla_step_us"],
         "peak_memory_gib": c["peak_memory"] / 2**30,
     }
+
+
+def _other_cross(pairs, durations, node_of) -> float:
+    """Share of the non-all-to-all collective time (modelled) whose replica groups span nodes."""
+    from farskip_jax.analysis.report import ALL_TO_ALLS
+
+    tot = cross = 0.0
+    for p, d in zip(pairs, durations):
+        if p.collective in ALL_TO_ALLS:
+            continue
+        tot += d
+        groups = p.groups or (tuple(range(len(node_of))),)
+        if any(len({node_of[x] for x in g}) > 1 for g in groups):
+            cross += d
+    return cross / tot if tot else 0.0
 
 
 def nic_bytes(pairs, node_of) -> float:
@@ -246,6 +284,8 @@ def tag_command(model: str, tag: str, layers: Optional[int] = None) -> str:
             out.append(f"--inter-eff {o[3:]}")
         elif o.endswith("gpn"):
             out.append(f"--retime-gpus-per-node {o[:-3]}")
+        elif o == "strided":
+            out.append("--foe-groups strided")
     return "`JAX_PLATFORMS=cpu python benchmarks/multinode_scaling.py " + " ".join(out) + "`"
 
 
@@ -332,6 +372,8 @@ def main() -> int:
                     help="re-time the cached programs on nodes of this many GPUs (e.g. 4: EP 32 on 8 nodes x 4)")
     ap.add_argument("--nic-gbps", type=float, default=None, help="NIC line rate, Gb/s (default 400)")
     ap.add_argument("--inter-eff", type=float, default=None, help="achieved / NIC line rate (default 0.8)")
+    ap.add_argument("--foe-groups", default="contiguous", choices=("contiguous", "strided"),
+                    help="FoE group placement the FoE compiles are re-timed with (contiguous: a group per node)")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
 
@@ -355,7 +397,8 @@ def main() -> int:
         tag = a.lever + ("+one_stream" if a.streams == "one" else "") + (f"+nic{a.nic_gbps:g}" if a.nic_gbps else "") \
             + (f"+eff{a.inter_eff:g}" if a.inter_eff else "") + ("+naive_attn" if a.attention == "naive" else "") \
             + ("+accum1" if a.accum == "1" else "") \
-            + (f"+{a.retime_gpus_per_node}gpn" if a.retime_gpus_per_node else "")
+            + (f"+{a.retime_gpus_per_node}gpn" if a.retime_gpus_per_node else "") \
+            + ("+strided" if a.foe_groups == "strided" else "")
         flags = dict(preset_options("cuda_hopper"), **LHS_FLAGS, **lever_flags)
         for b in [int(x) for x in a.per_gpu_batch.split(",")]:
             for ep in [int(x) for x in a.ep.split(",")]:
@@ -372,10 +415,19 @@ def main() -> int:
                 cfg = load_config(os.path.join(ROOT, MODELS[a.model]), over + model_over + lever_over + a.overrides)
                 for prog in a.programs.split(","):
                     for var in a.variants.split(","):
-                        k = key(a.model, a.lever, ep, a.data, b * n, a.seq, prog, var)  # what was compiled
+                        foe_only = a.lever in FOE_ONLY_LEVERS and not var.startswith("foe")
+                        # what was compiled (an FoE-only lever's standard / farskip: lever none's program)
+                        k = key(a.model, "none" if foe_only else a.lever, ep, a.data, b * n, a.seq, prog, var)
                         rk = key(a.model, tag, ep, a.data, b * n, a.seq, prog, var)  # + how it was re-timed
                         if var.startswith("foe") and nodes == 1:
                             continue  # H = 1: the ordinary MoE (rows_of copies standard / farskip)
+                        base_rk = key(a.model, tag.replace(a.lever, "none", 1).replace("+strided", ""), ep, a.data,
+                                      b * n, a.seq, prog, var)
+                        if (foe_only or (a.foe_groups == "strided" and not var.startswith("foe"))) \
+                                and base_rk in results and base_rk != rk:
+                            results[rk] = results[base_rk]  # the same program re-timed the same way
+                            log(f"[multinode] {rk}: = {base_rk}")
+                            continue
                         if var.startswith("foe") and cfg.model.attention == "mla":
                             log(f"[multinode] {k}: skipped (FoE needs GQA attention; use --model {a.model}_gqa)")
                             continue
@@ -391,8 +443,10 @@ def main() -> int:
                             with gzip.open(cpath, "wb") as f:
                                 pickle.dump(c, f)
                             log(f"[multinode] {k}: compiled in {time.time() - t0:.0f}s")
+                        gm = min(nodes, ep)  # FoE device groups (H = nodes)
+                        place = (gm, a.data, "strided") if var.startswith("foe") and a.foe_groups == "strided" else None
                         results[rk] = entry_of(c, a.hardware, links_over, a.streams, a.attention == "fused",
-                                               a.accum == "inf", a.retime_gpus_per_node)
+                                               a.accum == "inf", a.retime_gpus_per_node, place)
                         with open(res_path, "w") as f:
                             json.dump(results, f, indent=1, sort_keys=True)
                         e = results[rk]

@@ -126,3 +126,53 @@ def test_hierarchical_dispatch_cross_node_groups_hold_one_gpu_per_node():
     ra, ta = out["all_to_all"]
     assert all(p.groups == (tuple(range(16)),) for p in ta)
     assert nic_bytes(r, tok) == pytest.approx(0.5 * nic_bytes(ra, ta))
+
+
+def test_foe_sharded_tokens_and_strided_groups_on_two_nodes():
+    """FoE H = 2 on 16 compile-only GPUs over 2 nodes with moe.foe_tokens=sharded: no activation
+    all-reduce is left (the cross-group sums are reduce-scatters, the group views all-gathers);
+    contiguous placement (a group per node): every all-to-all inside a node, every sum across the two
+    (one GPU per node: {g, 8+g}). The strided placement compiles to the same schedule (only the
+    device assignment differs: the benchmark re-times one compile for both) and puts every sum inside
+    a node ({2i, 2i+1}) while each group's all-to-all spans both nodes (4 + 4 GPUs)."""
+    from farskip_jax.analysis.deviceless import LHS_FLAGS, compile_deviceless, gpu_devices, preset_options
+    from farskip_jax.analysis.overlap import run_overlap
+    from farskip_jax.analysis.programs import forward_program, grouped_gemm_proxy
+    from farskip_jax.config import replace
+    from farskip_jax.parallel.foe import foe_mesh_from
+    from farskip_jax.parallel.mesh import make_mesh
+
+    cfg = _small(**{"moe.num_groups": 2, "moe.num_experts": 16, "mesh.expert": 16, "moe.foe_tokens": "sharded"})
+    (r,) = run_overlap(cfg, ("farskip",), ("forward",), batch=16, seq=256, num_devices=16, gpus_per_node=8,
+                       hardware="mi325x", grouped_gemm=True, probe_latency=False)
+    assert r.topology.node_of == (0,) * 8 + (1,) * 8
+    act = 256 * 256 * 2  # bytes of one sequence's [s, d] bf16 activation (a device's own tokens)
+    acts = [p for p in r.schedule.pairs if p.bytes >= act and p.collective != "all-to-all"]
+    assert acts and {p.collective for p in acts} == {"reduce-scatter", "all-gather"}  # no all-reduce left
+    rs = [p for p in acts if p.collective == "reduce-scatter"]
+    assert sum(len(p.operand_shapes) for p in rs) == 4  # 2 layers x (attention sum, routed sum)
+    # the group views under farskip: layer 0 reads the embedding (already replicated), layer 1 gathers
+    # its attention input and its MoE input
+    assert sum(1 for p in acts if p.collective == "all-gather" for dt, dims in p.operand_shapes if dims[-1] == 256) == 2
+    sums = acts
+    for p in sums:
+        assert sorted(p.groups) == [(g, 8 + g) for g in range(8)]  # one GPU per node: across the NICs
+    assert r.topology.crossing_fraction(sums[0].groups) == 1.0
+    # the token exchanges (the routing, computed on the own tokens, is redistributed in small pieces)
+    a2a = [p for p in r.schedule.pairs if p.collective == "all-to-all" and p.bytes >= act]
+    assert a2a and all(sorted(p.groups) == [tuple(range(8)), tuple(range(8, 16))] for p in a2a)
+
+    devices = gpu_devices("h100_sxm", 16, gpus_per_node=8)
+    mesh = foe_mesh_from(make_mesh(cfg.mesh, devices), 2, "strided")
+    c = replace(cfg, **{"farskip.preset": "farskip"})
+    with grouped_gemm_proxy():
+        fn, args = forward_program(c, mesh, 16, 256)
+        strided = compile_deviceless(fn, *args, flags=dict(preset_options("cuda_hopper"), **LHS_FLAGS))
+    sig = lambda sc: ([(o.opcode, o.kind, o.in_bytes, o.out_bytes, o.flops) for o in sc.ops],  # noqa: E731
+                      [(p.collective, p.bytes, p.groups) for p in sc.pairs])
+    assert sig(strided.schedule) == sig(r.schedule)  # the same schedule (logical replica groups too)
+    node = [d.process_index for d in mesh.devices.flat]  # node of each logical device, strided
+    for p in sums:
+        assert all(len({node[x] for x in g}) == 1 for g in p.groups)  # inside a node
+    for p in a2a:
+        assert all(sorted(node[x] for x in g) == [0] * 4 + [1] * 4 for g in p.groups)

@@ -202,3 +202,19 @@ def test_ragged_payload_is_the_smaller_buffer():
     for st in (dispatch, combine):
         pair = CollectivePair(start=st, done=st, collective="ragged-all-to-all", bytes=36000)
         assert ragged_payload(sched, pair) == 4000.0
+
+
+def test_all_gather_priced_by_its_gathered_buffer():
+    """An all-gather's operand is the device's shard: the formula takes the gathered buffer (shard x
+    group size); reduce-scatter / all-reduce / all-to-all take their operands."""
+    from types import SimpleNamespace
+
+    from farskip_jax.analysis.cost_model import collective_payload
+
+    def pair(kind, group_size):
+        return SimpleNamespace(collective=kind, bytes=1000, group_size=group_size)
+
+    assert collective_payload(None, pair("all-gather", 4), 8) == 4000
+    assert collective_payload(None, pair("all-gather", 0), 8) == 8000  # no replica groups: every device
+    for kind in ("reduce-scatter", "all-reduce", "all-to-all"):
+        assert collective_payload(None, pair(kind, 4), 8) == 1000

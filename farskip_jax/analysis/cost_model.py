@@ -11,7 +11,8 @@ Model (assumptions, all parameters of `Hardware`):
 - one communication stream executes collectives in the order of their starts, one at a time; a
   collective begins at max(its start on the compute stream, end of the previous collective) and
   lasts latency + wire bytes / bandwidth, with wire bytes = payload * (n-1)/n for all-to-all,
-  all-gather and reduce-scatter, 2 * payload * (n-1)/n for all-reduce (ring);
+  all-gather and reduce-scatter, 2 * payload * (n-1)/n for all-reduce (ring); payload = the
+  operands' bytes, for an all-gather the gathered buffer (collective_payload);
 - a done blocks the compute stream until its collective has finished; communication kernels do not
   slow the compute kernels down (no SM / HBM contention: an optimistic assumption, see docs);
 - ragged all-to-all moves the smaller of its send and receive buffers (the real rows at perfect
@@ -150,6 +151,18 @@ def ragged_payload(schedule: Schedule, pair) -> float:
     return float(min(sizes)) if sizes else float(pair.bytes)
 
 
+def collective_payload(schedule: Schedule, pair, group_size: int) -> float:
+    """The bytes per device a collective's time formula takes: its operands' bytes (the buffer an
+    all-reduce / reduce-scatter reduces, an all-to-all exchanges), except an all-gather, whose operand
+    is the device's shard: the gathered buffer (operands x group size) is what it moves (n-1)/n of;
+    a ragged all-to-all: ragged_payload."""
+    if pair.collective == "ragged-all-to-all":
+        return ragged_payload(schedule, pair)
+    if pair.collective == "all-gather":
+        return float(pair.bytes) * max(pair.group_size or group_size, 1)
+    return float(pair.bytes)
+
+
 def simulate(schedule: Schedule, hw: Hardware, group_size: int = 8,
              serialize: tuple[str, ...] = (), topology=None,
              own_stream: tuple[str, ...] = (), fused_attention: bool = False,
@@ -189,7 +202,8 @@ def simulate(schedule: Schedule, hw: Hardware, group_size: int = 8,
         elif o.kind == "start" and o.id in pair_of_start:
             i = pair_of_start[o.id]
             p = sched.pairs[i]
-            payload = ragged_payload(sched, p) if p.collective == "ragged-all-to-all" else p.bytes
+            n_all = len(topology.node_of) if topology is not None else group_size
+            payload = collective_payload(sched, p, n_all)
             if i in free_pairs:
                 durations[i] = 0.0
             elif topology is not None:

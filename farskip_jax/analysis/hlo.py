@@ -192,7 +192,8 @@ def replica_groups_of(ins: dict) -> Optional[tuple[tuple[int, ...], ...]]:
     cdl = first(ins, "collective_device_list") or {}
     if cdl.get("replica_groups"):
         return tuple(tuple(int(x) for x in g.get("replica_ids", [])) for g in cdl["replica_groups"])
-    iota = first(cdl, "iota_replica_group_list") or {}
+    # iota groups: inside collective_device_list, or (XLA's combined collectives) on the instruction
+    iota = first(cdl, "iota_replica_group_list") or first(ins, "iota_collective_device_list") or {}
     if iota:
         g, n = int(first(iota, "num_replica_groups", 0)), int(first(iota, "num_devices_per_group", 0))
         dims = [int(d) for d in iota.get("iota_reshape_dims", [])] or [g * n]
@@ -223,7 +224,7 @@ def _group_size(ins: dict) -> int:
     if groups:
         return len(groups[0].get("replica_ids", []))
     cdl = first(ins, "collective_device_list") or {}
-    iota = first(cdl, "iota_replica_group_list") or {}
+    iota = first(cdl, "iota_replica_group_list") or first(ins, "iota_collective_device_list") or {}
     if iota:
         return int(first(iota, "num_devices_per_group", 0))
     groups = cdl.get("replica_groups")

@@ -160,6 +160,49 @@ def group_sum(routed_compute, v: jax.Array) -> jax.Array:
     return jnp.sum(v, axis=0)
 
 
+class TokenLayout:
+    """Where the [b, s, d] values between the groups' sub-blocks live (moe.foe_tokens).
+
+    replicated (the paper's layout, and every single-device run): on every device group; the
+    cross-group sum is an all-reduce, the dense parts (dense MLP, shared expert, final norm, LM
+    head) run once per device group. sharded (a backend with `group_scatter`, parallel/foe.py):
+    split over the device groups too; a cross-group sum is a reduce-scatter, the dense parts run on
+    each device's own tokens, and `groups(x)` all-gathers the group-replicated view a group's
+    attention or experts read. The values are the same in both (only where they live differs)."""
+
+    def __init__(self, backend, sharded: bool):
+        self.backend = backend
+        self.sharded = bool(sharded) and hasattr(backend, "group_scatter")
+
+    def sum(self, v: jax.Array) -> jax.Array:
+        """[H, ...] -> [...]: all-reduce (replicated) or reduce-scatter (sharded)."""
+        return self.backend.group_scatter(v) if self.sharded else group_sum(self.backend, v)
+
+    def device_groups(self, x: jax.Array, replicated: bool = False) -> jax.Array:
+        """The routed experts' input: x [b, ...] itself (replicated layout), else [G_m, b, ...] each
+        device group's own copy (an all-gather of the token shards, or a local copy of a value that
+        is already on every device group)."""
+        if not self.sharded:
+            return x
+        return self.backend.copy_groups(x) if replicated else self.backend.gather_groups(x)
+
+    def groups_h(self, x: jax.Array, num_groups: int, replicated: bool = False) -> jax.Array:
+        """[H, b, ...]: x for each FoE group (the groups' attention inputs)."""
+        if not self.sharded:
+            return jnp.broadcast_to(x[None], (num_groups, *x.shape))
+        xg = self.device_groups(x, replicated)  # [G_m, b, ...]
+        gm = xg.shape[0]
+        return jnp.broadcast_to(xg[:, None], (gm, num_groups // gm, *x.shape)).reshape(num_groups, *x.shape)
+
+    def replicated(self, x: jax.Array) -> jax.Array:
+        """x pinned group-replicated when sharded (a value computed from replicated inputs)."""
+        return self.backend.to_groups(x) if self.sharded else x
+
+    def shards(self, x):
+        """x (or None) in the token-sharded layout when sharded (a local slice; free)."""
+        return self.backend.to_shards(x) if self.sharded and x is not None else x
+
+
 # --------------------------------------------------------------------------------------------------
 # attention: group h's heads on group h's input
 # --------------------------------------------------------------------------------------------------
@@ -244,39 +287,49 @@ class FoEBlockOutput:
 
 def foe_block(block: Block, x_h: jax.Array, full: jax.Array, positions, segment_ids, moe_input: str,
               num_groups: int, backend, pending_h: Optional[jax.Array] = None,
-              defer_routed: bool = False, attention_fn=None) -> FoEBlockOutput:
+              defer_routed: bool = False, attention_fn=None, layout: Optional[TokenLayout] = None,
+              full_groups: Optional[jax.Array] = None) -> FoEBlockOutput:
     """One FoE layer. x_h: [H, b, s, d] group attention inputs; full: [b, s, d] = R_{k-1}.
 
     pending_h: [H, b, s, d] routed outputs of layer k-1 whose cross-group sum was deferred: they join
     this layer's attention sum (one all-reduce: `attn` is then sum_h (a^h + m^h_{k-1})) and `full`
     must lack them. defer_routed: leave this layer's routed sum to the next layer (`routed` None).
-    attention_fn(normalised x_h) -> a_h replaces group_attention (KV-cache decoding, eval/generate.py)."""
+    attention_fn(normalised x_h) -> a_h replaces group_attention (KV-cache decoding, eval/generate.py).
+    layout: TokenLayout (default replicated). Sharded: the sums are reduce-scatters; the norms, router,
+    shared expert and dense MLP run on the device's own tokens; the routed experts on each device
+    group's gathered copy of the normalised MoE input. full_groups: `full` when it is known to be on
+    every device group (the embedding): an outdated MoE input is then copied, not gathered."""
+    layout = layout or TokenLayout(backend, False)
     with jax.named_scope("attention"):
         xn_h = block.attn_norm(x_h)
         a_h = (attention_fn(xn_h) if attention_fn is not None
                else group_attention(block.attn, xn_h, positions, segment_ids, num_groups))
         a_h = checkpoint_name(a_h, "attention_out")
     with jax.named_scope("group_sum"):
-        a = group_sum(backend, a_h if pending_h is None else a_h + pending_h)
-    x_moe = full + a if moe_input == "full" else full
+        a = layout.sum(a_h if pending_h is None else a_h + pending_h)
+    x_moe = layout.shards(full + a if moe_input == "full" else full)
     zero = jnp.zeros((), jnp.float32)
     with jax.named_scope("moe" if block.is_moe else "mlp"):
-        h = block.ffn_norm(x_moe)
         if block.moe is None:
+            h = block.ffn_norm(x_moe)
             with jax.named_scope("dense_mlp"):
                 s = checkpoint_name(block.mlp(h), "shared_out")
-            return FoEBlockOutput(attn=a, attn_groups=a_h, shared=s, routed=None, routed_groups=None, aux_loss=zero,
-                                  z_loss=zero, load=None, dropped=jnp.zeros((), jnp.int32))
+            return FoEBlockOutput(attn=a, attn_groups=a_h, shared=s, routed=None, routed_groups=None,
+                                  aux_loss=zero, z_loss=zero, load=None, dropped=jnp.zeros((), jnp.int32))
+        h = block.ffn_norm(x_moe)  # sharded layout: on the own tokens (router, shared expert once)
         moe = block.moe
         with jax.named_scope("router"):
             route = group_route(moe.router, h, num_groups)
-        m_h, dropped = group_routed(moe.routed_compute, h, route, moe.experts.weights(moe.cfg.gmm), moe.cfg,
+        with jax.named_scope("group_gather"):
+            known = moe_input != "full" and full_groups is not None  # the MoE input is already everywhere
+            h_in = layout.device_groups(block.ffn_norm(full_groups) if known else h, replicated=known)
+        m_h, dropped = group_routed(moe.routed_compute, h_in, route, moe.experts.weights(moe.cfg.gmm), moe.cfg,
                                     num_groups)
         m_h = checkpoint_name(m_h, "routed_out")
         m = None
         if not defer_routed:
             with jax.named_scope("group_sum"):
-                m = group_sum(backend, m_h)
+                m = layout.sum(m_h)
         shared = moe.shared_out(h)
         if shared is not None:
             shared = checkpoint_name(shared, "shared_out")
@@ -308,14 +361,14 @@ def foe_forward(model: Transformer, tokens: jax.Array, positions: Optional[jax.A
     n = len(blocks)
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    emb = model.embed(tokens)
+    layout = TokenLayout(backend, cfg.moe.foe_tokens == "sharded")
+    emb = layout.replicated(model.embed(tokens))  # group-replicated (the tokens are)
     streams = Streams.init(emb, fs.skip_distance)
     sync = emb  # R_{k-1} minus every group's routed output of layer k-1 (= P_{k-1} + s_{k-1})
     routed_h = None  # m^h_{k-1} [H, b, s, d]
     kinds = [fs.layer_inputs(i, n) for i in range(n)]
-    # One cross-group all-reduce per layer (the paper's sum): layer k's routed sum is deferred into
-    # layer k+1's attention sum when no layer reads a stream that lacks it separately (layers
-    # k+1 .. k+skip_distance all standard). FarSkip layers keep the two sums apart.
+    # the embedding is on every device group already: its group copies need no gather
+    on_all = lambda x: x is emb  # noqa: E731
     defer = [not return_trace and i + 1 < n and all(kinds[j] == ("full", "full")
                                                     for j in range(i + 1, min(i + fs.skip_distance, n - 1) + 1))
              for i in range(n)]
@@ -324,19 +377,21 @@ def foe_forward(model: Transformer, tokens: jax.Array, positions: Optional[jax.A
         attn_kind, moe_kind = kinds[i]
         pending = routed_h if i > 0 and defer[i - 1] else None
         with jax.named_scope(f"layer_{i}"):
-            if attn_kind == "full" and routed_h is not None:
-                x_attn = sync[None] + routed_h  # group h's own representation X^h_{k-1}
-            else:
-                x = streams.attn_input(attn_kind)
-                x_attn = jnp.broadcast_to(x[None], (hg, *x.shape))
+            with jax.named_scope("group_gather"):
+                if attn_kind == "full" and routed_h is not None:
+                    x_attn = layout.groups_h(sync, hg, on_all(sync)) + routed_h  # group h's own X^h_{k-1}
+                else:
+                    x = streams.attn_input(attn_kind)
+                    x_attn = layout.groups_h(x, hg, on_all(x))
             if hasattr(backend, "constrain_groups"):  # parallel/foe.py: group h's stream on its devices
                 x_attn = backend.constrain_groups(x_attn)
             attn_fn = attention_fns[i] if attention_fns is not None else None
-            fn = lambda b, xa, f, p, s, pe: foe_block(b, xa, f, p, s, moe_kind, hg, backend, pe,  # noqa: E731
-                                                      defer[i], attn_fn)
+            full_g = streams.full if layout.sharded and on_all(streams.full) else None
+            fn = lambda b, xa, f, p, s, pe, fg: foe_block(b, xa, f, p, s, moe_kind, hg, backend, pe,  # noqa: E731
+                                                          defer[i], attn_fn, layout, fg)
             if cfg.model.remat != "none" and attention_fns is None:
                 fn = nnx.remat(fn, policy=REMAT_POLICIES[cfg.model.remat])
-            out = fn(block, x_attn, streams.full, positions, segment_ids, pending)
+            out = fn(block, x_attn, streams.full, positions, segment_ids, pending, full_g)
             if return_trace:
                 trace.append(dict(attn_in=x_attn, moe_in=streams.moe_input(moe_kind, out.attn), attn=out.attn,
                                   attn_groups=out.attn_groups, shared=out.shared, routed=out.routed,
@@ -344,6 +399,8 @@ def foe_forward(model: Transformer, tokens: jax.Array, positions: Optional[jax.A
             sync = add_present(streams.full + out.attn, out.shared)
             routed_h = out.routed_groups
             streams = streams.update(out.attn, out.shared, out.routed)
+            if layout.sharded:  # every stream on the own tokens (a group-replicated term is sliced locally)
+                streams = jax.tree.map(layout.shards, streams)
         outs.append((block.is_moe, out))
         if return_hidden:
             hidden.append(streams.full)

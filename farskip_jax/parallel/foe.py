@@ -24,6 +24,11 @@ its own experts). With H >= ep every device holds whole groups and no all-to-all
   constrain_groups(v [H, b, s, d])
       places group h's stream on its device group (attention of group h runs there).
 
+Token-sharded layout (moe.foe_tokens=sharded, model/foe.TokenLayout): between the groups'
+sub-blocks tokens are split over `group` as well (SHARD_AXES); the sums are `group_scatter`
+(reduce-scatter), a group's inputs `gather_groups` (all-gather into a copy per device group), so the
+dense parts run once per token. `foe_mesh_from(..., placement="strided")`: group g = ranks r % G_m.
+
 Bytes per layer (the paper's single-node formula): with T tokens per data shard, the ordinary
 MoE's dispatch all-to-all moves T*k*d rows*width over ep devices, a fraction (ep-1)/ep leaving the
 device; FoE's moves the same T*k*d in total but each device group's T*(k/H)*d only over its ep/G_m
@@ -39,6 +44,7 @@ from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
@@ -54,11 +60,22 @@ GROUP_AXIS = "group"
 FOE_MESH_AXES = ("data", "fsdp", GROUP_AXIS, "expert", "tensor")
 FOE_RULES = {**RULES, "expert": (GROUP_AXIS, "expert")}
 FOE_EXPERT_RULES = {**FOE_RULES, "mlp": None}
+# token-sharded FoE layout (moe.foe_tokens=sharded): tokens over the batch axes AND the device groups
+SHARD_AXES = (*BATCH_AXES, GROUP_AXIS)
 
 
-def foe_mesh_from(mesh: Mesh, num_groups: int) -> Mesh:
+PLACEMENTS = ("contiguous", "strided")
+
+
+def foe_mesh_from(mesh: Mesh, num_groups: int, placement: str = "contiguous") -> Mesh:
     """The FoE mesh over the devices of a plain 4-axis mesh (parallel/mesh.py), in the same order: its
-    expert axis (size ep) split into group (G_m = min(H, ep), outer) x expert (ep / G_m, inner)."""
+    expert axis (size ep) split into group (G_m = min(H, ep)) x expert (ep / G_m).
+
+    placement "contiguous": device group g = expert ranks [g ep/G_m, (g+1) ep/G_m) (group outer; with
+    ep / G_m = GPUs per node a group is a node: its all-to-all stays inside, its sums cross nodes);
+    "strided": device group g = ranks r with r % G_m == g (group inner; the G_m devices of a sum are
+    neighbours, inside a node when G_m divides the GPUs per node, and a group's all-to-all spans
+    the nodes)."""
     if GROUP_AXIS in mesh.shape:
         return mesh
     ep = mesh.shape["expert"]
@@ -66,14 +83,31 @@ def foe_mesh_from(mesh: Mesh, num_groups: int) -> Mesh:
     if ep % gm or num_groups % gm:
         raise ConfigError(f"moe.num_groups={num_groups} and mesh.expert={ep} must divide one another "
                           f"(e.g. mesh.expert={num_groups} or a multiple of it)")
-    d, f, t = mesh.shape["data"], mesh.shape["fsdp"], mesh.shape["tensor"]
-    devs = mesh.devices.reshape(d, f, gm, ep // gm, t)
+    order = foe_device_order(mesh.devices.shape, gm, placement)
+    devs = mesh.devices.reshape(-1)[order.reshape(-1)].reshape(order.shape)
     return Mesh(devs, FOE_MESH_AXES, axis_types=(AxisType.Auto,) * 5)
 
 
-def make_foe_mesh(mcfg: Optional[MeshConfig], num_groups: int, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
-    """The 5-axis FoE mesh: cfg.mesh (make_mesh's device order) with its expert axis split into (group, expert)."""
-    return foe_mesh_from(make_mesh(mcfg, devices), num_groups)
+def foe_device_order(plain_shape: Sequence[int], device_groups: int, placement: str = "contiguous") -> np.ndarray:
+    """[data, fsdp, group, expert, tensor] array of positions in a plain mesh of shape (data, fsdp,
+    expert, tensor) (its devices.flat): which device each FoE mesh position gets (foe_mesh_from).
+    The same program placed "strided" instead of "contiguous" runs logical device p on plain
+    position foe_device_order(.., "strided").flat[p] (benchmarks/multinode_scaling.py re-times it)."""
+    if placement not in PLACEMENTS:
+        raise ConfigError(f"FoE group placement {placement!r} is unknown; choose one of {PLACEMENTS}")
+    d, f, ep, t = plain_shape
+    gm = device_groups
+    ids = np.arange(d * f * ep * t).reshape(d, f, ep, t)
+    if placement == "contiguous":
+        return ids.reshape(d, f, gm, ep // gm, t)
+    return ids.reshape(d, f, ep // gm, gm, t).transpose(0, 1, 3, 2, 4)
+
+
+def make_foe_mesh(mcfg: Optional[MeshConfig], num_groups: int, devices: Optional[Sequence[jax.Device]] = None,
+                  placement: str = "contiguous") -> Mesh:
+    """The 5-axis FoE mesh: cfg.mesh (make_mesh's device order) with its expert axis split into (group, expert)
+    (`placement`: foe_mesh_from)."""
+    return foe_mesh_from(make_mesh(mcfg, devices), num_groups, placement)
 
 
 def foe_state_shardings(state, mesh: Mesh):
@@ -112,12 +146,13 @@ class FoECompute:
         return self.mesh.shape[GROUP_AXIS]
 
     def group_routed(self, x: jax.Array, route: RouteResult, experts: ExpertWeights, cfg, num_groups: int):
-        """x: [b, s, d], route: FoE routing (choices group-major, global expert ids) -> ([H, b, s, d], dropped)."""
+        """x: [b, s, d] (or [G_m, b, s, d]: each device group's own copy, gather_groups), route: FoE
+        routing (choices group-major, global expert ids) -> ([H, b, s, d], dropped)."""
         gm, hg = self.device_groups, num_groups
         if hg % gm:
             raise ConfigError(f"moe.num_groups={hg} is not a multiple of the mesh's group axis ({gm})")
         hpm = hg // gm  # FoE groups per device group
-        b, s, d = x.shape
+        b, s, d = x.shape[-3:]
         kg = route.indices.shape[-1] // hg
         em = experts.w_gate.shape[0] // gm  # experts per device group
 
@@ -126,7 +161,8 @@ class FoECompute:
 
         idx = per_device_group(route.indices) - (jnp.arange(gm, dtype=jnp.int32) * em)[:, None, None, None]
         w = per_device_group(route.weights)
-        xv = jnp.broadcast_to(x[None, None], (gm, hpm, b, s, d)).reshape(gm, hpm * b, s, d)
+        xg = x if x.ndim == 4 else x[None]
+        xv = jnp.broadcast_to(xg[:, None], (gm, hpm, b, s, d)).reshape(gm, hpm * b, s, d)
         inner = routed_compute_for(self.dispatch, self.mesh)  # exchanges over `expert` = within a group
 
         def body(xg, ig, wt, w_gate, w_up, w_down):
@@ -148,6 +184,58 @@ class FoECompute:
         fn = jax.shard_map(lambda a: jax.lax.psum(a[0].sum(0), GROUP_AXIS), mesh=self.mesh, in_specs=P(GROUP_AXIS),
                            out_specs=P(), axis_names={GROUP_AXIS}, check_vma=False)
         return fn(vv)
+
+    # ---- token-sharded layout (moe.foe_tokens=sharded, model/foe.py): [b, ...] values between the
+    # groups' sub-blocks are split over the batch axes x `group` (SHARD_AXES), so the dense parts run
+    # once; a group-replicated view is gathered where a group's attention or experts read it.
+
+    def _check_shardable(self, b: int) -> None:
+        n = self.mesh.size // self.mesh.shape["tensor"]
+        if b % n:
+            raise ConfigError(f"moe.foe_tokens=sharded splits the batch ({b} rows) over data x fsdp x expert x "
+                              f"group = {n} devices; make the batch a multiple of {n} or use "
+                              f"moe.foe_tokens=replicated")
+
+    def group_scatter(self, v: jax.Array) -> jax.Array:
+        """[H, b, ...] -> [b, ...] token-sharded (SHARD_AXES): the cross-group sum as a reduce-scatter
+        over `group` (local sum of a device group's groups first)."""
+        gm = self.device_groups
+        self._check_shardable(v.shape[1])
+        vv = v.reshape(gm, v.shape[0] // gm, *v.shape[1:])
+        spec = P(GROUP_AXIS, None, BATCH_AXES, *([None] * (v.ndim - 2)))
+
+        def body(a):
+            return jax.lax.psum_scatter(a[0].sum(0), GROUP_AXIS, scatter_dimension=0, tiled=True)
+
+        fn = jax.shard_map(body, mesh=self.mesh, in_specs=spec, out_specs=P(SHARD_AXES), check_vma=False)
+        return fn(vv)
+
+    def gather_groups(self, x: jax.Array) -> jax.Array:
+        """[b, ...] token-sharded -> [G_m, b, ...]: device group g's own copy of every token of its data
+        shard (group dim over `group`, batch over BATCH_AXES): an all-gather over `group`. A copy per
+        device group (not one value replicated over them) keeps the backward a reduce-scatter of the
+        groups' own cotangents (a replicated value's cotangent would first be all-reduced)."""
+        self._check_shardable(x.shape[0])
+        x = self.to_shards(x)
+        fn = jax.shard_map(lambda a: jax.lax.all_gather(a, GROUP_AXIS, axis=0, tiled=True)[None], mesh=self.mesh,
+                           in_specs=P(SHARD_AXES), out_specs=P(GROUP_AXIS, BATCH_AXES), check_vma=False)
+        return fn(x)
+
+    def copy_groups(self, x: jax.Array) -> jax.Array:
+        """x [b, ...] already on every device group (e.g. the embedding of the tokens) -> [G_m, b, ...]
+        per-group copies (gather_groups' layout) without communication."""
+        v = jnp.broadcast_to(x[None], (self.device_groups, *x.shape))
+        return jax.lax.with_sharding_constraint(v, NamedSharding(self.mesh, P(GROUP_AXIS, BATCH_AXES)))
+
+    def to_groups(self, x: jax.Array) -> jax.Array:
+        """x [b, ...] constrained to the group-replicated layout (batch over BATCH_AXES only): for a
+        value computed from group-replicated inputs (the embedding of the tokens), so that XLA does not
+        compute it token-sharded and all-gather it back."""
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(BATCH_AXES)))
+
+    def to_shards(self, x: jax.Array) -> jax.Array:
+        """x [b, ...] constrained to the token-sharded layout (a local slice of a group-replicated x)."""
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(SHARD_AXES)))
 
     def constrain_groups(self, v: jax.Array) -> jax.Array:
         """v [H, b, s, ...]: group dim over `group`, batch over the token axes."""
