@@ -4,7 +4,7 @@ layout, standard vs farskip, on 8 GPUs (one node) and 16 GPUs (two nodes) (issue
     JAX_PLATFORMS=cpu python benchmarks/inference_overlap.py [--models dsv2_lite,dsv2,scout]
         [--gpus 8,16] [--programs prefill,decode] [--prompts 1024,...,16384] [--decode-batches 16,...,1024]
         [--context 2048] [--depth auto|full|cut] [--hardware h200] [--out benchmarks/results/inference]
-        [--plot-only]
+        [--scan-layers config|true|false] [--plot-only]
 
 Every point compiles eval/serving.prefill_program (16 requests x prompt length, LM head on the last
 slot) or decode_program (one token per request against a `--context` cache) deviceless for H200s
@@ -16,7 +16,10 @@ inside each node with EP over all GPUs (Llama-4-Scout's 40 heads on 16 GPUs).
 
 Depth: `auto` = DeepSeek-V2-Lite at full depth (27 layers), DeepSeek-V2 and Llama-4-Scout cut to
 2 and 4 layers and extrapolated linearly to 60 / 48 (inference_report.extrapolate; the cut is stated
-in every row). Compiled schedules are cached (--cache): a re-run only re-times. Results:
+in every row). --scan-layers: the config's model.scan_layers (default; DeepSeek-V2-Lite and
+Llama-4-Scout scan), or forced: scanned programs (eval/decode_scan.py) are read with their loops
+unrolled and priced as compiled and with their stacked-row copies free (analysis/loop_schedule.py,
+the `rows in place` column). Compiled schedules are cached (--cache): a re-run only re-times. Results:
 OUT/results.json (raw, per compiled depth), OUT/table.md, OUT/speedup.png.
 """
 
@@ -57,14 +60,15 @@ def scores_of(base, mesh_shape: dict, program: str, batch: int, tokens: int) -> 
 
 
 def compile_point(base, model, gpus, gpn, program, batch, tokens, ctx, layers, preset, hardware, cache_dir, log,
-                  compile_missing: bool = True):
+                  compile_missing: bool = True, scan_layers=None):
     """ServingTiming json of one compiled point (compiled, or re-timed from the schedule cache; None
-    when it is not cached and compile_missing is False)."""
+    when it is not cached and compile_missing is False). scan_layers: None = the config's."""
     from farskip_jax.analysis import inference_report as ir
 
     k = key(model, gpus, program, batch, tokens, ctx if program == "decode" else tokens,
             layers or base.model.num_layers, preset)  # = the results key
-    cpath = os.path.join(cache_dir, k.replace("|", "_") + ".pkl.gz")
+    scan = base.model.scan_layers if scan_layers is None else scan_layers
+    cpath = os.path.join(cache_dir, k.replace("|", "_") + ("_scan" if scan else "") + ".pkl.gz")
     if os.path.exists(cpath):
         with gzip.open(cpath, "rb") as f:
             c = pickle.load(f)
@@ -73,14 +77,14 @@ def compile_point(base, model, gpus, gpn, program, batch, tokens, ctx, layers, p
     else:
         from farskip_jax.analysis.deviceless import gpu_devices
 
-        cfg = ir.serving_config(base, preset, gpus, gpn, layers)
+        cfg = ir.serving_config(base, preset, gpus, gpn, layers, scan)
         devices = gpu_devices("h200", gpus, gpus_per_node=min(gpn, gpus), memory_gb=1e4)
         mesh = ir.serving_mesh(cfg, devices)
         t0 = time.time()
         prog = ir.compile_serving(cfg, mesh, program, batch, tokens if program == "prefill" else 1,
                                   tokens if program == "prefill" else ctx)
         c = {"schedule": prog.schedule, "node_of": ir.node_of(mesh), "compile_s": time.time() - t0,
-             "mesh": dict(mesh.shape), "layers": cfg.model.num_layers,
+             "mesh": dict(mesh.shape), "layers": cfg.model.num_layers, "scan_layers": bool(cfg.model.scan_layers),
              "expected_ar_bytes": ir.expected_ar_bytes(cfg, batch, tokens if program == "prefill" else 1)}
         with gzip.open(cpath, "wb") as f:
             pickle.dump(c, f)
@@ -89,6 +93,7 @@ def compile_point(base, model, gpus, gpn, program, batch, tokens, ctx, layers, p
     layer_ars = [p.bytes for p in c["schedule"].pairs
                  if p.collective == "all-reduce" and ir.role_of(p.start.op_name) in ir.LAYER_ROLES]
     return {**t.to_json(), "compile_s": c["compile_s"], "mesh": c["mesh"], "layers": c["layers"],
+            "scan_layers": c.get("scan_layers", False),
             "nodes": len(set(c["node_of"])), "expected_ar_bytes": c["expected_ar_bytes"],
             "layer_ar_bytes": sorted(set(layer_ars))}
 
@@ -122,7 +127,11 @@ def rows_of(results, models, gpus_list, points, ctx, full_layers):
                 rows.append({
                     "model": m, "gpus": g, "nodes": raw["nodes"], "mesh": raw["mesh"], "program": program,
                     "batch": batch, "tokens": tokens, "context": ctx if program == "decode" else tokens,
-                    "depth": how if how == how_f else f"{how}/{how_f}", "layers": full_layers[m],
+                    "depth": (how if how == how_f else f"{how}/{how_f}") + (", scan" if raw.get("scan_layers") else ""),
+                    "layers": full_layers[m], "scan_layers": bool(raw.get("scan_layers")),
+                    "standard_inplace_ms": std.time_inplace_us / 1e3, "farskip_inplace_ms": fs.time_inplace_us / 1e3,
+                    "speedup_inplace": std.time_inplace_us / fs.time_inplace_us,
+                    "row_copy_ms": std.row_copy_us / 1e3,
                     "standard_ms": std.time_us / 1e3, "farskip_ms": fs.time_us / 1e3,
                     "serial_ms": std.serial_us / 1e3, "ceiling_ms": std.ceiling_us / 1e3,
                     "speedup": std.time_us / fs.time_us, "speedup_vs_serial": std.serial_us / fs.time_us,
@@ -140,8 +149,9 @@ def rows_of(results, models, gpus_list, points, ctx, full_layers):
 
 def table_md(rows) -> str:
     out = ["| model | GPUs (nodes) | mesh E x T | program | batch x tokens | depth | standard ms | farskip ms | "
-           "speedup | vs sync AR | ceiling | AR share | AR hidden std / farskip | MB per AR |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "speedup | vs sync AR | ceiling | AR share | AR hidden std / farskip | MB per AR | "
+           "rows in place: std / farskip ms, speedup |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         what = "TTFT" if r["program"] == "prefill" else f"TPOT (ctx {r['context']})"
         bt = f"{r['batch']} x {r['tokens']}" if r["program"] == "prefill" else f"{r['batch']} x 1"
@@ -150,8 +160,16 @@ def table_md(rows) -> str:
                    f"{r['mesh']['tensor']} | {what} | {bt} | {r['depth']} | {r['standard_ms']:.3f} | "
                    f"{r['farskip_ms']:.3f} | **{r['speedup']:.3f}x** | {r['speedup_vs_serial']:.3f}x | "
                    f"{r['ceiling_speedup']:.3f}x | {100 * r['ar_share']:.1f}% | {100 * r['std_hidden']:.1f}% / "
-                   f"{100 * r['fs_hidden']:.1f}% | {mb} |")
+                   f"{100 * r['fs_hidden']:.1f}% | {mb} | {inplace_cell(r)} |")
     return "\n".join(out)
+
+
+def inplace_cell(r) -> str:
+    """Scanned programs: standard / farskip with the stacked-row copies free (the GEMMs reading the
+    layer's rows in place) and that speedup; '-' for programs without such copies."""
+    if not r.get("row_copy_ms"):
+        return "-"
+    return f"{r['standard_inplace_ms']:.3f} / {r['farskip_inplace_ms']:.3f}, {r['speedup_inplace']:.3f}x"
 
 
 def plot(rows, path, hardware: str = "h200"):
@@ -238,15 +256,17 @@ def weight_floor_md(rows, bases, gpn, hardware: str = "h200") -> list[str]:
 
     hw = HARDWARE[hardware]
     out = ["", "Decode plausibility: parameter bytes each GPU reads per step / (HBM bandwidth x "
-           f"{hw.mem_eff}) = the weight-bandwidth floor, next to the modelled standard time per output token.", "",
+           f"{hw.mem_eff}) = the weight-bandwidth floor, next to the modelled standard time per output token "
+           "(scanned programs: as compiled, and with the stacked-row copies free).", "",
            "| model | GPUs | GB per GPU | weight floor ms | TPOT ms by batch (standard) |", "|---|---|---|---|---|"]
     seen = sorted({(r["model"], r["gpus"]) for r in rows if r["program"] == "decode"})
     for m, g in seen:
         cfg = ir.serving_config(bases[m], "standard", g, gpn)
         mesh = ir.serving_mesh(cfg, gpu_devices("h200", g, gpus_per_node=min(gpn, g)))
         b = ir.weight_bytes_per_device(cfg, mesh)
-        tp = ", ".join(f"{r['batch']}: {r['standard_ms']:.2f}" for r in rows
-                       if r["model"] == m and r["gpus"] == g and r["program"] == "decode")
+        tp = ", ".join(f"{r['batch']}: {r['standard_ms']:.2f}"
+                       + (f" ({r['standard_inplace_ms']:.2f} in place)" if r.get("row_copy_ms") else "")
+                       for r in rows if r["model"] == m and r["gpus"] == g and r["program"] == "decode")
         out.append(f"| {MODELS[m][1]} | {g} | {b / 1e9:.2f} | {1e3 * b / (hw.hbm_bw * hw.mem_eff):.2f} | {tp} |")
     return out + [""]
 
@@ -260,9 +280,13 @@ def timelines(cache_dir, hardware, out, ctx, full_layers) -> list[str]:
     for program, batch, tokens in (("prefill", 16, 4096), ("decode", 64, 1)):
         for m in MODELS:
             for layers in (full_layers[m], MODELS[m][2][1]):
-                paths = [os.path.join(cache_dir, key(m, 8, program, batch, tokens, ctx if program == "decode" else tokens,
-                                                      layers, p).replace("|", "_") + ".pkl.gz")
-                         for p in ("standard", "farskip")]
+                for suffix in ("_scan", ""):  # a scanned program's schedule (loop unrolled), else the per-layer one
+                    paths = [os.path.join(cache_dir, key(m, 8, program, batch, tokens,
+                                                          ctx if program == "decode" else tokens, layers,
+                                                          p).replace("|", "_") + suffix + ".pkl.gz")
+                             for p in ("standard", "farskip")]
+                    if all(os.path.exists(p) for p in paths):
+                        break
                 if all(os.path.exists(p) for p in paths):
                     items = []
                     for preset, p in zip(("standard", "farskip"), paths):
@@ -292,6 +316,8 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=2048, help="decode: KV-cache length")
     ap.add_argument("--depth", default="auto", choices=("auto", "full", "cut"))
     ap.add_argument("--hardware", default="h200")
+    ap.add_argument("--scan-layers", choices=("config", "true", "false"), default="config",
+                    help="stacked layers decoded as a scan (eval/decode_scan.py) or per-layer weights unrolled")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "inference"))
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "farskip_inference_cache"))
     ap.add_argument("--plot-only", action="store_true", help="rewrite table.md / speedup.png from results.json")
@@ -329,7 +355,8 @@ def main() -> int:
                                     n_l, preset)
                             try:
                                 e = compile_point(bases[m], m, g, a.gpus_per_node, program, batch, tokens, a.context,
-                                                  layers, preset, a.hardware, a.cache, log, not a.retime_only)
+                                                  layers, preset, a.hardware, a.cache, log, not a.retime_only,
+                                                  None if a.scan_layers == "config" else a.scan_layers == "true")
                                 if e is None:
                                     continue
                                 results[k] = e

@@ -93,3 +93,35 @@ def test_useful_rows_and_serving_shape():
         y = gmm(np.ones((16, 4), np.float32), np.ones((2, 4, 3), np.float32), np.array([8, 8], np.int32),
                 backend="ragged_dot")  # the seam's ragged_dot: what moe.gmm resolves to on GPU
     assert y.shape == (16, 3) and float(y[:4].sum()) == 4 * 3 * 4 and float(y[4:].sum()) == 0
+
+
+def test_scanned_serving_program_unrolls_to_its_layers(h100x8):
+    """A scanned prefill (model.scan_layers: the 3 MoE layers are one while loop, eval/decode_scan.py)
+    re-timed from its loop-unrolled schedule (analysis/loop_schedule.py) has the per-layer program's
+    all-reduces (roles, layers, bytes), the stacked-row copies tagged, and with them free a time near
+    the per-layer program's; FarSkip still hides more inside the loop body than standard. Without the
+    unrolling the entry computation shows the embedding's all-reduce only (the check can fail)."""
+    from farskip_jax.analysis.scopes import layer_of
+
+    def timing(preset, scan):
+        cfg = replace(tiny_cfg(num_layers=3, first_k_dense=0), **{"farskip.preset": preset, "model.scan_layers": scan})
+        mesh = ir.serving_mesh(cfg, h100x8)
+        prog = ir.compile_serving(cfg, mesh, "prefill", 4, 16, 16)
+        return cfg, prog, ir.time_serving(prog.schedule, ir.node_of(mesh), "h100_sxm", "prefill")
+
+    cfg, scan, t_scan = timing("farskip", True)
+    _, loop, t_loop = timing("farskip", False)
+    _, _, t_std = timing("standard", True)
+    assert " while(" in scan.hlo_text and " while(" not in loop.hlo_text
+    entry = scan.hlo_text[scan.hlo_text.index("\nENTRY"):].split("\n}\n")[0]
+    assert entry.count("all-reduce-start(") < 6  # the layers' all-reduces sit in the while body
+    for prog in (scan, loop):
+        ars = [p for p in prog.schedule.pairs if p.collective == "all-reduce" and ir.role_of(p.start.op_name) != "other"]
+        got = sorted((layer_of(p.start.op_name), ir.role_of(p.start.op_name), p.bytes) for p in ars)
+        want = sorted((k, r, ir.expected_ar_bytes(cfg, 4, 16)) for k in range(3) for r in ("attention", "routed"))
+        assert got == want, got
+    assert t_scan.ar_count == t_loop.ar_count
+    assert t_scan.row_copy_us > 0 and t_loop.row_copy_us == 0 and t_loop.inplace_us == 0
+    assert t_scan.time_inplace_us < t_scan.time_us
+    assert abs(t_scan.time_inplace_us - t_loop.time_us) < 0.25 * t_loop.time_us, (t_scan.time_inplace_us, t_loop.time_us)
+    assert t_scan.layer_hidden_frac > t_std.layer_hidden_frac + 0.2, (t_std.layer_hidden_frac, t_scan.layer_hidden_frac)

@@ -25,6 +25,13 @@ memory bound), KV-cache writes at the bytes of the update (in place). Reported p
     serial_us         the same schedule with every all-reduce synchronous (vLLM / SGLang's standard
                       model: nothing runs under an all-reduce)
     ceiling_us        time_us minus every exposed all-reduce microsecond (all of them hidden)
+    row_copy_us       scanned programs (model.scan_layers, eval/decode_scan.py): the copies XLA makes
+                      of each layer's row of a stacked weight / cache ahead of a GEMM in every iteration
+    inplace_us        time_us with those copies free: the GEMMs reading the rows in place (XLA's
+                      dynamic-slice fusion; 0 = a program without such copies)
+
+Scanned programs keep their layers in while bodies: the schedule is the entry with every loop
+unrolled, XLA's order inside each body repeated (analysis/loop_schedule.py).
 
 Routed experts: a deviceless compile has no grouped GEMM, so `jax.lax.ragged_dot` is traced as a cost
 proxy at the useful rows of a perfectly balanced router (`balanced_grouped_gemm`: a batched GEMM of
@@ -91,19 +98,19 @@ def serving_shape(cfg, num_devices: int, gpus_per_node: Optional[int] = None) ->
 
 
 def serving_config(cfg, preset: str, num_devices: int, gpus_per_node: Optional[int] = None,
-                   layers: Optional[int] = None):
+                   layers: Optional[int] = None, scan_layers: Optional[bool] = None):
     """cfg on the tp_ep layout of num_devices GPUs (serving_shape), connectivity `preset`, bf16, no
-    remat; `layers` cuts the depth (model.num_layers)."""
+    remat; `layers` cuts the depth (model.num_layers); scan_layers: the stacked, scanned program
+    (eval/decode_scan.py) or per-layer weights unrolled (default: the config's model.scan_layers)."""
     from farskip_jax.config import replace
 
     expert, tensor = serving_shape(cfg, num_devices, gpus_per_node)
     over = {"inference.layout": "tp_ep", "mesh.data": 1, "mesh.fsdp": 1, "mesh.expert": expert,
             "mesh.tensor": tensor, "moe.capacity_factor": None, "farskip.preset": preset,
             "model.remat": "none", "model.compute_dtype": "bfloat16", "model.param_dtype": "bfloat16",
-            "moe.dispatch": "all_to_all" if expert > 1 else "local",
-            # KV-cache decoding runs the unrolled loop over per-layer views; from stacked layers
-            # (model.scan_layers) each step would slice, i.e. copy, every layer's weights
-            "model.scan_layers": False}
+            "moe.dispatch": "all_to_all" if expert > 1 else "local"}
+    if scan_layers is not None:
+        over["model.scan_layers"] = bool(scan_layers)
     if layers is not None:
         over["model.num_layers"] = layers
         if cfg.model.nope_layers:
@@ -171,8 +178,14 @@ def compile_serving(cfg, mesh, program: str, batch: int, tokens: int, max_len: i
                     merge_weights: bool = False):
     """deviceless.CompiledProgram of the prefill (tokens per row = the prompt) or decode (tokens = 1)
     program of `cfg` on `mesh`, with LHS_FLAGS + TpEpLayout.compiler_options() (+ `flags`).
-    merge_weights=False also disables NO_WEIGHT_MERGE (see there)."""
+    merge_weights=False also disables NO_WEIGHT_MERGE (see there). Its schedule is the entry with
+    every while loop unrolled (loop_schedule.load_unrolled_schedule): a scanned program's layers."""
+    import glob
+    import os
+    import tempfile
+
     from farskip_jax.analysis.deviceless import LHS_FLAGS, compile_deviceless
+    from farskip_jax.analysis.loop_schedule import load_unrolled_schedule
     from farskip_jax.errors import ConfigError
     from farskip_jax.eval.serving import decode_program, prefill_program
     from farskip_jax.parallel.inference import TpEpLayout
@@ -182,12 +195,16 @@ def compile_serving(cfg, mesh, program: str, batch: int, tokens: int, max_len: i
     opts = {**LHS_FLAGS, **TpEpLayout.compiler_options(), **(flags or {})}
     if merge_weights is False:  # xla_disable_hlo_passes is one comma-separated option
         opts["xla_disable_hlo_passes"] = ",".join(x for x in (opts.get("xla_disable_hlo_passes"), *NO_WEIGHT_MERGE) if x)
-    with balanced_grouped_gemm(useful_fraction(cfg, mesh)):
+    with balanced_grouped_gemm(useful_fraction(cfg, mesh)), tempfile.TemporaryDirectory(prefix="farskip_serving_") as d:
         if program == "prefill":
             fn, args = prefill_program(cfg, mesh, batch, tokens, max_len, last_logits=True)
         else:
             fn, args = decode_program(cfg, mesh, batch, max_len)
-        return compile_deviceless(fn, *args, flags=opts)
+        prog = compile_deviceless(fn, *args, flags=opts, keep_dump=d)
+        # the while loops of a scanned program unrolled (analysis/loop_schedule.py; the entry as is otherwise)
+        dump = sorted(glob.glob(os.path.join(d, "*.schedule.txt")), key=os.path.getmtime)[-1]
+        with open(dump) as f:
+            return dataclasses.replace(prog, schedule=load_unrolled_schedule(f.read()))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -212,6 +229,12 @@ class ServingTiming:
     by_role: dict  # role -> {count, us, hidden_us, bytes}
     other_collective_us: float = 0.0  # gathers etc. (GSPMD's)
     sync_collectives: float = 0.0  # collectives XLA left synchronous (priced as memory ops by the model)
+    row_copy_us: float = 0.0  # scanned programs: the copies of one layer's row out of a stacked weight / cache
+    inplace_us: float = 0.0  # time_us with those copies free (the GEMMs reading the rows in place); 0: no copies
+
+    @property
+    def time_inplace_us(self) -> float:
+        return self.inplace_us or self.time_us
 
     @property
     def ar_exposed_us(self) -> float:
@@ -277,10 +300,12 @@ def time_serving(schedule, node_of_devices: Sequence[int], hardware: str = "h200
     topology.LINKS), its collectives priced by which devices share a node (`node_of_devices`).
     Prefill: the attention core as a causal flash kernel, `scores` (score_elements) marks the
     materialised softmax of the naive core as part of it (flash_scores)."""
-    from farskip_jax.analysis.cost_model import HARDWARE, simulate
+    from farskip_jax.analysis.cost_model import HARDWARE, OptimizerStep, simulate
     from farskip_jax.analysis.hlo import COLLECTIVES
+    from farskip_jax.analysis.loop_schedule import row_copy_ops
     from farskip_jax.analysis.report import analyze
 
+    copies = row_copy_ops(schedule)  # before flash_scores renames op_names
     if program == "prefill" and scores:
         schedule = flash_scores(schedule, scores)
     topo = topology_for(node_of_devices, hardware, **links_over)
@@ -288,6 +313,11 @@ def time_serving(schedule, node_of_devices: Sequence[int], hardware: str = "h200
     kw = dict(topology=topo, fused_attention=program == "prefill", in_place_updates=True)
     sched, durs = simulate(schedule, hw, **kw)
     rep = analyze(sched, durs, kinds=("all-reduce",), with_bound=False)
+    inplace, copy_us = 0.0, 0.0
+    if copies:
+        copy_us = sum(o.end - o.start for o in sched.ops if o.id in copies)
+        s2, d2 = simulate(schedule, hw, free=OptimizerStep(ops=copies, pairs=frozenset()), **kw)
+        inplace = analyze(s2, d2, kinds=("all-reduce",), with_bound=False).step_time
     serial, _ = simulate(schedule, hw, serialize=REDUCTIONS, **kw)
     ars = [p for p in schedule.pairs if p.collective == "all-reduce"]
     by_role = {r: {"count": 0, "us": 0.0, "hidden_us": 0.0, "bytes": 0.0} for r in ROLES}
@@ -305,7 +335,8 @@ def time_serving(schedule, node_of_devices: Sequence[int], hardware: str = "h200
     return ServingTiming(time_us=rep.step_time, serial_us=serial.makespan, compute_us=rep.compute_time,
                          ar_us=tot["duration"], ar_hidden_us=tot["hidden"], layer_ar_us=lay_us,
                          layer_ar_hidden_us=lay_hid, ar_count=len(ars), ar_bytes=float(sum(p.bytes for p in ars)),
-                         by_role=by_role, other_collective_us=other, sync_collectives=sync)
+                         by_role=by_role, other_collective_us=other, sync_collectives=sync, row_copy_us=copy_us,
+                         inplace_us=inplace)
 
 
 def extrapolate(a: ServingTiming, la: int, b: ServingTiming, lb: int, layers: int) -> ServingTiming:
@@ -320,6 +351,8 @@ def extrapolate(a: ServingTiming, la: int, b: ServingTiming, lb: int, layers: in
         return x + (y - x) * f
 
     da, db = dataclasses.asdict(a), dataclasses.asdict(b)
+    if a.inplace_us or b.inplace_us:  # 0 means "no copies" (the time itself)
+        da["inplace_us"], db["inplace_us"] = a.time_inplace_us, b.time_inplace_us
     return ServingTiming(**{k: lin(da[k], db[k]) for k in da})
 
 
@@ -383,6 +416,11 @@ def format_pair(std: ServingTiming, fs: ServingTiming, what: str) -> str:
             f"{'ceiling: every all-reduce hidden (ms)':<40}{std.ceiling_us / 1e3:>14.3f}{fs.ceiling_us / 1e3:>14.3f}",
             f"speedup farskip / standard {std.time_us / fs.time_us:.3f}x (vs synchronous all-reduces "
             f"{std.serial_us / fs.time_us:.3f}x; ceiling {std.time_us / std.ceiling_us:.3f}x)"]
+    if std.row_copy_us or fs.row_copy_us:  # a scanned program: XLA copies each layer's rows out of the stacks
+        rows[2:2] = [f"{'  of which stacked-row copies (ms)':<40}{std.row_copy_us / 1e3:>14.3f}{fs.row_copy_us / 1e3:>14.3f}",
+                     f"{'  rows read in place (ms)':<40}{std.time_inplace_us / 1e3:>14.3f}"
+                     f"{fs.time_inplace_us / 1e3:>14.3f}"]
+        rows.append(f"rows read in place: speedup {std.time_inplace_us / fs.time_inplace_us:.3f}x")
     return "\n".join(rows)
 
 
@@ -398,6 +436,8 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default="h200")
     ap.add_argument("--hardware", default="h200", help="two-stream model: h200, h100_sxm, mi300x, mi325x")
     ap.add_argument("--layers", type=int, default=None, help="cut the model to this many layers")
+    ap.add_argument("--scan-layers", choices=("config", "true", "false"), default="config",
+                    help="stacked layers decoded as a scan (eval/decode_scan.py) or per-layer weights unrolled")
     ap.add_argument("overrides", nargs="*", help="config overrides key=value")
     a = ap.parse_args(argv)
 
@@ -412,10 +452,12 @@ def main(argv=None) -> int:
         max_len = a.tokens if a.program == "prefill" else a.context
         out = {}
         for preset in ("standard", "farskip"):
-            cfg = serving_config(base, preset, a.devices, a.gpus_per_node, a.layers)
+            scan = None if a.scan_layers == "config" else a.scan_layers == "true"
+            cfg = serving_config(base, preset, a.devices, a.gpus_per_node, a.layers, scan)
             mesh = serving_mesh(cfg, devices)
             print(f"[inference_report] compiling {a.program} ({preset}, batch {a.batch} x {tokens} tokens, cache "
-                  f"{max_len}, mesh {dict(mesh.shape)}) ...", file=sys.stderr, flush=True)
+                  f"{max_len}, mesh {dict(mesh.shape)}, {'scanned' if cfg.model.scan_layers else 'per-layer'} "
+                  "layers) ...", file=sys.stderr, flush=True)
             prog = compile_serving(cfg, mesh, a.program, a.batch, tokens, max_len)
             out[preset] = time_serving(prog.schedule, node_of(mesh), a.hardware, a.program,
                                        score_elements(cfg, mesh, a.batch, tokens, max_len))

@@ -1,22 +1,25 @@
 """KV-cache prefill and decode of a model with stacked layers (`model.scan_layers`), as a scan.
 
 Under scan_layers the parameters of each stack (model/stacking.py) carry a leading "layers" axis.
-The unrolled decode of eval/generate.py runs over per-layer views (`model.blocks()`): one static
-slice, i.e. a copy, of every layer's weights per call. This module runs each stack as
-`jax.lax.scan` instead, as Transformer._scanned does for the full forward:
+The unrolled decode of eval/generate.py (now FoE and `scan=False` only) runs over per-layer views
+(`model.blocks()`): one static slice, i.e. a copy, of every layer's weights per call. This module
+runs each stack as `jax.lax.scan` instead, as Transformer._scanned does for the full forward:
 
 - the cache of a stack is stacked on the same axis: per stack, per block q of its period,
   (k [repeats, b, max_len, kv_heads, head_dim], v [repeats, b, max_len, kv_heads, v_dim]);
   `init_stacked_cache` builds it, `stacked_cache_shapes` gives its shapes from the config;
 - the stacked cache is carried (with the streams): iteration r writes the new keys/values of layer
   start + r * period + q at slots [start, start + t) in place (dynamic-update-slice of the carried
-  buffer) and reads its layer's cache; nothing is copied in or out of the loop;
+  buffer) and reads its layer's cache; nothing is copied in or out of the loop at the JAX level
+  (XLA:GPU still copies a row into a buffer of its own where a cuBLAS GEMM reads it: docs/inference.md);
 - the stacked weights enter the loop whole: the scan runs over layer indices, and each iteration
   indexes its layer's weights inside the body (`layer_at`); no slice of a stack outside the loop;
 - connectivity is static in the body: each stack's repeats are split into maximal runs of equal
   FarSkipConfig.layer_inputs (a stack split by e.g. farskip.layers=last:2 gives one scan per run,
   each over the same whole stacked weights with its own index range); the carry is the padded
-  `Streams` (model/connectivity.py), exact since x + 0 == x;
+  `Streams` (model/connectivity.py), exact since x + 0 == x, holding only the streams a layer still
+  to run reads (`prune`: the others are scalar zeros; XLA removes dead streams of an unrolled
+  program, but copies every carried one of a loop; standard connectivity carries `full` only);
 - on the tp_ep layout (parallel/inference.py) the cached attention of each iteration is
   `TpEpLayout.cached_attention(..., layer=index)` (heads over `tensor`, stacked cache sharded
   P(None, data, None, tensor, None)); the MoE runs the model's own routed backend.
@@ -30,6 +33,7 @@ unrolled path and the per-layer cache. Used by eval/generate.py (`decode_step`, 
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 import jax
@@ -40,6 +44,16 @@ from farskip_jax.config import FarSkipConfig
 from farskip_jax.model.attention import attention_core
 from farskip_jax.model.connectivity import Streams
 from farskip_jax.model.stacking import LAYER_AXIS, plan_segments
+
+
+def scan_scope(first: int, period: int) -> str:
+    """Named scope of the scan of a run whose first layer is `first`: inside it, block q of
+    iteration k is layer first + k * period + q, named `layer_q{q}` (analysis/loop_schedule.py
+    renames it `layer_{i}` when it unrolls the loop)."""
+    return f"scan_L{first}_P{period}"
+
+
+SCAN_SCOPE = re.compile(r"scan_L(\d+)_P(\d+)")
 
 
 def _is_var(x) -> bool:
@@ -129,6 +143,26 @@ def _cached_attention(attn, positions, mask, entry, start, layer, layout, sink: 
     return fn
 
 
+def live_streams(kinds_from: set) -> dict:
+    """Which Streams fields a carry needs when the attention inputs `kinds_from` (the attn kinds of
+    every layer still to run) are read: the MoE reads `full` only, `partial` reads no_routed,
+    `outdated` no_moe; pending routed outputs feed both, pending shared outputs no_moe only."""
+    partial, outdated = "partial" in kinds_from, "outdated" in kinds_from
+    return dict(no_routed=partial, no_moe=outdated, pending_routed=partial or outdated, pending_shared=outdated)
+
+
+def prune(streams: Streams, live: dict) -> Streams:
+    """`streams` with the fields no later layer reads replaced by scalar zeros: a scan carry then
+    holds (and XLA copies) only the live streams; the live ones are untouched (exact)."""
+    zero = jnp.zeros((), streams.full.dtype)
+    out = {}
+    for name, keep in live.items():
+        if not keep:
+            v = getattr(streams, name)
+            out[name] = tuple(zero for _ in v) if isinstance(v, tuple) else zero
+    return streams.replace(**out) if out else streams
+
+
 def _stable(body, carry, index0):
     """`carry` cast to the dtypes one body step returns (lax.scan needs carry in == carry out; a
     stream may widen after the first layer, e.g. bf16 + f32 -> f32, as in the unrolled loop)."""
@@ -147,6 +181,7 @@ def scanned_decode_step(model, tokens: jax.Array, positions: jax.Array, start: j
     [b, 1, t, max_len] mask of that layer's queries over the cache slots (alike layers of a stack share it)."""
     n = model.cfg.model.num_layers
     streams = Streams.init(model.embed(tokens), farskip.skip_distance)
+    attn_kinds = [farskip.layer_inputs(i, n)[0] for i in range(n)]
     outs, new_cache = [], []
     for s, st in enumerate(model.stacks):
         seg = st.segment
@@ -158,8 +193,9 @@ def scanned_decode_step(model, tokens: jax.Array, positions: jax.Array, start: j
         entries = cache[s]
         for r0, r1 in runs(kinds):
             kind = kinds[r0]
+            live = live_streams(set(attn_kinds[seg.layer(0, r0):]))  # read by this run or any later layer
 
-            def body(carry, r, kind=kind, gds=gds, states=states, masks=masks):
+            def body(carry, r, kind=kind, gds=gds, states=states, masks=masks, live=live):
                 streams, entries = carry
                 entries, stats = list(entries), []
                 for q in range(len(gds)):
@@ -170,13 +206,13 @@ def scanned_decode_step(model, tokens: jax.Array, positions: jax.Array, start: j
                     with jax.named_scope(f"layer_q{q}"):
                         out = blk(streams.attn_input(attn_kind), streams.full, positions, None, moe_kind,
                                   attention_fn=fn)
-                        streams = streams.update(out.attn, out.shared, out.routed).padded()
+                        streams = prune(streams.update(out.attn, out.shared, out.routed).padded(), live)
                     entries[q] = sink["entry"]
                     stats.append(out.replace(attn=None, shared=None, routed=None))
                 return (streams, tuple(entries)), stats
 
-            with jax.named_scope(f"stack_{s}"):
-                carry = _stable(body, (streams.padded(), entries), jnp.int32(r0))
+            with jax.named_scope(f"stack_{s}"), jax.named_scope(scan_scope(seg.layer(0, r0), seg.period)):
+                carry = _stable(body, (prune(streams.padded(), live), entries), jnp.int32(r0))
                 (streams, entries), ys = jax.lax.scan(body, carry, jnp.arange(r0, r1, dtype=jnp.int32))
             for j in range(r1 - r0):
                 for q in range(seg.period):

@@ -291,36 +291,39 @@ class TpEpLayout:
         """KV-cache attention of one layer: xn [b, t, d] normalised input at positions [b, t]; entry
         (k, v) [b, L, heads, dim] sharded by cache_sharding; new keys/values written at slots
         [start, start + t); mask [b, 1, t, L] -> (output [b, t, d] after the all-reduce, new entry).
-        layer (a scalar, scanned decoding: eval/decode_scan.py): entry is a stacked cache
-        [repeats, b, L, heads, dim] (stacked_cache_sharding); this layer's row is written and read."""
+        layer (a scalar; scanned decoding, eval/decode_scan.py): entry is a stacked cache
+        [repeats, b, L, heads, dim] (stacked_cache_sharding). Only the layer's row enters the
+        shard_map; the new keys/values come back out and are written into the stack after the row
+        was read (an optimization barrier orders it), so XLA updates the carried stack in place
+        (a whole stack through the shard_map, or a write racing the read, made XLA copy the stack)."""
         gd, state, specs, fix = self._split_attention(attn)
-        b3 = P(DATA_AXIS, None, None)
-        cache = P(DATA_AXIS, None, TP_AXIS, None) if layer is None else P(None, DATA_AXIS, None, TP_AXIS, None)
+        b3, cache = P(DATA_AXIS, None, None), P(DATA_AXIS, None, TP_AXIS, None)
 
-        def body(st, xn, pos, kc, vc, start, mask, layer):
+        def body(st, xn, pos, kc, vc, start, mask):
             local = nnx.merge(gd, fix(st, jax.lax.axis_index(TP_AXIS)))
             with jax.named_scope("attention_qkv"):
                 q, k, v = local.qkv(xn, pos)
-            if layer is None:
-                kc = kl = jax.lax.dynamic_update_slice(kc, k.astype(kc.dtype), (0, start, 0, 0))
-                vc = vl = jax.lax.dynamic_update_slice(vc, v.astype(vc.dtype), (0, start, 0, 0))
-            else:
-                kc = jax.lax.dynamic_update_slice(kc, k[None].astype(kc.dtype), (layer, 0, start, 0, 0))
-                vc = jax.lax.dynamic_update_slice(vc, v[None].astype(vc.dtype), (layer, 0, start, 0, 0))
-                kl = jax.lax.dynamic_index_in_dim(kc, layer, 0, keepdims=False)
-                vl = jax.lax.dynamic_index_in_dim(vc, layer, 0, keepdims=False)
+            k, v = k.astype(kc.dtype), v.astype(vc.dtype)
+            kc = jax.lax.dynamic_update_slice(kc, k, (0, start, 0, 0))
+            vc = jax.lax.dynamic_update_slice(vc, v, (0, start, 0, 0))
             with jax.named_scope("attention_core"):
-                o = attention_core(q, kl, vl, mask, local.scale)
+                o = attention_core(q, kc, vc, mask, local.scale)
             with jax.named_scope("attention_out"):
                 o = local.project_out(o, xn)
             with jax.named_scope("attention_allreduce"):
-                return jax.lax.psum(o, TP_AXIS), kc, vc
+                o = jax.lax.psum(o, TP_AXIS)
+            return (o, kc, vc) if layer is None else (o, k, v)
 
         f = jax.shard_map(body, mesh=self.mesh,
-                          in_specs=(specs, b3, P(DATA_AXIS, None), cache, cache, P(), P(DATA_AXIS, None, None, None),
-                                    None if layer is None else P()),
+                          in_specs=(specs, b3, P(DATA_AXIS, None), cache, cache, P(), P(DATA_AXIS, None, None, None)),
                           out_specs=(b3, cache, cache), check_vma=False)
-        o, kc, vc = f(state, xn, positions, entry[0], entry[1], start, mask, layer)
+        if layer is None:
+            o, kc, vc = f(state, xn, positions, entry[0], entry[1], start, mask)
+            return o, (kc, vc)
+        rows = [jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in entry]
+        o, k, v = jax.lax.optimization_barrier(f(state, xn, positions, rows[0], rows[1], start, mask))
+        kc = jax.lax.dynamic_update_slice(entry[0], k[None], (layer, 0, start, 0, 0))
+        vc = jax.lax.dynamic_update_slice(entry[1], v[None], (layer, 0, start, 0, 0))
         return o, (kc, vc)
 
     def forward(self, model, tokens: jax.Array, positions: Optional[jax.Array] = None,
