@@ -53,7 +53,11 @@ def parse(argv):
     p.add_argument("--min-lr-ratio", type=float, default=0.1)
     p.add_argument("--evals", type=int, default=8, help="early-stopping evaluations per run")
     p.add_argument("--select-batches", type=int, default=8)
-    p.add_argument("--eval-batches", type=int, default=16)
+    p.add_argument("--eval-batches", type=int, default=16, help="batches per report slice")
+    p.add_argument("--report-starts", default="",
+                   help="comma list of validation batch indices where report slices start (default: right after "
+                        "the early-stopping slice); e.g. 8,100 on runs/hard/corpus.jsonl also reports the Python "
+                        "docs, whose validation documents follow Shakespeare's")
     p.add_argument("--title", default=None)
     p.add_argument("overrides", nargs="*", help="extra overrides for every run")
     return p.parse_args(argv)
@@ -102,8 +106,12 @@ def main(argv=None) -> int:
     budgets = [float(b) for b in a.budgets.split(",") if b]
     tcfg, t_gd, t_st = load_run(a.teacher, "latest")
     pre = tcfg.train.steps * tcfg.train.batch_size * tcfg.train.seq_len
-    allb = val_batches(tcfg, a.select_batches + a.eval_batches, batch_size=a.batch_size)
-    report = allb[a.select_batches:]
+    starts = [int(x) for x in a.report_starts.split(",") if x] or [a.select_batches]
+    if min(starts) < a.select_batches:
+        raise SystemExit(f"--report-starts {starts}: a report slice must start at or after --select-batches "
+                         f"{a.select_batches} (the early-stopping slice)")
+    allb = val_batches(tcfg, max(starts) + a.eval_batches, batch_size=a.batch_size)
+    report = [b for s in starts for b in allb[s:s + a.eval_batches]]
     t0 = time.time()
 
     conv_file = os.path.join(out, "converted.json")
@@ -152,7 +160,9 @@ def main(argv=None) -> int:
     L = [f"# FCSD methods on {a.teacher} ({time.strftime('%Y-%m-%d', time.gmtime())})", "",
          f"teacher: {tcfg.model.num_layers} layers, d_model {tcfg.model.d_model}, attention {tcfg.model.attention}, "
          f"{tcfg.moe.num_experts} experts top-{tcfg.moe.top_k} + {tcfg.moe.num_shared_experts} shared, vocab "
-         f"{tcfg.model.vocab_size}; pretrained {pre:,} tokens. Report slice: {conv['tokens']:,} validation tokens.",
+         f"{tcfg.model.vocab_size}; pretrained {pre:,} tokens. Report slice: {conv['tokens']:,} validation tokens "
+         f"(batches of {a.batch_size} x {tcfg.train.seq_len} starting at {starts}, {a.eval_batches} each; early "
+         f"stopping on the first {a.select_batches}).",
          f"Recipe: forward KL unless a method says otherwise, lr {a.lr:g} cosine to x{a.min_lr_ratio:g}, batch "
          f"{a.batch_size} x {tcfg.train.seq_len}; extra overrides {a.overrides or 'none'}.", "",
          f"Converted before training: val loss {conv['val_loss']:.4f} vs teacher {tl:.4f} "
