@@ -379,9 +379,36 @@ class DistillConfig:
     export_hf: Optional[str] = None  # folder to write the best student to in HF format (convert/export.py)
     export_family: Optional[str] = None  # HF model_type for export when the weights did not come from an HF folder
     max_tokens: Optional[int] = None  # stop after this many training tokens (e.g. 5% of the teacher's pretraining)
+    # --- conversion methods (train/annealing.py, docs/fcsd.md "Conversion methods") ---
+    anneal: Literal["none", "linear", "cosine"] = "none"  # alpha 0 -> 1 ramp of the converted layers' connectivity
+    anneal_tokens: Optional[int] = None  # training tokens of that ramp (per stage under progressive)
+    progressive: bool = False  # convert the layers of farskip.layers one at a time, last to first
+    settle_rel: float = 0.01  # a stage has settled when its val KL improved by less than this (relative); 0: off
+    stage_tokens: Optional[int] = None  # cap of a stage's training tokens (the next stage starts at the latest then)
 
     def __post_init__(self):
         _check(self.temperature > 0, f"distill.temperature must be > 0, got {self.temperature}")
+        _check(self.anneal_tokens is None or self.anneal_tokens >= 1,
+               f"distill.anneal_tokens must be >= 1 (training tokens over which alpha goes 0 -> 1), got {self.anneal_tokens}")
+        _check(self.anneal == "none" or self.anneal_tokens is not None,
+               f"distill.anneal={self.anneal} needs distill.anneal_tokens: N (training tokens over which alpha goes "
+               "0 -> 1, e.g. a quarter of distill.max_tokens)")
+        _check(self.anneal != "none" or self.anneal_tokens is None,
+               f"distill.anneal_tokens={self.anneal_tokens} has no effect with distill.anneal: none; set distill.anneal: "
+               "linear or cosine, or drop distill.anneal_tokens")
+        _check(self.stage_tokens is None or self.stage_tokens >= 1,
+               f"distill.stage_tokens must be >= 1 (the most training tokens of one progressive stage), got {self.stage_tokens}")
+        _check(self.stage_tokens is None or self.progressive,
+               "distill.stage_tokens is the stage length of progressive conversion; set distill.progressive: true "
+               "or drop distill.stage_tokens")
+        _check(self.settle_rel >= 0, f"distill.settle_rel must be >= 0 (0: stages end only by distill.stage_tokens), "
+                                     f"got {self.settle_rel}")
+        _check(not self.progressive or self.settle_rel > 0 or self.stage_tokens is not None,
+               "distill.progressive: true needs a rule that ends a stage: distill.settle_rel > 0 and/or distill.stage_tokens")
+        _check(not (self.progressive and self.stage_tokens is not None and self.anneal_tokens is not None
+                    and self.stage_tokens < self.anneal_tokens),
+               f"distill.stage_tokens={self.stage_tokens} is shorter than a stage's ramp distill.anneal_tokens="
+               f"{self.anneal_tokens}; raise stage_tokens or lower anneal_tokens")
         _check(self.top_k_logits >= 0, f"distill.top_k_logits must be >= 0 (0 = full distribution), got {self.top_k_logits}")
         _check(self.patience >= 1 and self.eval_every >= 1, "distill.patience and distill.eval_every must be >= 1")
         _check(min(self.kl_weight, self.ce_weight, self.hidden_weight) >= 0, "distill weights must be >= 0")

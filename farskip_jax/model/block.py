@@ -3,9 +3,11 @@ plus the remat policies (`REMAT_POLICIES`). Shared by model/transformer.py and m
 neither imports the other (issue 21).
 
     out = Block(cfg, layer_idx, rngs=rngs)(x_attn [b, s, d], full [b, s, d], positions [b, s],
-                                           segment_ids, moe_input="full" | "outdated")
+                                           segment_ids, moe_input="full" | "outdated", moe_keep=None)
     out.attn / out.shared / out.routed [b, s, d] (shared None without shared experts, routed None on
     dense layers); aux_loss, z_loss [], load [E] or None, dropped [].
+    moe_keep (connectivity annealing, a traced scalar 1 - alpha): an `outdated` MoE input reads
+    full + moe_keep * attn (model/connectivity.py `add_scaled`); None: the plain code path.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from flax import nnx, struct
 from jax.ad_checkpoint import checkpoint_name
 
 from farskip_jax.config import Config
+from farskip_jax.model.connectivity import add_scaled
 from farskip_jax.model.attention import Attention
 from farskip_jax.model.experts import RoutedComputeFn
 from farskip_jax.model.layers import RMSNorm, SwiGLU, dtype_of
@@ -83,12 +86,15 @@ class Block(nnx.Module):
                            aux_loss=o.aux_loss, z_loss=o.z_loss, load=o.load, dropped=o.dropped)
 
     def __call__(self, x_attn: jax.Array, full: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array],
-                 moe_input: str = "full", attention_fn=None) -> BlockOutput:
+                 moe_input: str = "full", attention_fn=None, moe_keep: Optional[jax.Array] = None) -> BlockOutput:
         """attention_fn(normalised x_attn) -> [b, s, d] replaces self.attn (KV-cache decoding)."""
         with jax.named_scope("attention"):
             a = (self.attention(x_attn, positions, segment_ids) if attention_fn is None
                  else attention_fn(self.attn_norm(x_attn)))
-        x_moe = full + a if moe_input == "full" else full
+        if moe_keep is not None and moe_input == "outdated":
+            x_moe = add_scaled(full, moe_keep, a)
+        else:
+            x_moe = full + a if moe_input == "full" else full
         with jax.named_scope("moe" if self.is_moe else "mlp"):
             out = self.ffn(x_moe)
         return out.replace(attn=a)

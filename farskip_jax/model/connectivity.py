@@ -11,6 +11,13 @@ R_{k-2} + a_{k-1}). The MoE reads R_{k-1} + a_k (`full`) or R_{k-1} (`outdated`)
 as the embedding. Everything is additive (no subtraction), so each stream is exactly the sum named
 above; streams nobody reads are dead code that XLA removes (standard connectivity costs nothing).
 
+Connectivity annealing (FCSD, docs/fcsd.md "Conversion methods"): `attn_input(kind, keep)` and
+`moe_input(kind, attn_out, keep)` with keep = 1 - alpha (a traced scalar) give the FarSkip stream plus
+`keep` times what FarSkip removes from it (partial: the pending routed outputs; outdated: pending
+routed + shared; MoE outdated: the layer's own attention output). Still additive, so keep = 0
+(alpha = 1) is bitwise the FarSkip stream and keep = 1 (alpha = 0) the full stream up to the order
+of the sum. keep=None is the plain FarSkip code path.
+
 `Streams.padded()` is the fixed-shape form a `jax.lax.scan` carries (model/transformer.py): the
 pending tuples hold exactly d arrays, zeros where a layer had no routed/shared output or where
 fewer than d layers have run. Adding a zero is exact (x + 0 == x), so it computes the same sums.
@@ -31,6 +38,22 @@ def add_present(x: jax.Array, *ys: Optional[jax.Array]) -> jax.Array:
         if y is not None:
             x = x + y
     return x
+
+
+def add_scaled(x: jax.Array, keep: jax.Array, y: Optional[jax.Array]) -> jax.Array:
+    """x + keep * y in x's dtype (keep is cast to y's dtype first): keep == 0 returns x bitwise
+    (x + 0 * y == x for finite y), keep == 1 is x + y. y None: x."""
+    if y is None:
+        return x
+    return (x + jnp.asarray(keep).astype(y.dtype) * y).astype(x.dtype)
+
+
+def sum_present(*ys: Optional[jax.Array]) -> Optional[jax.Array]:
+    """The sum of the ys that are not None (None when all are)."""
+    present = [y for y in ys if y is not None]
+    if not present:
+        return None
+    return add_present(present[0], *present[1:])
 
 
 @struct.dataclass
@@ -57,8 +80,13 @@ class Streams:
 
         return self.replace(pending_routed=fill(self.pending_routed), pending_shared=fill(self.pending_shared))
 
-    def attn_input(self, kind: str) -> jax.Array:
-        """The stream attention reads: full | partial | outdated."""
+    def attn_input(self, kind: str, keep: Optional[jax.Array] = None) -> jax.Array:
+        """The stream attention reads: full | partial | outdated. keep (= 1 - alpha, a scalar) adds
+        back that fraction of what partial/outdated remove from the full stream (annealing)."""
+        if keep is not None and kind in ("partial", "outdated"):
+            removed = sum_present(*self.pending_routed) if kind == "partial" else sum_present(
+                *self.pending_routed, *self.pending_shared)
+            return add_scaled(self.attn_input(kind), keep, removed)
         if kind == "full":
             return self.full
         if kind == "partial":
@@ -67,8 +95,11 @@ class Streams:
             return self.no_moe
         raise ValueError(f"unknown attention input {kind!r}")
 
-    def moe_input(self, kind: str, attn_out: jax.Array) -> jax.Array:
-        """The stream the MoE/MLP reads: full = R_{k-1} + a_k | outdated = R_{k-1}."""
+    def moe_input(self, kind: str, attn_out: jax.Array, keep: Optional[jax.Array] = None) -> jax.Array:
+        """The stream the MoE/MLP reads: full = R_{k-1} + a_k | outdated = R_{k-1} (+ keep * a_k when
+        keep = 1 - alpha is given: annealing)."""
+        if keep is not None and kind == "outdated":
+            return add_scaled(self.full, keep, attn_out)
         if kind == "full":
             return self.full + attn_out
         if kind == "outdated":

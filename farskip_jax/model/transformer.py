@@ -24,6 +24,12 @@ dependency. Remat policies wrap each layer inside the scan body. Per-layer resul
 scan stacked (router statistics; the full stream for return_hidden). `return_trace`, per-layer
 `attention_fns` (KV-cache decoding) and FoE (moe.num_groups > 1) run the unrolled loop over
 `blocks()`, per-layer views sliced out of the stacks: same function, no scan.
+
+Connectivity annealing (FCSD, train/annealing.py): `connectivity_mix=alpha` [num_layers] makes each
+converted sub-block read its FarSkip stream plus (1 - alpha) times what FarSkip removes
+(Streams.attn_input / moe_input with keep = 1 - alpha). It runs a separate code path (`_mixed_call`;
+None leaves the program above untouched); under scan_layers the alpha of each repeat is scanned
+data next to the stacked parameters, the connectivity kinds stay static. Not for FoE.
 """
 
 from __future__ import annotations
@@ -32,9 +38,11 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from farskip_jax.config import Config, FarSkipConfig
+from farskip_jax.errors import ConfigError
 from farskip_jax.model.block import REMAT_POLICIES, Block, BlockOutput, ModelOutput
 from farskip_jax.model.connectivity import Streams
 from farskip_jax.model.experts import RoutedComputeFn
@@ -67,6 +75,15 @@ class Transformer(nnx.Module):
         fn = nnx.remat(lambda b, xa, f, p, s: b(xa, f, p, s, moe_input), policy=REMAT_POLICIES[self.cfg.model.remat])
         return fn(block, x_attn, full, positions, segment_ids)
 
+    def _run_block_mixed(self, block: Block, x_attn, full, positions, segment_ids, moe_input: str,
+                         attention_fn, moe_keep) -> BlockOutput:
+        """_run_block with the annealing weight of an outdated MoE input (a traced scalar or None)."""
+        if self.cfg.model.remat == "none" or attention_fn is not None:
+            return block(x_attn, full, positions, segment_ids, moe_input, attention_fn, moe_keep=moe_keep)
+        fn = nnx.remat(lambda b, xa, f, p, s, k: b(xa, f, p, s, moe_input, moe_keep=k),
+                       policy=REMAT_POLICIES[self.cfg.model.remat])
+        return fn(block, x_attn, full, positions, segment_ids, moe_keep)
+
     @property
     def scanned(self) -> bool:
         return self.cfg.model.scan_layers
@@ -90,11 +107,19 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None, segment_ids: Optional[jax.Array] = None,
                  *, farskip: Optional[FarSkipConfig] = None, return_hidden: bool = False,
-                 return_trace: bool = False, attention_fns=None) -> ModelOutput:
+                 return_trace: bool = False, attention_fns=None,
+                 connectivity_mix: Optional[jax.Array] = None) -> ModelOutput:
         """attention_fns: per layer, fn(normalised attention input) -> attention output replacing the
         layer's own attention (KV-cache decoding, eval/generate.py); no remat then.
         Under model.scan_layers the stacks run as scans; return_trace and attention_fns run the
-        unrolled loop over per-layer views of the stacked parameters instead (module docstring)."""
+        unrolled loop over per-layer views of the stacked parameters instead (module docstring).
+        connectivity_mix: [num_layers] float alpha in [0, 1] (connectivity annealing, FCSD): each
+        converted sub-block reads its FarSkip stream plus (1 - alpha) times what FarSkip removes from
+        it (alpha 1 = FarSkip bitwise, 0 = standard); unconverted layers ignore it. Traced data: a new
+        value never recompiles. None = the plain code path (unchanged program)."""
+        if connectivity_mix is not None:
+            return self._mixed_call(tokens, positions, segment_ids, farskip, return_hidden, return_trace,
+                                    attention_fns, connectivity_mix)
         if self.cfg.moe.num_groups > 1:  # Federation of Experts groups (model/foe.py)
             from farskip_jax.model.foe import foe_forward
             return foe_forward(self, tokens, positions, segment_ids, farskip=farskip, return_hidden=return_hidden,
@@ -124,7 +149,47 @@ class Transformer(nnx.Module):
                 hidden.append(streams.full)
         return self.output(streams.full, outs, hidden if return_hidden else None, trace if return_trace else None)
 
-    def _scanned(self, streams: Streams, positions, segment_ids, fs: FarSkipConfig, return_hidden: bool) -> ModelOutput:
+    def _mixed_call(self, tokens, positions, segment_ids, farskip, return_hidden: bool, return_trace: bool,
+                    attention_fns, mix: jax.Array) -> ModelOutput:
+        """__call__ under connectivity annealing (connectivity_mix = alpha per layer)."""
+        n = self.cfg.model.num_layers
+        if self.cfg.moe.num_groups > 1:
+            raise ConfigError("connectivity annealing (distill.anneal / distill.progressive, connectivity_mix) is not "
+                              "implemented for Federation of Experts (moe.num_groups > 1); use distill.anneal: none "
+                              "and distill.progressive: false, or moe.num_groups: 1")
+        if tuple(jnp.shape(mix)) != (n,):
+            raise ConfigError(f"connectivity_mix must have shape [num_layers] = [{n}] (alpha per layer), "
+                              f"got {tuple(jnp.shape(mix))}")
+        mix = jnp.asarray(mix, jnp.float32)
+        fs = farskip if farskip is not None else self.cfg.farskip
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        h = self.embed(tokens)
+        streams = Streams.init(h, fs.skip_distance)
+        if self.scanned and not return_trace and attention_fns is None:
+            return self._scanned(streams, positions, segment_ids, fs, return_hidden, mix=mix)
+        blocks = self.blocks()
+        outs, hidden, trace = [], [], []
+        for i, block in enumerate(blocks):
+            attn_kind, moe_kind = fs.layer_inputs(i, n)
+            keep = None if (attn_kind, moe_kind) == ("full", "full") else 1.0 - mix[i]
+            with jax.named_scope(f"layer_{i}"):
+                x_attn = streams.attn_input(attn_kind, keep)
+                out = self._run_block_mixed(block, x_attn, streams.full, positions, segment_ids, moe_kind,
+                                            None if attention_fns is None else attention_fns[i],
+                                            keep if moe_kind == "outdated" else None)
+                if return_trace:
+                    trace.append(dict(attn_in=x_attn, moe_in=streams.moe_input(moe_kind, out.attn, keep),
+                                      attn=out.attn, shared=out.shared, routed=out.routed, attn_kind=attn_kind,
+                                      moe_kind=moe_kind))
+                streams = streams.update(out.attn, out.shared, out.routed)
+            outs.append((block.is_moe, out))
+            if return_hidden:
+                hidden.append(streams.full)
+        return self.output(streams.full, outs, hidden if return_hidden else None, trace if return_trace else None)
+
+    def _scanned(self, streams: Streams, positions, segment_ids, fs: FarSkipConfig, return_hidden: bool,
+                 mix: Optional[jax.Array] = None) -> ModelOutput:
         """The stacks in layer order; each stack's repeats split into runs of equal (static)
         connectivity; a run of >= 2 repeats is one jax.lax.scan, a run of 1 is called directly."""
         n = self.cfg.model.num_layers
@@ -137,15 +202,23 @@ class Transformer(nnx.Module):
             is_moe = [b.is_moe for b in st.blocks]
             kinds = [tuple(fs.layer_inputs(seg.layer(q, r), n) for q in range(seg.period)) for r in range(seg.repeats)]
             for r0, r1 in _runs(kinds):
-                body = _stack_body(graphdefs, kinds[r0], positions, segment_ids, remat, return_hidden,
-                                   pad=r1 - r0 > 1)
+                if mix is None:
+                    body = _stack_body(graphdefs, kinds[r0], positions, segment_ids, remat, return_hidden,
+                                       pad=r1 - r0 > 1)
+                    x_of = lambda r: [slice_state(x, r) for x in states]  # noqa: E731
+                else:  # alpha of each layer of each repeat rides along as scanned data: [repeats, period]
+                    body = _stack_body(graphdefs, kinds[r0], positions, segment_ids, remat, return_hidden,
+                                       pad=r1 - r0 > 1, mixed=True)
+                    rows = mix[np.asarray([[seg.layer(q, r) for q in range(seg.period)] for r in range(r0, r1)])]
+                    x_of = lambda r, rows=rows, r0=r0: ([slice_state(x, r) for x in states],  # noqa: E731
+                                                        rows[r - r0] if isinstance(r, int) else rows)
                 with jax.named_scope(f"stack_{s}"):
                     if r1 - r0 == 1:
-                        streams, (stats, hid) = body(streams, [slice_state(x, r0) for x in states])
+                        streams, (stats, hid) = body(streams, x_of(r0))
                         stats, hid = [[y] for y in stats], [[y] for y in hid]
                     else:
-                        xs = [slice_state(x, slice(r0, r1)) for x in states]
-                        carry = _stable_carry(body, streams.padded(), [slice_state(x, r0) for x in states])
+                        xs = x_of(slice(r0, r1))
+                        carry = _stable_carry(body, streams.padded(), x_of(r0))
                         streams, (ys, hys) = jax.lax.scan(body, carry, xs)
                         unstack = lambda t, j: jax.tree.map(lambda y: y[j], t)  # noqa: E731
                         stats = [[unstack(ys[q], j) for j in range(r1 - r0)] for q in range(seg.period)]
@@ -193,23 +266,37 @@ def _stable_carry(body, carry: Streams, states0) -> Streams:
     return carry
 
 
-def _stack_body(graphdefs, kinds, positions, segment_ids, remat: str, return_hidden: bool, pad: bool):
+def _stack_body(graphdefs, kinds, positions, segment_ids, remat: str, return_hidden: bool, pad: bool,
+                mixed: bool = False):
     """Scan body over one repeat of a stack: (streams, [state of block q]) -> (streams, (stats, hidden)).
     stats[q]: layer q's BlockOutput without its activations (aux/z loss, load, dropped); hidden[q]:
-    the full stream after it (None unless return_hidden). pad: keep the carry in Streams.padded form."""
+    the full stream after it (None unless return_hidden). pad: keep the carry in Streams.padded form.
+    mixed (connectivity annealing): the body takes ([state of block q], alpha [period]) instead."""
 
     def body(streams: Streams, states):
+        alphas = None
+        if mixed:
+            states, alphas = states
         stats, hid = [], []
         for q, (gd, st) in enumerate(zip(graphdefs, states)):
             attn_kind, moe_kind = kinds[q]
+            keep = None if alphas is None or (attn_kind, moe_kind) == ("full", "full") else 1.0 - alphas[q]
 
-            def run(st, x_attn, full, gd=gd, moe_kind=moe_kind):
+            def run_plain(st, x_attn, full, gd=gd, moe_kind=moe_kind):
                 return nnx.merge(gd, st)(x_attn, full, positions, segment_ids, moe_kind)
 
+            def run_mixed(st, x_attn, full, k, gd=gd, moe_kind=moe_kind):
+                return nnx.merge(gd, st)(x_attn, full, positions, segment_ids, moe_kind, moe_keep=k)
+
+            run = run_plain if keep is None else run_mixed
             if remat != "none":  # the policy applies inside the scan body, per layer
                 run = jax.checkpoint(run, policy=REMAT_POLICIES[remat])
             with jax.named_scope(f"layer_q{q}"):
-                out = run(st, streams.attn_input(attn_kind), streams.full)
+                if keep is None:
+                    out = run(st, streams.attn_input(attn_kind), streams.full)
+                else:
+                    out = run(st, streams.attn_input(attn_kind, keep), streams.full,
+                              keep if moe_kind == "outdated" else None)
                 streams = streams.update(out.attn, out.shared, out.routed)
             if pad:
                 streams = streams.padded()

@@ -19,6 +19,10 @@ or `distill.init_from_run` (a run folder). Step 0 is evaluated before any update
 As in pretraining, SIGTERM/SIGINT (status "preempted") and `train.time_limit_s` save a checkpoint at
 the step boundary and return; re-running the same config resumes (student, optimizer, data
 iterator, early-stopping history). `train.grad_accum` splits each batch into micro-batches.
+Conversion methods (`distill.anneal`, `distill.progressive`; train/annealing.py): the student trains
+at a per-layer alpha between the standard (0) and FarSkip (1) connectivity, passed to the jitted step
+as data; evaluations always measure the FarSkip student (alpha = 1), and early stopping counts only
+evaluations after the conversion completed.
 
     result = distill(cfg)        # DistillResult; also `python train.py --config configs/distill_tiny.yaml`
 """
@@ -41,11 +45,12 @@ from farskip_jax.config import Config, dump_config, merge_checkpoint_shape, runt
 from farskip_jax.data.pipeline import close_iterator, first_batches, make_dataset
 from farskip_jax.data.tokenizer import check_vocab, load_tokenizer
 from farskip_jax.errors import ConfigError
-from farskip_jax.eval.divergence import hidden_l2, masked_mean, token_divergence
+from farskip_jax.eval.divergence import forward_kl, hidden_l2, masked_mean, token_divergence
 from farskip_jax.eval.metrics import STANDARD, cast_state, evaluate_pair, forward, make_compare_fn, put_batch, val_batches
 from farskip_jax.model.layers import dtype_of
 from farskip_jax.parallel.build import model_mesh
 from farskip_jax.parallel.sharding import place_state
+from farskip_jax.train.annealing import ConversionSchedule, GatedStopper
 from farskip_jax.train.checkpoint import Checkpointer
 from farskip_jax.train.early_stopping import EarlyStopper
 from farskip_jax.train.logger import RunLogger, data_wait, format_eta
@@ -73,17 +78,23 @@ class DistillResult:
 
 
 def make_distill_loss_fn(graphdef, cfg: Config) -> Callable:
-    """loss_fn(params, bias, rest, teacher, batch) -> (loss, aux); teacher = {params, bias, rest}."""
+    """loss_fn(params, bias, rest, teacher, batch, mix=None) -> (loss, aux); teacher = {params, bias,
+    rest}; mix: the student's connectivity_mix (alpha [num_layers], train/annealing.py) or None."""
     d, moe = cfg.distill, cfg.moe
     want_hidden = d.hidden_weight > 0
 
-    def loss_fn(params, bias, rest, teacher, batch):
+    def loss_fn(params, bias, rest, teacher, batch, mix=None):
         with jax.named_scope("teacher"):
             t_out = forward(graphdef, teacher, batch, STANDARD, return_hidden=want_hidden)
         t_logits = jax.lax.stop_gradient(t_out.logits)
         with jax.named_scope("student"):
-            s_out = nnx.merge(graphdef, params, bias, rest)(
-                batch["tokens"], batch["positions"], batch["segment_ids"], farskip=cfg.farskip, return_hidden=want_hidden)
+            student = nnx.merge(graphdef, params, bias, rest)
+            if mix is None:
+                s_out = student(batch["tokens"], batch["positions"], batch["segment_ids"], farskip=cfg.farskip,
+                                return_hidden=want_hidden)
+            else:
+                s_out = student(batch["tokens"], batch["positions"], batch["segment_ids"], farskip=cfg.farskip,
+                                return_hidden=want_hidden, connectivity_mix=mix)
         mask = batch["loss_mask"]
         kl = masked_mean(token_divergence(t_logits, s_out.logits, kind=d.kl, temperature=d.temperature,
                                           top_k=d.top_k_logits), mask)
@@ -99,17 +110,18 @@ def make_distill_loss_fn(graphdef, cfg: Config) -> Callable:
 
 
 def make_distill_step(graphdef, cfg: Config, tx: optax.GradientTransformation, schedule: optax.Schedule) -> Callable:
-    """Un-jitted step(state, teacher, batch) -> (state, metrics). `state` is a train state of
+    """Un-jitted step(state, teacher, batch, mix=None) -> (state, metrics). `state` is a train state of
     train/step.py (the student); `teacher` is never differentiated nor updated. A non-finite loss
     or gradient leaves the student untouched (as in pretraining). With `train.grad_accum` = A > 1
     the batch [A * m, seq] runs as A micro-batches of m rows (activation memory of m rows), with
-    gradients combined as token-weighted means (= the full-batch gradient)."""
+    gradients combined as token-weighted means (= the full-batch gradient). `mix`: the student's
+    alpha per layer (connectivity annealing; a traced input, so a new value never recompiles)."""
     grad_fn = jax.value_and_grad(make_distill_loss_fn(graphdef, cfg), has_aux=True)
     accum = cfg.train.grad_accum
 
-    def step(state, teacher, batch):
+    def step(state, teacher, batch, mix=None):
         params, bias, rest = state["params"], state["bias"], state["rest"]
-        (loss, aux), grads = accumulate_grads(lambda mb: grad_fn(params, bias, rest, teacher, mb), batch, accum)
+        (loss, aux), grads = accumulate_grads(lambda mb: grad_fn(params, bias, rest, teacher, mb, mix), batch, accum)
         new_state, upd = update_state(graphdef, cfg, tx, state, loss, grads, aux["load"])
         metrics = dict(loss=loss, kl=aux["kl"], ce=aux["ce"], hidden=aux["hidden"], aux_loss=aux["aux_loss"],
                        lr=schedule(state["step"]), tokens=aux["tokens"], **upd,
@@ -117,6 +129,28 @@ def make_distill_step(graphdef, cfg: Config, tx: optax.GradientTransformation, s
         return new_state, metrics
 
     return step
+
+
+def make_mix_kl_fn(graphdef, cfg: Config) -> Callable:
+    """jitted fn(student_state, teacher_state, batch, mix) -> dict(kl, tokens) sums: forward KL of the
+    student under connectivity_mix=mix against the standard teacher (a progressive stage's val KL)."""
+
+    def fn(s_st, t_st, batch, mix):
+        t = forward(graphdef, t_st, batch, STANDARD).logits
+        s = nnx.merge(graphdef, s_st["params"], s_st["bias"], s_st["rest"])(
+            batch["tokens"], batch["positions"], batch["segment_ids"], farskip=cfg.farskip, connectivity_mix=mix).logits
+        m = batch["loss_mask"]
+        return dict(kl=jnp.sum(forward_kl(t, s) * m), tokens=jnp.sum(m))
+
+    return jax.jit(fn)
+
+
+def _mix_kl(fn: Callable, s_st, t_st, batches: list, mix) -> float:
+    tot = {"kl": 0.0, "tokens": 0.0}
+    for b in batches:
+        for k, v in jax.device_get(fn(s_st, t_st, b, mix)).items():
+            tot[k] += float(v)
+    return tot["kl"] / max(tot["tokens"], 1.0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -186,6 +220,11 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
                           "the weights do not come from init_from_hf")
     mesh = model_mesh(cfg)  # the FoE group x expert mesh when num_groups > 1 with EP
     cfg, graphdef, src = load_source(cfg, mesh)
+    tokens_per_step = t.batch_size * t.seq_len
+    max_steps = t.steps
+    if d.max_tokens is not None:
+        max_steps = min(max_steps, d.max_tokens // tokens_per_step)
+    sched = ConversionSchedule.from_config(cfg, tokens_per_step, max_steps)  # None: plain FCSD (alpha = 1)
     # everything that can be validated is, before the run folder is touched (see trainer.train)
     tok = load_tokenizer(cfg.data.tokenizer)
     check_vocab(tok, cfg.model.vocab_size,
@@ -212,7 +251,9 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     teacher = cast_state(state, dtype_of(d.teacher_dtype))  # a copy: the student's buffers are donated
     del model, src
     train_it = iter(train_ds)
-    es = EarlyStopper("max" if d.metric == "task" else "min", d.patience, d.max_drop)
+    mode = "max" if d.metric == "task" else "min"
+    es = EarlyStopper(mode, d.patience, d.max_drop) if sched is None else GatedStopper(
+        mode, d.patience, d.max_drop, counts=sched.counts)
     es_path = os.path.join(folder.path, "early_stopping.json")
     step = 0
     if folder.resume:  # restored before anything is written: an unreadable checkpoint fails cleanly
@@ -223,7 +264,10 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
             train_it.set_state(data_state)
             if os.path.isfile(es_path):
                 with open(es_path) as f:  # evaluations after the checkpoint will run again
-                    es.load_state_dict(json.load(f), upto=step)
+                    saved = json.load(f)
+                if sched is not None:  # first: which evaluations count follows from the stage starts
+                    sched.load_state_dict(saved.get("conversion", {}), upto=step)
+                es.load_state_dict(saved, upto=step)
     claim_run_dir(cfg, folder)
     run_dir = folder.path
     if not folder.resume:
@@ -236,29 +280,56 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     shardings = jax.tree.map(lambda x: x.sharding, state)  # outputs keep the inputs' placement (as the trainer)
     step_fn = jax.jit(make_distill_step(graphdef, cfg, tx, schedule), donate_argnums=0,
                       out_shardings=(shardings, None) if mesh is not None else None)
-    cmp_fn = make_compare_fn(graphdef, cfg.farskip)
+    cmp_fn = make_compare_fn(graphdef, cfg.farskip)  # evaluation: always the true FarSkip student (alpha = 1)
+    mix_kl_fn = make_mix_kl_fn(graphdef, cfg) if sched is not None and sched.progressive else None
+    if sched is not None:
+        kind = "progressive, last layer first" if sched.progressive else "one stage"
+        log.print(f"conversion schedule ({kind}): {len(sched.stages)} stage(s) over layers {sched.converted}; alpha "
+                  f"{d.anneal if d.anneal != 'none' else 'step'} 0 -> 1"
+                  + (f" over {sched.ramp_steps} steps" if sched.ramp_steps else "")
+                  + (f"; stage cap {sched.stage_steps} steps" if sched.stage_steps else "")
+                  + (f"; settle_rel {d.settle_rel}" if sched.progressive else "")
+                  + "; evaluations use alpha = 1; early stopping counts after the conversion completes")
+        if sched.progressive and sched.stage_steps is None:
+            log.print("note: without distill.stage_tokens a stage ends only when it settles; the budget may end "
+                      "before every layer is converted")
     if step:
         log.print(f"resumed distillation from step {step}")
         if folder.saved_steps is not None and folder.saved_steps != t.steps:
             log.print(schedule_change_warning(folder.saved_steps, t, step))
-    tokens_per_step = t.batch_size * t.seq_len
     evals: list = []
 
     def run_eval(at: int) -> tuple[float, object]:
+        conv_rec, conv_txt, event = {}, "", None
+        if sched is not None:
+            for ev in sched.advance_to(at):
+                log.print(ev)
+            trained = at - 1  # the alpha the last update trained at (0 before any); the student is evaluated at 1
+            conv_rec = dict(alpha=sched.mean_alpha(trained), alpha_layers=sched.alpha(trained).tolist(),
+                            stage=max(sched.stage_at(trained), 0), counted=sched.counts(at))
+            if mix_kl_fn is not None and sched.needs_stage_kl(at):
+                conv_rec["stage_kl"] = _mix_kl(mix_kl_fn, state, teacher, val, sched.alpha(at))
+                event = sched.observe(at, conv_rec["stage_kl"])
+            conv_txt = (f" | alpha {conv_rec['alpha']:.3f}" + (f" stage {conv_rec['stage'] + 1}/{len(sched.stages)}"
+                                                                if sched.progressive else "")
+                        + (f" (stage KL {conv_rec['stage_kl']:.5f})" if "stage_kl" in conv_rec else "")
+                        + ("" if conv_rec["counted"] else " | not counted (conversion in progress)"))
         r = evaluate_pair(cmp_fn, state, teacher, val)
         m = _metric_value(cfg, r, task_score)
         rec = dict(val_loss=r.val_loss, ppl=r.ppl, teacher_loss=r.teacher_loss, kl=r.kl, top1=r.top1,
                    top1_confident=r.top1_confident, teacher_maxp=r.teacher_maxp, metric=m,
-                   tokens_used=at * tokens_per_step)
+                   tokens_used=at * tokens_per_step, **conv_rec)
         evals.append(dict(step=at, **rec))
         log.write("eval", at, rec)
         log.print(f"step {at:>6d} | val loss {r.val_loss:.4f} (teacher {r.teacher_loss:.4f}) | KL {r.kl:.5f} | "
-                  f"top-1 {100 * r.top1:.2f}% | {d.metric} {m:.5f}")
+                  f"top-1 {100 * r.top1:.2f}% | {d.metric} {m:.5f}{conv_txt}")
+        if event is not None:
+            log.print(event)
         dec = es.update(at, m)
         if dec.improved:
             best.save(at, state, train_it.get_state())
         with open(es_path, "w") as f:
-            json.dump(es.state_dict(), f)
+            json.dump(es.state_dict() if sched is None else dict(es.state_dict(), conversion=sched.state_dict()), f)
         return dec
 
     status = "done"
@@ -267,19 +338,27 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     losses: list = []
     t0 = time.perf_counter()
     start_step = step
-    max_steps = t.steps
-    if d.max_tokens is not None:
-        max_steps = min(max_steps, d.max_tokens // tokens_per_step)
     with StopFlag() as stop:  # SIGTERM / SIGINT: checkpoint at the next step boundary and return
         while step < max_steps:
             t_data = time.perf_counter()
             host_batch = next(train_it)
             data_wait_s = time.perf_counter() - t_data
             batch = put_batch({k: np.asarray(v) for k, v in host_batch.items()}, mesh)
-            state, m = step_fn(state, teacher, batch)
+            conv_txt = ""
+            if sched is None:
+                state, m = step_fn(state, teacher, batch)
+            else:  # alpha is data of the jitted step: no recompiles as it moves
+                for ev in sched.advance_to(step):
+                    log.print(ev)
+                conv = dict(alpha=sched.mean_alpha(step), stage=sched.stage_at(step))
+                state, m = step_fn(state, teacher, batch, sched.alpha(step))
+                conv_txt = f" | alpha {conv['alpha']:.3f}" + (
+                    f" stage {conv['stage'] + 1}/{len(sched.stages)}" if sched.progressive else "")
             m = jax.device_get(m)
             step += 1
             rec = {k: float(v) for k, v in m.items() if np.ndim(v) == 0}
+            if sched is not None:
+                rec.update(conv)
             rec["data_wait_s"] = data_wait_s
             losses.append(rec["loss"])
             log.write("train", step, rec)
@@ -292,8 +371,8 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
                 eta = el / (step - start_step) * (max_steps - step)
                 log.print(f"step {step:>6d}/{max_steps} | loss {rec['loss']:.5f} | kl {rec['kl']:.5f} | "
                           f"ce {rec['ce']:.4f} | gnorm {rec['grad_norm']:.3f} | lr {rec['lr']:.2e} | "
-                          f"{tokens_per_step * (step - start_step) / max(el, 1e-9):,.0f} tok/s{data_wait(rec)} | "
-                          f"eta {format_eta(eta)}")
+                          f"{tokens_per_step * (step - start_step) / max(el, 1e-9):,.0f} tok/s{data_wait(rec)}"
+                          f"{conv_txt} | eta {format_eta(eta)}")
             if step % d.eval_every == 0 or step == max_steps:
                 dec = run_eval(step)
                 if dec.stop:
@@ -320,6 +399,12 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     close_iterator(train_it)
     log.print(f"{status} at step {step}: best {d.metric} {es.best} at step {es.best_step} "
               f"({step * tokens_per_step:,} training tokens)")
+    if sched is not None:
+        c = sched.complete_step
+        log.print(f"conversion: {len(sched.starts)}/{len(sched.stages)} stage(s) started at steps {sched.starts}; "
+                  + (f"every converted layer trains at alpha 1 from update {c + 1} on; evaluations after step {c} "
+                     "count for early stopping" if c is not None and c < step
+                     else "the conversion did not complete within the run"))
     if d.export_hf and status not in ("preempted", "time_limit", "diverged"):
         from farskip_jax.eval.loading import restore_train_state
 
