@@ -27,8 +27,8 @@ scan stacked (router statistics; the full stream for return_hidden). `return_tra
 
 Connectivity annealing (FCSD, train/annealing.py): `connectivity_mix=alpha` [num_layers] makes each
 converted sub-block read its FarSkip stream plus (1 - alpha) times what FarSkip removes
-(Streams.attn_input / moe_input with keep = 1 - alpha). It runs a separate code path (`_mixed_call`;
-None leaves the program above untouched); under scan_layers the alpha of each repeat is scanned
+(Streams.attn_input / moe_input with keep = 1 - alpha). None leaves the program above
+untouched (no keep term is traced); under scan_layers the alpha of each repeat is scanned
 data next to the stacked parameters, the connectivity kinds stay static. Not for FoE.
 """
 
@@ -69,19 +69,17 @@ class Transformer(nnx.Module):
             m.d_model, m.vocab_size, axes=("embed", "vocab"), rngs=rngs, std=m.init_std, param_dtype=pd, compute_dtype=cd)
 
     def _run_block(self, block: Block, x_attn, full, positions, segment_ids, moe_input: str,
-                   attention_fn=None) -> BlockOutput:
+                   attention_fn=None, moe_keep=None) -> BlockOutput:
+        """moe_keep: the annealing weight (1 - alpha, a traced scalar) of an outdated MoE input, or None."""
         if self.cfg.model.remat == "none" or attention_fn is not None:
-            return block(x_attn, full, positions, segment_ids, moe_input, attention_fn)
-        fn = nnx.remat(lambda b, xa, f, p, s: b(xa, f, p, s, moe_input), policy=REMAT_POLICIES[self.cfg.model.remat])
-        return fn(block, x_attn, full, positions, segment_ids)
-
-    def _run_block_mixed(self, block: Block, x_attn, full, positions, segment_ids, moe_input: str,
-                         attention_fn, moe_keep) -> BlockOutput:
-        """_run_block with the annealing weight of an outdated MoE input (a traced scalar or None)."""
-        if self.cfg.model.remat == "none" or attention_fn is not None:
+            if moe_keep is None:
+                return block(x_attn, full, positions, segment_ids, moe_input, attention_fn)
             return block(x_attn, full, positions, segment_ids, moe_input, attention_fn, moe_keep=moe_keep)
-        fn = nnx.remat(lambda b, xa, f, p, s, k: b(xa, f, p, s, moe_input, moe_keep=k),
-                       policy=REMAT_POLICIES[self.cfg.model.remat])
+        policy = REMAT_POLICIES[self.cfg.model.remat]
+        if moe_keep is None:
+            fn = nnx.remat(lambda b, xa, f, p, s: b(xa, f, p, s, moe_input), policy=policy)
+            return fn(block, x_attn, full, positions, segment_ids)
+        fn = nnx.remat(lambda b, xa, f, p, s, k: b(xa, f, p, s, moe_input, moe_keep=k), policy=policy)
         return fn(block, x_attn, full, positions, segment_ids, moe_keep)
 
     @property
@@ -117,9 +115,7 @@ class Transformer(nnx.Module):
         converted sub-block reads its FarSkip stream plus (1 - alpha) times what FarSkip removes from
         it (alpha 1 = FarSkip bitwise, 0 = standard); unconverted layers ignore it. Traced data: a new
         value never recompiles. None = the plain code path (unchanged program)."""
-        if connectivity_mix is not None:
-            return self._mixed_call(tokens, positions, segment_ids, farskip, return_hidden, return_trace,
-                                    attention_fns, connectivity_mix)
+        mix = None if connectivity_mix is None else self._check_mix(connectivity_mix)
         if self.cfg.moe.num_groups > 1:  # Federation of Experts groups (model/foe.py)
             from farskip_jax.model.foe import foe_forward
             return foe_forward(self, tokens, positions, segment_ids, farskip=farskip, return_hidden=return_hidden,
@@ -130,54 +126,19 @@ class Transformer(nnx.Module):
         h = self.embed(tokens)
         streams = Streams.init(h, fs.skip_distance)
         if self.scanned and not return_trace and attention_fns is None:
-            return self._scanned(streams, positions, segment_ids, fs, return_hidden)
+            return self._scanned(streams, positions, segment_ids, fs, return_hidden, mix=mix)
         blocks = self.blocks()
         n = len(blocks)
         outs, hidden, trace = [], [], []
         for i, block in enumerate(blocks):
             attn_kind, moe_kind = fs.layer_inputs(i, n)
-            with jax.named_scope(f"layer_{i}"):
-                x_attn = streams.attn_input(attn_kind)
-                out = self._run_block(block, x_attn, streams.full, positions, segment_ids, moe_kind,
-                                      None if attention_fns is None else attention_fns[i])
-                if return_trace:
-                    trace.append(dict(attn_in=x_attn, moe_in=streams.moe_input(moe_kind, out.attn), attn=out.attn,
-                                      shared=out.shared, routed=out.routed, attn_kind=attn_kind, moe_kind=moe_kind))
-                streams = streams.update(out.attn, out.shared, out.routed)
-            outs.append((block.is_moe, out))
-            if return_hidden:
-                hidden.append(streams.full)
-        return self.output(streams.full, outs, hidden if return_hidden else None, trace if return_trace else None)
-
-    def _mixed_call(self, tokens, positions, segment_ids, farskip, return_hidden: bool, return_trace: bool,
-                    attention_fns, mix: jax.Array) -> ModelOutput:
-        """__call__ under connectivity annealing (connectivity_mix = alpha per layer)."""
-        n = self.cfg.model.num_layers
-        if self.cfg.moe.num_groups > 1:
-            raise ConfigError("connectivity annealing (distill.anneal / distill.progressive, connectivity_mix) is not "
-                              "implemented for Federation of Experts (moe.num_groups > 1); use distill.anneal: none "
-                              "and distill.progressive: false, or moe.num_groups: 1")
-        if tuple(jnp.shape(mix)) != (n,):
-            raise ConfigError(f"connectivity_mix must have shape [num_layers] = [{n}] (alpha per layer), "
-                              f"got {tuple(jnp.shape(mix))}")
-        mix = jnp.asarray(mix, jnp.float32)
-        fs = farskip if farskip is not None else self.cfg.farskip
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        h = self.embed(tokens)
-        streams = Streams.init(h, fs.skip_distance)
-        if self.scanned and not return_trace and attention_fns is None:
-            return self._scanned(streams, positions, segment_ids, fs, return_hidden, mix=mix)
-        blocks = self.blocks()
-        outs, hidden, trace = [], [], []
-        for i, block in enumerate(blocks):
-            attn_kind, moe_kind = fs.layer_inputs(i, n)
-            keep = None if (attn_kind, moe_kind) == ("full", "full") else 1.0 - mix[i]
+            # annealing: keep = 1 - alpha on converted layers; None (the plain program) otherwise
+            keep = None if mix is None or (attn_kind, moe_kind) == ("full", "full") else 1.0 - mix[i]
             with jax.named_scope(f"layer_{i}"):
                 x_attn = streams.attn_input(attn_kind, keep)
-                out = self._run_block_mixed(block, x_attn, streams.full, positions, segment_ids, moe_kind,
-                                            None if attention_fns is None else attention_fns[i],
-                                            keep if moe_kind == "outdated" else None)
+                out = self._run_block(block, x_attn, streams.full, positions, segment_ids, moe_kind,
+                                      None if attention_fns is None else attention_fns[i],
+                                      keep if moe_kind == "outdated" else None)
                 if return_trace:
                     trace.append(dict(attn_in=x_attn, moe_in=streams.moe_input(moe_kind, out.attn, keep),
                                       attn=out.attn, shared=out.shared, routed=out.routed, attn_kind=attn_kind,
@@ -187,6 +148,18 @@ class Transformer(nnx.Module):
             if return_hidden:
                 hidden.append(streams.full)
         return self.output(streams.full, outs, hidden if return_hidden else None, trace if return_trace else None)
+
+    def _check_mix(self, mix) -> jax.Array:
+        """connectivity_mix as float32 [num_layers], or a ConfigError (FoE; a wrong shape)."""
+        n = self.cfg.model.num_layers
+        if self.cfg.moe.num_groups > 1:
+            raise ConfigError("connectivity annealing (distill.anneal / distill.progressive, connectivity_mix) is not "
+                              "implemented for Federation of Experts (moe.num_groups > 1); use distill.anneal: none "
+                              "and distill.progressive: false, or moe.num_groups: 1")
+        if tuple(jnp.shape(mix)) != (n,):
+            raise ConfigError(f"connectivity_mix must have shape [num_layers] = [{n}] (alpha per layer), "
+                              f"got {tuple(jnp.shape(mix))}")
+        return jnp.asarray(mix, jnp.float32)
 
     def _scanned(self, streams: Streams, positions, segment_ids, fs: FarSkipConfig, return_hidden: bool,
                  mix: Optional[jax.Array] = None) -> ModelOutput:
