@@ -1,8 +1,8 @@
 """FCSD conversion methods side by side on one teacher (issue 25, part 2), with one plot.
 
 For every method and every budget (a fraction of the teacher's pretraining tokens) this runs FCSD of
-ALL layers from the teacher's run folder (train/distill.py, configs/distill_tiny.yaml plus the
-method's overrides, the schedule sized to the budget), early-stopping on the first --select-batches
+ALL layers from the teacher's run folder (train/distill.py, configs/distill_tiny.yaml with the
+teacher's data and tokenizer, plus the method's overrides, the schedule sized to the budget), early-stopping on the first --select-batches
 validation batches, and then evaluates the best student on the next --eval-batches (a disjoint
 report slice): loss gap to the teacher and top-1 agreement. Also measured on the same slice: the
 converted model before any training. Finished runs are reused (their report.json), so adding a
@@ -15,7 +15,7 @@ method or a budget re-runs only what is new.
 Methods (--methods picks from METHODS below; --method NAME=OVERRIDE[,OVERRIDE...] adds one):
     baseline     the recipe as given (all layers FarSkip from the first step)
     anneal       connectivity annealing, alpha 0 -> 1 linearly over the first half of the budget
-    progressive  layers converted one at a time, last to first
+    progressive  layers converted one at a time, last to first, one stage per budget / (2 x layers)
 Outputs under --out: <method>_<budget>/ run folders with report.json, results.json, results.md and
 methods.png (loss gap and top-1 against FCSD tokens, one line per method).
 """
@@ -37,7 +37,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 METHODS = {
     "baseline": [],
     "anneal": ["distill.anneal=linear", "distill.anneal_tokens={half}"],
-    "progressive": ["distill.progressive=true", "distill.stage_tokens={stage}"],
+    # one layer per stage, last first; each stage lasts budget / (2 x layers) tokens (settling off: the
+    # stages are not judged by evaluations), so every layer is FarSkip for the second half
+    "progressive": ["distill.progressive=true", "distill.settle_rel=0", "distill.stage_tokens={stage}"],
 }
 
 
@@ -83,7 +85,10 @@ def run_config(a, tcfg, run_dir: str, budget: int, ovr: list):
     tps = a.batch_size * tcfg.train.seq_len
     steps = max(1, budget // tps)
     fill = dict(tokens=budget, half=budget // 2, stage=budget // (2 * tcfg.model.num_layers))
-    return load_config(os.path.join(ROOT, "configs/distill_tiny.yaml"), [
+    d = tcfg.data  # FCSD reads the teacher's own text and tokenizer (distill_tiny.yaml's are the stdlib's bytes)
+    data = [f"data.source={d.source}", f"data.paths=[{','.join(d.paths)}]", f"data.tokenizer={d.tokenizer}",
+            f"data.val_fraction={d.val_fraction}", f"data.text_field={d.text_field}"]
+    return load_config(os.path.join(ROOT, "configs/distill_tiny.yaml"), data + [
         f"train.seq_len={tcfg.train.seq_len}", "train.tensorboard=false", "mesh.data=1",
         f"train.batch_size={a.batch_size}", f"train.eval_batches={a.select_batches}",
         f"distill.init_from_run={a.teacher}", f"train.run_dir={run_dir}", "train.overwrite=true",

@@ -268,3 +268,22 @@ def test_fcsd_summary_table_and_plot(tmp_path):
     assert "kl reverse, hidden_weight 0.01, data-order seed 1" in row and "+2.00%" in row
     assert "| - |" in next(r for r in table if "results.json" in r)
     assert (tmp_path / "summary.png").stat().st_size > 0
+
+
+def test_distill_refuses_a_teacher_of_another_tokenizer(tmp_path):
+    """A run trained on BPE ids distilled on byte ids (distill_tiny.yaml's default data) would train the
+    student on noise: load_source stops before anything loads, naming the teacher's tokenizer."""
+    import yaml
+
+    from farskip_jax.config import load_config, to_dict
+    from farskip_jax.errors import ConfigError
+    from farskip_jax.train.distill import load_source
+
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text("{}")
+    run = tmp_path / "teacher"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump(to_dict(load_config(None, [f"data.tokenizer={tok}"]))))
+    cfg = load_config(None, ["train.mode=distill", f"distill.init_from_run={run}"])
+    with pytest.raises(ConfigError, match=f"data.tokenizer={tok}"):
+        load_source(cfg, None)

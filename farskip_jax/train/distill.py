@@ -30,6 +30,7 @@ evaluations after the conversion completed.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import time
@@ -158,6 +159,19 @@ def _mix_kl(fn: Callable, s_st, t_st, batches: list, mix) -> float:
 # --------------------------------------------------------------------------------------------------
 
 
+def _tokenizer_id(spec: str) -> Optional[str]:
+    """'byte' / 'raw_bytes' as they are; a tokenizer.json (or its folder) by its content's SHA-1, so a
+    moved copy is the same tokenizer; None when the file is gone (nothing to compare)."""
+    if spec in ("byte", "raw_bytes"):
+        return spec
+    path = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha1(f.read()).hexdigest()
+    except OSError:
+        return None
+
+
 def load_source(cfg: Config, mesh) -> tuple[Config, object, dict]:
     """(cfg with the checkpoint's model shape, graphdef, {params, bias, rest}) of the distillation source."""
     from farskip_jax.eval.loading import load_hf, load_run, read_run_config
@@ -168,6 +182,12 @@ def load_source(cfg: Config, mesh) -> tuple[Config, object, dict]:
         src_cfg, graphdef, st = load_hf(cfg.init_from_hf, mesh=mesh, overrides=runtime_overrides(cfg))
     elif cfg.distill.init_from_run:
         src = read_run_config(cfg.distill.init_from_run)
+        src_tok = _tokenizer_id(src.data.tokenizer)
+        if src_tok is not None and src_tok != _tokenizer_id(cfg.data.tokenizer):
+            raise ConfigError(f"distill.init_from_run={cfg.distill.init_from_run!r} was trained with data.tokenizer="
+                              f"{src.data.tokenizer!r} but this run reads data.tokenizer={cfg.data.tokenizer!r}: the "
+                              f"teacher would see ids of another tokenizer; set data.tokenizer={src.data.tokenizer} "
+                              "(and data.source / data.paths for the text to distil on)")
         merged = merge_checkpoint_shape(cfg, src)  # the source run's shape with the user's runtime keys (dispatch on this mesh)
         ov = {"model": merged.model, "moe": merged.moe, "mesh": cfg.mesh}
         src_cfg, graphdef, st = load_run(cfg.distill.init_from_run, "latest", mesh, config_overrides=ov)
