@@ -43,7 +43,7 @@ from flax import nnx
 from farskip_jax.config import FarSkipConfig
 from farskip_jax.model.attention import attention_core
 from farskip_jax.model.connectivity import Streams
-from farskip_jax.model.stacking import LAYER_AXIS, plan_segments
+from farskip_jax.model.stacking import LAYER_AXIS, connectivity_runs, is_variable, plan_segments, stable_carry
 
 
 def scan_scope(first: int, period: int) -> str:
@@ -54,10 +54,6 @@ def scan_scope(first: int, period: int) -> str:
 
 
 SCAN_SCOPE = re.compile(r"scan_L(\d+)_P(\d+)")
-
-
-def _is_var(x) -> bool:
-    return isinstance(x, nnx.Variable)
 
 
 def scanned_decode(model) -> bool:
@@ -76,17 +72,7 @@ def layer_at(state, index):
             return v.replace(x, axes=tuple(axes[1:]))
         return v.replace(x)
 
-    return jax.tree.map(one, state, is_leaf=_is_var)
-
-
-def runs(kinds: list) -> list[tuple[int, int]]:
-    """[(r0, r1)] maximal runs of equal entries of `kinds`."""
-    out, r0 = [], 0
-    for r in range(1, len(kinds) + 1):
-        if r == len(kinds) or kinds[r] != kinds[r0]:
-            out.append((r0, r))
-            r0 = r
-    return out
+    return jax.tree.map(one, state, is_leaf=is_variable)
 
 
 def stacked_cache_shapes(cfg, entry_shapes: Callable[[int], tuple]) -> tuple:
@@ -163,17 +149,6 @@ def prune(streams: Streams, live: dict) -> Streams:
     return streams.replace(**out) if out else streams
 
 
-def _stable(body, carry, index0):
-    """`carry` cast to the dtypes one body step returns (lax.scan needs carry in == carry out; a
-    stream may widen after the first layer, e.g. bf16 + f32 -> f32, as in the unrolled loop)."""
-    for _ in range(3):
-        out = jax.eval_shape(lambda c: body(c, index0)[0], carry)
-        if jax.tree.all(jax.tree.map(lambda a, b: a.dtype == b.dtype, carry, out)):
-            return carry
-        carry = jax.tree.map(lambda a, b: a.astype(b.dtype), carry, out)
-    return carry
-
-
 def scanned_decode_step(model, tokens: jax.Array, positions: jax.Array, start: jax.Array, cache: tuple,
                         farskip: FarSkipConfig, mask_of: Callable[[int], jax.Array], layout=None):
     """tokens [b, t] at `positions` [b, t] into cache slots [start, start + t) of the stacked `cache`
@@ -191,7 +166,7 @@ def scanned_decode_step(model, tokens: jax.Array, positions: jax.Array, start: j
         masks = [mask_of(seg.layer(q, 0)) for q in range(seg.period)]
         kinds = [tuple(farskip.layer_inputs(seg.layer(q, r), n) for q in range(seg.period)) for r in range(seg.repeats)]
         entries = cache[s]
-        for r0, r1 in runs(kinds):
+        for r0, r1 in connectivity_runs(kinds):
             kind = kinds[r0]
             live = live_streams(set(attn_kinds[seg.layer(0, r0):]))  # read by this run or any later layer
 
@@ -212,7 +187,7 @@ def scanned_decode_step(model, tokens: jax.Array, positions: jax.Array, start: j
                 return (streams, tuple(entries)), stats
 
             with jax.named_scope(f"stack_{s}"), jax.named_scope(scan_scope(seg.layer(0, r0), seg.period)):
-                carry = _stable(body, (prune(streams.padded(), live), entries), jnp.int32(r0))
+                carry = stable_carry(body, (prune(streams.padded(), live), entries), jnp.int32(r0))
                 (streams, entries), ys = jax.lax.scan(body, carry, jnp.arange(r0, r1, dtype=jnp.int32))
             for j in range(r1 - r0):
                 for q in range(seg.period):

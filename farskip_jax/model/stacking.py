@@ -78,8 +78,30 @@ def plan_segments(cfg) -> tuple[Segment, ...]:
     return tuple(out)
 
 
-def _is_var(x) -> bool:
+def is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
+
+
+def connectivity_runs(kinds: list) -> list[tuple[int, int]]:
+    """[(r0, r1)] maximal runs of equal entries of `kinds` (a stack's repeats with the same static
+    connectivity: one scan each)."""
+    out, r0 = [], 0
+    for r in range(1, len(kinds) + 1):
+        if r == len(kinds) or kinds[r] != kinds[r0]:
+            out.append((r0, r))
+            r0 = r
+    return out
+
+
+def stable_carry(body, carry, x0):
+    """`carry` cast to the dtypes one `body(carry, x0)` step gives back (lax.scan needs carry in ==
+    carry out; a stream may widen after the first layer, e.g. bf16 + f32 -> f32, as in the loop)."""
+    for _ in range(3):
+        out = jax.eval_shape(lambda c: body(c, x0)[0], carry)
+        if jax.tree.all(jax.tree.map(lambda a, b: a.dtype == b.dtype, carry, out)):
+            return carry
+        carry = jax.tree.map(lambda a, b: a.astype(b.dtype), carry, out)
+    return carry
 
 
 def _with_axes(v: nnx.Variable, value, axes: Optional[tuple]) -> nnx.Variable:
@@ -97,7 +119,7 @@ def stack_modules(mods: Sequence[nnx.Module]) -> nnx.Module:
         return _with_axes(vs[0], jnp.stack([v.get_value() for v in vs]),
                           None if axes is None else (LAYER_AXIS, *axes))
 
-    return nnx.merge(graphdef, jax.tree.map(stack, *states, is_leaf=_is_var))
+    return nnx.merge(graphdef, jax.tree.map(stack, *states, is_leaf=is_variable))
 
 
 def slice_state(state: Any, index) -> Any:
@@ -112,7 +134,7 @@ def slice_state(state: Any, index) -> Any:
             axes = None
         return _with_axes(v, v.get_value()[index], axes)
 
-    return jax.tree.map(one, state, is_leaf=_is_var)
+    return jax.tree.map(one, state, is_leaf=is_variable)
 
 
 class LayerStack(nnx.Module):
@@ -146,7 +168,7 @@ class LayerStack(nnx.Module):
             rows = [nnx.state(views[r * p + q]) for r in range(self.repeats)]
             target = nnx.state(self.blocks[q])
             new = jax.tree.map(lambda t, *vs: t.replace(jnp.stack([v.get_value() for v in vs])), target, *rows,
-                               is_leaf=_is_var)
+                               is_leaf=is_variable)
             nnx.update(self.blocks[q], new)
 
 

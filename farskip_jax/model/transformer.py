@@ -47,7 +47,7 @@ from farskip_jax.model.block import REMAT_POLICIES, Block, BlockOutput, ModelOut
 from farskip_jax.model.connectivity import Streams
 from farskip_jax.model.experts import RoutedComputeFn
 from farskip_jax.model.layers import Embed, Linear, RMSNorm, dtype_of
-from farskip_jax.model.stacking import LayerStack, plan_segments, slice_state
+from farskip_jax.model.stacking import LayerStack, connectivity_runs, plan_segments, slice_state, stable_carry
 
 
 class Transformer(nnx.Module):
@@ -174,7 +174,7 @@ class Transformer(nnx.Module):
             graphdefs, states = [g for g, _ in split], [x for _, x in split]
             is_moe = [b.is_moe for b in st.blocks]
             kinds = [tuple(fs.layer_inputs(seg.layer(q, r), n) for q in range(seg.period)) for r in range(seg.repeats)]
-            for r0, r1 in _runs(kinds):
+            for r0, r1 in connectivity_runs(kinds):
                 if mix is None:
                     body = _stack_body(graphdefs, kinds[r0], positions, segment_ids, remat, return_hidden,
                                        pad=r1 - r0 > 1)
@@ -191,7 +191,7 @@ class Transformer(nnx.Module):
                         stats, hid = [[y] for y in stats], [[y] for y in hid]
                     else:
                         xs = x_of(slice(r0, r1))
-                        carry = _stable_carry(body, streams.padded(), x_of(r0))
+                        carry = stable_carry(body, streams.padded(), x_of(r0))
                         streams, (ys, hys) = jax.lax.scan(body, carry, xs)
                         unstack = lambda t, j: jax.tree.map(lambda y: y[j], t)  # noqa: E731
                         stats = [[unstack(ys[q], j) for j in range(r1 - r0)] for q in range(seg.period)]
@@ -216,27 +216,6 @@ class Transformer(nnx.Module):
                            dropped=jnp.sum(jnp.stack([o.dropped for _, o in outs])),
                            hidden=tuple(hidden) if hidden is not None else None,
                            trace=tuple(trace) if trace is not None else None)
-
-
-def _runs(kinds: list) -> list[tuple[int, int]]:
-    """[(r0, r1)] maximal runs of equal entries of `kinds`."""
-    runs, r0 = [], 0
-    for r in range(1, len(kinds) + 1):
-        if r == len(kinds) or kinds[r] != kinds[r0]:
-            runs.append((r0, r))
-            r0 = r
-    return runs
-
-
-def _stable_carry(body, carry: Streams, states0) -> Streams:
-    """`carry` cast to the dtypes one body step gives back (lax.scan needs carry in == carry out;
-    a stream may widen after the first layer, e.g. bf16 + f32 -> f32, as it would in the loop)."""
-    for _ in range(3):
-        out = jax.eval_shape(lambda c: body(c, states0)[0], carry)
-        if jax.tree.all(jax.tree.map(lambda a, b: a.dtype == b.dtype, carry, out)):
-            return carry
-        carry = jax.tree.map(lambda a, b: a.astype(b.dtype), carry, out)
-    return carry
 
 
 def _stack_body(graphdefs, kinds, positions, segment_ids, remat: str, return_hidden: bool, pad: bool,
