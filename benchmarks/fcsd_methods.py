@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 
@@ -32,8 +33,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# name -> overrides of the distill config; budget-relative lengths use the {tokens} placeholder
-# (the run's token budget), so a schedule scales with the budget
+# name -> overrides of the distill config; budget-relative lengths use the placeholders {tokens} (the
+# run's token budget), {half}, {tenth} and {stage} (budget / (2 x layers)), so a schedule scales with it
 METHODS = {
     "baseline": [],
     "anneal": ["distill.anneal=linear", "distill.anneal_tokens={half}"],
@@ -61,6 +62,8 @@ def parse(argv):
                         "the early-stopping slice); e.g. 8,100 on runs/hard/corpus.jsonl also reports the Python "
                         "docs, whose validation documents follow Shakespeare's")
     p.add_argument("--title", default=None)
+    p.add_argument("--table-only", action="store_true",
+                   help="run nothing: tabulate and plot the finished runs of these methods and budgets")
     p.add_argument("overrides", nargs="*", help="extra overrides for every run")
     return p.parse_args(argv)
 
@@ -84,7 +87,7 @@ def run_config(a, tcfg, run_dir: str, budget: int, ovr: list):
 
     tps = a.batch_size * tcfg.train.seq_len
     steps = max(1, budget // tps)
-    fill = dict(tokens=budget, half=budget // 2, stage=budget // (2 * tcfg.model.num_layers))
+    fill = dict(tokens=budget, half=budget // 2, tenth=budget // 10, stage=budget // (2 * tcfg.model.num_layers))
     d = tcfg.data  # FCSD reads the teacher's own text and tokenizer (distill_tiny.yaml's are the stdlib's bytes)
     data = [f"data.source={d.source}", f"data.paths=[{','.join(d.paths)}]", f"data.tokenizer={d.tokenizer}",
             f"data.val_fraction={d.val_fraction}", f"data.text_field={d.text_field}"]
@@ -143,6 +146,9 @@ def main(argv=None) -> int:
                 with open(rep_file) as f:
                     rows.append(json.load(f))
                 continue
+            if a.table_only:
+                print(f"(no finished run {rd}: left out)", flush=True)
+                continue
             cfg = run_config(a, tcfg, rd, budget, ovr)
             print(f"== {name} at {100 * b:g}% ({budget:,} tokens, {cfg.train.steps} steps)", flush=True)
             t1 = time.time()
@@ -176,7 +182,7 @@ def main(argv=None) -> int:
     for r in rows:
         L.append(f"| {r['method']} | {100 * r['budget']:g}% | {100 * r['gap']:+.2f}% | {100 * r['top1']:.2f}% | "
                  f"{r['kl']:.4f} | {100 * r['best_tokens'] / pre:.1f}% | {' '.join(r['overrides']) or '-'} |")
-    cmd = "python benchmarks/fcsd_methods.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    cmd = "python benchmarks/fcsd_methods.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     L += ["", f"Command: `{cmd}` ({(time.time() - t0) / 60:.0f} min for the new runs)"]
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write("\n".join(L) + "\n")
