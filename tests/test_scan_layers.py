@@ -141,8 +141,8 @@ def test_hidden_and_views_under_scan():
 
 
 def test_generate_under_scan():
-    """KV-cache greedy decoding of a scanned model (eval/generate.py: cached attention through the
-    per-layer views, unrolled) reproduces the scanned forward's logits of the generated sequence."""
+    """KV-cache greedy decoding of a scanned model (eval/generate.py -> eval/decode_scan.py: the decode
+    step is a scan over the stacked layers and cache) reproduces the scanned forward's logits of the generated sequence."""
     from farskip_jax.eval.generate import generate
 
     scan = Transformer(_cfg("farskip.preset=farskip", scan=True), rngs=nnx.Rngs(0))
