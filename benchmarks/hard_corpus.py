@@ -155,7 +155,7 @@ def main(argv=None) -> int:
         d["tokens"] += len(tok.encode_document(r["text"]))
     meta = {"sources": provenance, "val_fraction": a.val_fraction, "doc_chars": a.doc_chars,
             "vocab_size": tok.vocab_size, "splits": stats,
-            "overrides": [f"data.source=jsonl", f"data.paths=[{corpus}]", f"data.tokenizer={out}/tokenizer.json",
+            "overrides": ["data.source=jsonl", f"data.paths=[{corpus}]", f"data.tokenizer={out}/tokenizer.json",
                           f"data.val_fraction={a.val_fraction}", f"model.vocab_size={tok.vocab_size}"]}
     with open(os.path.join(out, "corpus.json"), "w") as f:
         json.dump(meta, f, indent=1)
