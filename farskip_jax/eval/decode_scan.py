@@ -160,11 +160,9 @@ def scanned_decode_step(model, tokens: jax.Array, positions: jax.Array, start: j
     outs, new_cache = [], []
     for s, st in enumerate(model.stacks):
         seg = st.segment
-        split = [nnx.split(b) for b in st.blocks]
-        gds, states = [g for g, _ in split], [x for _, x in split]
-        is_moe = [b.is_moe for b in st.blocks]
+        gds, states, is_moe = st.split_blocks()
         masks = [mask_of(seg.layer(q, 0)) for q in range(seg.period)]
-        kinds = [tuple(farskip.layer_inputs(seg.layer(q, r), n) for q in range(seg.period)) for r in range(seg.repeats)]
+        kinds = st.connectivity(farskip, n)
         entries = cache[s]
         for r0, r1 in connectivity_runs(kinds):
             kind = kinds[r0]

@@ -150,6 +150,17 @@ class LayerStack(nnx.Module):
     def segment(self) -> Segment:
         return Segment(self.start, self.period, self.repeats)
 
+    def split_blocks(self) -> tuple[list, list, list]:
+        """(graphdefs, stacked states, is_moe) of the `period` stacked Blocks, for a scan body."""
+        split = [nnx.split(b) for b in self.blocks]
+        return [g for g, _ in split], [x for _, x in split], [b.is_moe for b in self.blocks]
+
+    def connectivity(self, farskip, num_layers: int) -> list[tuple]:
+        """Per repeat r: the (attn_input, moe_input) of each of its `period` layers under `farskip`."""
+        seg = self.segment
+        return [tuple(farskip.layer_inputs(seg.layer(q, r), num_layers) for q in range(seg.period))
+                for r in range(seg.repeats)]
+
     def layer(self, q: int, r: int) -> nnx.Module:
         """A Block of layer start + r*period + q whose Variables are slices of the stacked ones (a view:
         writes to it do not reach the stack; `write_layers` puts views back)."""

@@ -170,10 +170,8 @@ class Transformer(nnx.Module):
         outs, hidden = [], []
         for s, st in enumerate(self.stacks):
             seg = st.segment
-            split = [nnx.split(b) for b in st.blocks]
-            graphdefs, states = [g for g, _ in split], [x for _, x in split]
-            is_moe = [b.is_moe for b in st.blocks]
-            kinds = [tuple(fs.layer_inputs(seg.layer(q, r), n) for q in range(seg.period)) for r in range(seg.repeats)]
+            graphdefs, states, is_moe = st.split_blocks()
+            kinds = st.connectivity(fs, n)
             for r0, r1 in connectivity_runs(kinds):
                 if mix is None:
                     body = _stack_body(graphdefs, kinds[r0], positions, segment_ids, remat, return_hidden,
