@@ -22,6 +22,20 @@ copies the row into its own buffer ahead of a cuBLAS GEMM that cannot read at an
 `dynamic_slice_fusion`, a memcpy) gets `ROW_COPY` appended to its op_name, so a report can price it
 as compiled or as free (`row_copy_ops`): with XLA's dynamic-slice fusion of the GEMM operand (flag
 xla_gpu_enable_dynamic_slice_fusion) the GEMM reads the row in place and the copy disappears.
+
+Backward loops run their layers in reverse. The transpose of a scan (reverse mode: op_names under
+`transpose(...)`) is a scan with reverse=True: iteration k of a loop whose body is mostly backward
+work handles row n-1-k, so its blocks are named `layer_{first + (n-1-k) * period + q}`.
+
+As executed (`as_executed=True`, what the training overlap report reads, analysis/overlap.py):
+- data dependencies cross the iterations: copy k's body parameter (the carry) reads copy k-1's root
+  (copy 0's the while's init operand), and what read the while reads the last copy's root, so the
+  structural bound (analysis/bound.py) sees that layer k+1 waits for what layer k carried;
+- XLA's own timestamps are spliced: copy k of a body starts where copy k-1 ended (body timestamps
+  are local to the body, from 0), and the entry's ops after the loop move by the loops' length
+  (XLA's entry schedule prices a while op at ~0), so XLA's deviceless model has one timeline.
+The default (False) keeps the serving report's reading (analysis/inference_report.py): copies
+without links, body-local timestamps (it re-times everything with the two-stream model).
 """
 
 from __future__ import annotations
@@ -31,7 +45,7 @@ import json
 import re
 from typing import Optional
 
-from farskip_jax.analysis.hlo import Schedule, load_schedule, shape_bytes
+from farskip_jax.analysis.hlo import FREE_OPCODES, Schedule, load_schedule, shape_bytes
 from farskip_jax.analysis.textproto import first, parse_textproto
 from farskip_jax.eval.decode_scan import SCAN_SCOPE
 
@@ -39,15 +53,60 @@ ROW_COPY = "row_copy"  # op_name suffix of the ops that only copy one row out of
 _PASS = {"bitcast", "copy", "reshape"}  # between a fused parameter and its dynamic-slice / the root
 
 
-def layer_names(op_name: str, iteration: int) -> str:
-    """op_name of iteration `iteration` of a scanned decode's loop (eval/decode_scan.scan_scope):
-    `layer_q{q}` under `scan_L{first}_P{period}` becomes `layer_{first + iteration * period + q}`."""
+def layer_names(op_name: str, iteration: int, trips: Optional[int] = None, reverse: bool = False) -> str:
+    """op_name of iteration `iteration` of a scanned loop (eval/decode_scan.scan_scope, the training
+    scan of model/transformer.py): `layer_q{q}` under `scan_L{first}_P{period}` becomes
+    `layer_{first + r * period + q}`, r = iteration, or trips - 1 - iteration when `reverse` (a
+    backward loop: the transpose of a scan runs its rows last to first)."""
     m = SCAN_SCOPE.search(op_name or "")
     if not m:
         return op_name
     first_layer, period = int(m.group(1)), int(m.group(2))
+    r = trips - 1 - iteration if reverse and trips is not None else iteration
     head, tail = op_name[:m.end()], op_name[m.end():]
-    return head + _LAYER_Q.sub(lambda q: f"layer_{first_layer + iteration * period + int(q.group(1))}", tail)
+    return head + _LAYER_Q.sub(lambda q: f"layer_{first_layer + r * period + int(q.group(1))}", tail)
+
+
+def _runs_backward(names) -> bool:
+    """Whether a loop body is the transpose of a scan: most op_names of its compute ops are under
+    `transpose(...)` (a remat's forward recomputation inside it is not). It runs its rows in reverse."""
+    names = list(names)
+    return bool(names) and 2 * sum("transpose(" in n for n in names) > len(names)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerLoop:
+    """A while loop over layers of a scanned program: `trips` iterations of `period` layers from
+    layer `first`, forward or backward (the transpose of a scan: rows last to first)."""
+
+    body: str  # the body computation's name
+    trips: int
+    first: int
+    period: int
+    direction: str  # fwd | bwd
+
+    @property
+    def layers(self) -> range:
+        return range(self.first, self.first + self.trips * self.period)
+
+
+def layer_loops(text: str) -> list[LayerLoop]:
+    """The while loops over layers of an LHS dump (bodies whose op_names carry a scan_L{first}_P{period}
+    scope, eval/decode_scan.scan_scope and model/transformer.py's training scan), in computation order;
+    [] for a program whose layers are unrolled."""
+    module = first(parse_textproto(text), "hlo_module") or {}
+    comps = {first(c, "id"): c for c in module.get("computations", [])}
+    out = []
+    for body, n in _while_loops(comps).values():
+        comp = comps.get(body, {})
+        names = [first(first(i, "metadata", {}) or {}, "op_name", "") for i in comp.get("instructions", [])
+                 if first(i, "opcode") not in FREE_OPCODES]
+        m = next((SCAN_SCOPE.search(x) for x in names if SCAN_SCOPE.search(x)), None)
+        if m is None:
+            continue
+        out.append(LayerLoop(body=first(comp, "name", ""), trips=n, first=int(m.group(1)), period=int(m.group(2)),
+                             direction="bwd" if _runs_backward(x for x in names if x) else "fwd"))
+    return out
 
 
 _LAYER_Q = re.compile(r"layer_q(\d+)")
@@ -151,8 +210,9 @@ def _fix_row_reads(schedule: Schedule, comp: dict, comps: dict) -> None:
             o.op_name = f"{o.op_name}/{ROW_COPY}"
 
 
-def load_unrolled_schedule(text: str) -> Schedule:
-    """The entry schedule of an LHS dump with every while loop of known trip count unrolled (module doc)."""
+def load_unrolled_schedule(text: str, as_executed: bool = False) -> Schedule:
+    """The entry schedule of an LHS dump with every while loop of known trip count unrolled (module
+    doc); `as_executed`: iterations linked by their carry and XLA's timestamps on one timeline."""
     tree = parse_textproto(text)
     module = first(tree, "hlo_module")
     if module is None:
@@ -172,22 +232,68 @@ def load_unrolled_schedule(text: str) -> Schedule:
             memo[cid] = s
         return memo[cid]
 
+    tuple_index = {first(i, "id"): int(first(i, "tuple_index", 0)) for c in comps.values()
+                   for i in c.get("instructions", []) if first(i, "opcode") == "get-tuple-element"}
+
     def expand(cid, depth=0) -> tuple[list, list]:
-        """(ops, pairs) of computation cid with its loops unrolled (ops shared with the memo: copied by the caller)."""
+        """(ops, pairs) of computation cid with its loops unrolled (ops shared with the memo: copied
+        by the caller; with as_executed, copies in the computation's own time, from its first op)."""
         s = schedule_of(cid)
         pair_of_start = {p.start.id: p for p in s.pairs}
         ops, pairs = [], []
+        out_of: dict = {}  # as_executed: while op id -> (its result's elements, the result) = the last root's
+        shift = 0.0  # as_executed: how far the ops after the loops so far move
+
+        def carried(x):  # ids of the elements of tuple-valued op x (None when not a tuple op), and x
+            if x in out_of:
+                return out_of[x]
+            op = s.by_id.get(x)
+            return (tuple(op.operands) if op is not None and op.opcode == "tuple" else None), x
+
+        def read(op, elems, whole, source):  # op with its reads of `source` (a tuple) made element-wise
+            if op.opcode == "get-tuple-element" and op.operands == (source,) and elems is not None \
+                    and tuple_index.get(op.id, -1) < len(elems):
+                return (elems[tuple_index[op.id]],)
+            return tuple(whole if x == source else x for x in op.operands)
+
         for o in s.ops:
             if o.id in loops and depth < 8:
                 body, n = loops[o.id]
                 b_ops, b_pairs = expand(body, depth + 1)
+                reverse = _runs_backward(b.op_name or "" for b in b_ops if b.kind == "compute")
+                root = first(comps[body], "root_id")
+                param = next((b.id for b in b_ops if b.opcode == "parameter"), None)
+                b0 = min((b.start for b in b_ops), default=0.0)
+                span = max((b.end for b in b_ops), default=0.0) - b0
+                elems, whole = carried(o.operands[0]) if o.operands else (None, None)
                 for k in range(n):
                     c_ops, c_pairs = _copy(b_ops, b_pairs, counter)
-                    for c in c_ops:
-                        c.op_name = layer_names(c.op_name, k)
+                    for c, b in zip(c_ops, b_ops):
+                        c.op_name = layer_names(c.op_name, k, n, reverse)
+                        if as_executed:
+                            dt = o.start + shift + k * span - b0
+                            c.start, c.end = c.start + dt, c.end + dt
+                            if b.id == param and whole is not None:
+                                c.operands = (whole,)
+                            elif param in b.operands and whole is not None:
+                                c.operands = read(b, elems, whole, param)
+                    if as_executed:
+                        new_root = next((c for c, b in zip(c_ops, b_ops) if b.id == root), None)
+                        if new_root is not None:
+                            whole = new_root.id
+                            elems = tuple(new_root.operands) if new_root.opcode == "tuple" else None
                     ops.extend(c_ops)
                     pairs.extend(c_pairs)
+                if as_executed:
+                    if whole is not None:
+                        out_of[o.id] = (elems, whole)
+                    shift += n * span - (o.end - o.start)
                 continue
+            if as_executed and (shift or any(x in out_of for x in o.operands)):
+                operands = o.operands
+                for x in set(operands) & set(out_of):
+                    operands = read(dataclasses.replace(o, operands=operands), *out_of[x], x)
+                o = dataclasses.replace(o, start=o.start + shift, end=o.end + shift, operands=tuple(operands))
             ops.append(o)
             if o.id in pair_of_start:
                 pairs.append(pair_of_start[o.id])
@@ -201,7 +307,6 @@ def load_unrolled_schedule(text: str) -> Schedule:
     entry = schedule_of(entry_id)
     return Schedule(ops=ops, by_id={o.id: o for o in ops}, pairs=pairs, module_name=entry.module_name,
                     peak_memory=entry.peak_memory)
-
 
 def _copy(ops: list, pairs: list, counter: list) -> tuple[list, list]:
     """Fresh copies of ops (new ids, operands remapped inside the copy) and of their pairs."""

@@ -16,6 +16,12 @@ naive attention scores tens of times too high; a WARNING says when the two disag
 2x on compute). Writes report.json and one timeline picture per program (standard above farskip,
 on the headline model's timeline) into --out.
 
+Scanned programs (model.scan_layers, the real configs' default) are analysed as compiled: their
+layers sit in while loops, which analysis/loop_schedule.py unrolls as executed (each body's schedule
+repeated trip-count times, the iterations linked by their carry, backward loops last layer first);
+the report says which program it analysed ("program analysed: scanned ..." / "unrolled ...";
+report.json `program_layout`, `layer_loops`).
+
 Serving programs (prefill / decode on the paper's all-reduce layout, inference.layout=tp_ep) have no
 all-to-all; their report (all-reduce hidden fraction, TTFT / time per output token, standard vs
 FarSkip) is analysis/inference_report.py (`python -m farskip_jax.analysis.inference_report`).
@@ -69,6 +75,21 @@ class ProgramResult:
     modelled_schedule: object = None  # the schedule re-timed by the two-stream model (`modelled`'s timeline)
     hardware: Optional[str] = None
     topology: object = None  # analysis/topology.Topology the two-stream model priced collectives with
+    layer_loops: tuple = ()  # loop_schedule.LayerLoop of a scanned program (its while loops over layers); () = unrolled
+
+    @property
+    def layout(self) -> str:
+        """Which program was analysed: 'scanned' (model.scan_layers: the layers' while loops, unrolled
+        for the analysis by analysis/loop_schedule.py) or 'unrolled' (a Python loop over layers)."""
+        return "scanned" if self.layer_loops else "unrolled"
+
+    def describe_layout(self) -> str:
+        if not self.layer_loops:
+            return "unrolled (the layers as a Python loop: every layer in the entry computation)"
+        loops = ", ".join(f"{lp.direction} layers {lp.layers.start}-{lp.layers.stop - 1} ({lp.trips} x {lp.period})"
+                          for lp in self.layer_loops)
+        return (f"scanned (model.scan_layers): {len(self.layer_loops)} while loops over layers [{loops}], read "
+                "with each body's schedule repeated trip-count times (analysis/loop_schedule.py)")
 
     @property
     def headline(self) -> tuple[OverlapReport, object, str]:
@@ -104,10 +125,6 @@ def run_overlap(cfg, presets: Sequence[str] = ("standard", "farskip"), programs:
     from farskip_jax.config import replace
 
     log = log or (lambda m: None)
-    if cfg.model.scan_layers:  # hlo.load_schedule reads the entry computation, not while bodies (docs/scan.md)
-        cfg = replace(cfg, **{"model.scan_layers": False})
-        log("model.scan_layers=false for this report: a scanned program's all-to-alls sit in while bodies, "
-            "which the report does not read yet (docs/scan.md)")
     if flags is None:
         flags = dict(preset_options("cuda_hopper"), **LHS_FLAGS)
     batch = batch or cfg.train.batch_size
@@ -139,25 +156,49 @@ def run_overlap(cfg, presets: Sequence[str] = ("standard", "farskip"), programs:
                 f"mesh {dict(mesh.shape)}) ...")
             with grouped_gemm_proxy() if grouped_gemm else contextlib.nullcontext():
                 fn, args = build(c, mesh, batch, seq, ep_options=ep_options)
-                compiled = compile_deviceless(fn, *args, flags=flags)
+                compiled, loops = compile_program(fn, args, flags)
             dt = time.time() - t0
-            log(f"[overlap]   compiled in {dt:.1f}s: {len(compiled.schedule.ops)} ops, "
-                f"{len(compiled.schedule.pairs)} async collectives; analysing ...")
-            durs = collective_durations(compiled.schedule, devices, flags) if probe_latency else None
-            rep = analyze(compiled.schedule, durs, label=preset)
+            sched = compiled.schedule
+            how = f"scanned, {len(loops)} layer loops unrolled: " if loops else ""
+            log(f"[overlap]   compiled in {dt:.1f}s: {how}"
+                f"{len(sched.ops)} ops, {len(sched.pairs)} async collectives; analysing ...")
+            durs = collective_durations(sched, devices, flags) if probe_latency else None
+            rep = analyze(sched, durs, label=preset)
             modelled = serial = sched_hw = None
             if hardware:
                 ep = mesh.shape.get("expert", 1)
-                sched_hw, durs_hw = simulate(compiled.schedule, HARDWARE[hardware], ep, topology=topo)
+                # in_place_updates: a dynamic-update-slice moves its update (a scanned program writes each
+                # layer's residuals / weight gradients into stacked buffers in place; the unrolled has none)
+                sched_hw, durs_hw = simulate(sched, HARDWARE[hardware], ep, topology=topo, in_place_updates=True)
                 modelled = analyze(sched_hw, durs_hw, label=f"{preset}@{hardware}")
-                sched_s, durs_s = simulate(compiled.schedule, HARDWARE[hardware], ep, serialize=ALL_TO_ALLS,
-                                           topology=topo)
+                sched_s, durs_s = simulate(sched, HARDWARE[hardware], ep, serialize=ALL_TO_ALLS,
+                                           topology=topo, in_place_updates=True)
                 serial = analyze(sched_s, durs_s, label=f"{preset}-no-overlap@{hardware}")
-            results.append(ProgramResult(preset, prog, rep, modelled, compiled.schedule, dt, serial,
+            results.append(ProgramResult(preset, prog, rep, modelled, sched, dt, serial,
                                          hlo_text=compiled.hlo_text, mesh=mesh, modelled_schedule=sched_hw,
-                                         hardware=hardware, topology=topo))
+                                         hardware=hardware, topology=topo, layer_loops=tuple(loops)))
             log(f"[overlap]   done in {time.time() - t0:.1f}s")
     return results
+
+
+def compile_program(fn, args, flags: dict):
+    """(deviceless.CompiledProgram, [loop_schedule.LayerLoop]) of jitted fn(*args). A scanned program
+    (while loops over layers) gets the schedule with those loops unrolled as executed
+    (loop_schedule.load_unrolled_schedule(as_executed=True): the carry links the iterations, XLA's
+    timestamps on one timeline); an unrolled one keeps hlo.load_schedule's entry schedule."""
+    import glob
+    import tempfile
+
+    from farskip_jax.analysis.loop_schedule import layer_loops, load_unrolled_schedule
+
+    with tempfile.TemporaryDirectory(prefix="farskip_overlap_") as d:
+        compiled = compile_deviceless(fn, *args, flags=flags, keep_dump=d)
+        with open(sorted(glob.glob(os.path.join(d, "*.schedule.txt")), key=os.path.getmtime)[-1]) as f:
+            text = f.read()
+    loops = layer_loops(text)
+    if loops:
+        compiled = dataclasses.replace(compiled, schedule=load_unrolled_schedule(text, as_executed=True))
+    return compiled, loops
 
 
 def _middle_moe_layer(rep: OverlapReport) -> Optional[int]:
@@ -230,10 +271,18 @@ def to_json(results: Sequence[ProgramResult]) -> dict:
                  "collectives": [dataclasses.asdict(s) for s in r.report.stats]}
         if r.modelled is not None:
             entry["modelled"] = {"step_time_us": r.modelled.step_time, "ceiling_step_us": r.modelled.ceiling_step(),
-                                 "totals": {d: r.modelled.totals(d) for d in ("fwd", "bwd", "all")}}
+                                 "totals": {d: r.modelled.totals(d) for d in ("fwd", "bwd", "all")},
+                                 "compute_time_us": r.modelled.compute_time,
+                                 "row_copy_us": r.modelled.row_copy_time,
+                                 "other_collectives_us": r.modelled.other_collective_time,
+                                 "other_collectives_waited_us": r.modelled.other_exposed}
+            if r.modelled_schedule is not None:  # us of compute per named scope (which part of the layer costs what)
+                entry["modelled"]["compute_by_scope_us"] = _compute_by_scope(r.modelled_schedule)
         if r.serial is not None:
             entry["modelled_no_overlap"] = {"step_time_us": r.serial.step_time}
         entry["ceiling_step_us"] = r.report.ceiling_step()
+        entry["program_layout"] = r.layout
+        entry["layer_loops"] = [dataclasses.asdict(lp) for lp in r.layer_loops]
         entry["headline_model"] = r.headline[2]
         if r.modelled is not None:
             entry["compute_disagreement"] = compute_disagreement(r.report, r.modelled)
@@ -296,6 +345,8 @@ def format_results(results: Sequence[ProgramResult], programs: Sequence[str], ta
         if not sel:
             continue
         hw = sel[0].hardware if sel[0].modelled is not None else None
+        for r in sel:
+            p(f"\n{prog} ({r.preset}): program analysed: {r.describe_layout()}")
         xla_block = [f"\n=== {prog}: XLA's deviceless cost model ({target} x{num_devices})"
                      + (" [reference: misprices ragged_dot and naive attention] ===" if hw else " ===")]
         if verbose:

@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 
 from farskip_jax.analysis.bound import independent_ops, structural_bound
 from farskip_jax.analysis.hlo import Schedule
+from farskip_jax.analysis.loop_schedule import ROW_COPY
 from farskip_jax.analysis.scopes import direction_of, label_of, layer_of, scope_of
 
 ALL_TO_ALLS = ("all-to-all", "ragged-all-to-all")
@@ -55,6 +56,7 @@ class OverlapReport:
     bound: dict[str, float]  # direction ("fwd", "bwd", "all") -> structural max hideable us
     peak_memory: int = 0  # bytes, LHS's estimate of the schedule's peak (memory pressure stops overlap)
     other_exposed: float = 0.0  # us the compute stream waits at dones of the other collectives
+    row_copy_time: float = 0.0  # us of a scanned program's stacked-row copies (loop_schedule.ROW_COPY ops)
 
     def ceiling_step(self) -> float:
         """Step time if every all-to-all microsecond of this schedule were hidden (us)."""
@@ -122,9 +124,10 @@ def analyze(schedule: Schedule, durations: Optional[Sequence[float]] = None, lab
         bound = dict(zip(subsets.keys(), vals))
     other = sum(max(p.done.start - p.start.end, 0.0) for i, p in enumerate(pairs) if p.collective not in kinds)
     other_exposed = sum(max(p.done.end - p.done.start, 0.0) for p in pairs if p.collective not in kinds)
+    row_copy = sum(o.duration for o in compute if (o.op_name or "").endswith("/" + ROW_COPY))
     return OverlapReport(label=label, stats=stats, step_time=schedule.makespan,
                          compute_time=sum(o.duration for o in compute), other_collective_time=other, bound=bound,
-                         peak_memory=schedule.peak_memory, other_exposed=other_exposed)
+                         peak_memory=schedule.peak_memory, other_exposed=other_exposed, row_copy_time=row_copy)
 
 
 def _top_inside(s: CollectiveStat, n: int = 3) -> str:
@@ -165,6 +168,8 @@ def format_side_by_side(reports: Sequence[OverlapReport]) -> str:
         row(f"{d}: hidden / bound", lambda r: 100 * r.totals(d)["of_bound"], "{:>15.1f}%")
         row(f"{d}: with nothing inside", lambda r: r.totals(d)["empty"], "{:>16d}")
     row("compute time (us)", lambda r: r.compute_time)
+    if any(r.row_copy_time for r in reports):  # a scanned program: XLA copies layer rows out of the stacks
+        row("  of which stacked-row copies (us)", lambda r: r.row_copy_time)
     row("other collectives (us)", lambda r: r.other_collective_time)
     row("other collectives: waited (us)", lambda r: r.other_exposed)
     row("scheduler peak memory (GiB)", lambda r: r.peak_memory / 2**30, "{:>16.2f}")
