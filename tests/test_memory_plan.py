@@ -95,3 +95,20 @@ def test_two_phase_model_on_known_points():
     with pytest.raises(ConfigError, match="model.remat"):
         mp.mode_config(cfg, "pretrain", "some", 1)
     assert mp.main(["--config", "configs/tiny.yaml", "--mode", "train"]) == 2
+
+
+def test_in_place_update_model_fits_an_intercept_and_refuses_mixed_caches():
+    # the update lands in the donated state (GPU select guard): U = gradients = params; the activation
+    # phase has a batch-independent part c0 (negative: not every gradient is live at the peak)
+    parts = {L: {"params": 1.0 + L, "optimizer": 2.0 * (1 + L)} for L in (3, 5)}
+    temp = lambda L, B: (1 + L) - 3.0 + B * (10 + 2 * L)  # noqa: E731
+    p = lambda L, B, ip=True: mp.Point("pretrain", "full", 1, L, B, 8, 0, 0, temp(L, B), 0, 0, 0, 0.0,  # noqa: E731
+                                       inplace_update=ip)
+    m = mp.TempModel.fit([p(3, 1), p(3, 2), p(5, 1), p(5, 2)], parts)
+    assert m.inplace and m.active == 4
+    assert (m.c0, m.s0, m.s1) == (pytest.approx(-3), pytest.approx(10), pytest.approx(2))
+    assert m.update(27) == pytest.approx(28) and m(27, 4) == pytest.approx(temp(27, 4))
+    one = mp.TempModel.fit([p(5, 1), p(5, 2)], {5: parts[5]})  # one depth: exact in the batch
+    assert one(5, 7) == pytest.approx(temp(5, 7)) and one.s1 == 0
+    with pytest.raises(ConfigError, match="mix an in-place update"):
+        mp.TempModel.fit([p(3, 1), p(3, 2, ip=None)], parts)

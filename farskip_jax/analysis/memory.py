@@ -12,13 +12,15 @@ shardings = input shardings). `compiled.memory_analysis()` gives per device: arg
 the new state) and peak = arguments + outputs + temporaries - aliased. The arguments are also
 counted analytically from the shardings (`state_bytes`): the two must agree.
 
-Depth: the real models have a Python loop over layers and a full-depth compile takes ~30 min on 2
-shared cores, so the step is compiled at two depths (`--depths`, e.g. 3,5) x two per-device batches
-(`--batches` 1,2) and its temporaries are modelled (TempModel) as the larger of two phases: the
-optimizer update (gradients + a second copy of params and optimizer state: exact from the shardings)
-and the activations (gradients + B x per-sequence bytes, fitted where that phase dominates).
-`--validate-depth` compares the model with one more compiled depth (the full depth: reuse its cached
-point with --read-cache). A plain bilinear fit in (depth, batch) failed that check (docs/memory.md).
+Depth: with `model.scan_layers: true` (the real configs) the full-depth step compiles in seconds to a
+minute, so plan at the config's depth: `--depths 27 --batches 1,2` and `--validate-batch 4`. A Python
+loop over layers (`model.scan_layers=false`) takes ~30 min per full-depth compile on 2 shared cores;
+there the step is compiled at two depths (`--depths 3,5`) x two per-device batches and extrapolated.
+Either way the temporaries are modelled (TempModel) as the larger of two phases: the optimizer update
+(the gradients, + a second copy of params and optimizer state where the update is not in place: exact
+from the shardings) and the activations (gradients + c0 + B x per-sequence bytes, fitted where that
+phase dominates). `--validate-depth` / `--validate-batch` compare the model with one more compiled
+point. A plain bilinear fit in (depth, batch) failed that check (docs/memory.md).
 
 "Fits" = peak <= usable_fraction x device memory. The default fraction 0.75 is both JAX's default
 GPU preallocation (XLA_PYTHON_CLIENT_MEM_FRACTION=.75) and about what XLA's GPU compiler allows a
@@ -71,6 +73,9 @@ class Point:
     peak: int
     analytic_argument: int
     compile_s: float
+    # the non-finite guard wrote the update into the donated state (a select: GPU/TPU targets since
+    # 2026-12-02) rather than building the new state among the temporaries (a cond: CPU, older caches)
+    inplace_update: Optional[bool] = None
 
     def key(self) -> str:
         return point_key(self.mode, self.remat, self.fsdp, self.layers, self.batch, self.seq)
@@ -194,7 +199,8 @@ def compile_point(cfg, mode: str, remat: str, fsdp: int, layers: int, batch: int
     m = fn.lower(*args).compile(compiler_options=flags).memory_analysis()
     return Point(mode, remat, fsdp, layers, batch, seq, int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
                  int(m.temp_size_in_bytes), int(m.alias_size_in_bytes), int(m.peak_memory_in_bytes),
-                 int(sum(parts.values())), time.time() - t0)
+                 int(sum(parts.values())), time.time() - t0,
+                 inplace_update=mesh.devices.flat[0].platform != "cpu")  # train/step.apply_if_finite
 
 
 def full_state_parts(cfg, mode: str, remat: str, fsdp: int, batch: int, seq: int, devices_for=None) -> dict:
@@ -215,18 +221,23 @@ class TempModel:
     """The temporaries of a train step (bytes per device) at depth L with B sequences per device, as
     the larger of its two peaks:
 
-        update phase      U(L)    = gradients + a second copy of the parameters and optimizer state
-                                  = 2 params(L) + optimizer(L)
-        activation phase  A(L, B) = gradients + B (s0 + s1 L)
+        update phase      U(L)    = gradients                                (update in place)
+                                  = gradients + the new params and optimizer state   (otherwise)
+        activation phase  A(L, B) = gradients + c0 + B (s0 + s1 L)
         temp(L, B)        = max(U(L), A(L, B))
 
-    The update phase is what the full-depth compile shows (DeepSeek-V2-Lite, 27 layers: temp 46.36 GiB
-    = 11.59 gradients + 34.77 parameters and AdamW moments; the new state is built in temporaries
-    before it lands in the donated buffers). params(L) = p0 + p1 L and optimizer(L) = o0 + o1 L are
-    exact (counted from the shardings at two depths). s0 (per sequence: logits, loss, one layer's
-    recomputation) and s1 (per layer and sequence: the saved activations) are fitted to the compiled
-    points whose temporaries exceed U (the activation phase); `active` says how many there were.
-    With none, s0 is the largest (temp - gradients) / B seen: an over-estimate, flagged."""
+    params(L) = p0 + p1 L and optimizer(L) = o0 + o1 L are exact (counted from the shardings at one or
+    two depths); the gradients are one fp32 copy of the parameters. "In place" is how XLA:GPU compiles
+    the step since the non-finite guard became a select there (train/step.apply_if_finite,
+    docs/memory.md): the new state lands in the donated buffers. With the guard's cond (CPU programs,
+    and every GPU compile before 2026-12-02) XLA:GPU built the new state among the temporaries: at
+    27 DeepSeek-V2-Lite layers 46.36 GiB = 11.59 gradients + 34.77 parameters and AdamW moments.
+    c0 (batch-independent temporaries beyond the gradients; negative where not every gradient is
+    live at the activation peak), s0 (per sequence: logits, loss, one layer's recomputation) and s1
+    (per layer and sequence: the saved activations) are fitted by least squares to the compiled points
+    whose temporaries exceed U (the activation phase); `active` says how many there were. With one
+    batch among them c0 = 0; with none, s0 is the largest (temp - gradients) / B seen: an
+    over-estimate, flagged."""
 
     p0: float
     p1: float
@@ -235,15 +246,19 @@ class TempModel:
     s0: float
     s1: float
     active: int
+    c0: float = 0.0
+    inplace: bool = False
 
     def params(self, L: float) -> float:
         return self.p0 + self.p1 * L
 
     def update(self, L: float) -> float:
+        if self.inplace:
+            return self.params(L)
         return 2 * self.params(L) + self.o0 + self.o1 * L
 
     def activation(self, L: float, B: float) -> float:
-        return self.params(L) + B * (self.s0 + self.s1 * L)
+        return self.params(L) + self.c0 + B * (self.s0 + self.s1 * L)
 
     def __call__(self, L: float, B: float) -> float:
         return max(self.update(L), self.activation(L, B))
@@ -259,6 +274,10 @@ class TempModel:
         if len(depths) > 2 or len({p.batch for p in pts}) < 2:
             raise ConfigError("the temporaries model needs compiles at two per-device batches and one or two depths; "
                               "e.g. --depths 27 --batches 1,2 or --depths 3,5 --batches 1,2")
+        inplace = {bool(p.inplace_update) for p in pts}
+        if len(inplace) > 1:
+            raise ConfigError("the compiled points mix an in-place update with one built among the temporaries "
+                              "(a cache of an older compile?): give --cache a new file")
         if len(depths) == 2:
             (l1, l2) = depths
             p1 = (parts_at[l2]["params"] - parts_at[l1]["params"]) / (l2 - l1)
@@ -266,17 +285,20 @@ class TempModel:
         else:
             l1, p1, o1 = depths[0], 0.0, 0.0
         p0, o0 = parts_at[l1]["params"] - p1 * l1, parts_at[l1]["optimizer"] - o1 * l1
-        m = cls(p0, p1, o0, o1, 0.0, 0.0, 0)
+        m = cls(p0, p1, o0, o1, 0.0, 0.0, 0, 0.0, inplace.pop())
         act = [p for p in pts if p.temp > 1.02 * m.update(p.layers)]
-        per_seq = lambda p: (p.temp - m.params(p.layers)) / p.batch  # noqa: E731
-        if len({p.layers for p in act}) >= 2:
-            A = np.array([[1.0, p.layers] for p in act])
-            (s0, s1), *_ = np.linalg.lstsq(A, np.array([per_seq(p) for p in act]), rcond=None)
+        extra = lambda p: p.temp - m.params(p.layers)  # noqa: E731  (temporaries beyond the gradients)
+        c0, s0, s1 = 0.0, 0.0, 0.0
+        if len({p.batch for p in act}) >= 2:
+            cols = (lambda p: [1.0, p.batch, p.batch * p.layers]) if len({p.layers for p in act}) >= 2 else \
+                (lambda p: [1.0, p.batch])
+            coef, *_ = np.linalg.lstsq(np.array([cols(p) for p in act]), np.array([extra(p) for p in act]), rcond=None)
+            c0, s0, s1 = (list(coef) + [0.0])[:3]
         elif act:
-            s0, s1 = float(np.mean([per_seq(p) for p in act])), 0.0
+            s0 = float(np.mean([extra(p) / p.batch for p in act]))
         else:
-            s0, s1 = max(per_seq(p) for p in pts), 0.0
-        return dataclasses.replace(m, s0=float(s0), s1=float(max(s1, 0.0)), active=len(act))
+            s0 = max(extra(p) / p.batch for p in pts)
+        return dataclasses.replace(m, c0=float(c0), s0=float(s0), s1=float(max(s1, 0.0)), active=len(act))
 
 
 @dataclasses.dataclass
@@ -305,7 +327,10 @@ class Row:
         return sum(v for k, v in self.parts.items() if k != "batch") + self.output_extra
 
     def update_temp(self) -> float:
-        """U at the config's depth from its exact state: gradients + the new params and optimizer state."""
+        """U at the config's depth from its exact state: the gradients (+ the new params and optimizer
+        state where the update is not in place)."""
+        if self.fit.inplace:
+            return self.parts["params"]
         return 2 * self.parts["params"] + self.parts["optimizer"]
 
     def per_seq(self) -> float:
@@ -313,7 +338,7 @@ class Row:
         return self.fit.s0 + self.fit.s1 * self.layers
 
     def temp(self, batch: int) -> float:
-        return max(self.update_temp(), self.parts["params"] + batch * self.per_seq())
+        return max(self.update_temp(), self.parts["params"] + self.fit.c0 + batch * self.per_seq())
 
     def peak(self, batch: int) -> float:
         per_seq_batch = self.parts["batch"]  # the batch of 1 sequence per device
@@ -334,9 +359,11 @@ class Row:
 
 
 def build_rows(cfg, modes, remats, fsdps, depths, batches, seq, validate_depth=None, cache=None, log=None,
-               devices_for=None, validate_cached: bool = False) -> list[Row]:
+               devices_for=None, validate_cached: bool = False, validate_batch=None) -> list[Row]:
     """Compile (or take from `cache`, a dict of Point by key) what the fit needs, per (mode, remat, fsdp).
-    devices_for(cfg) -> devices to compile for (default: compile-only GPUs, plan_devices)."""
+    devices_for(cfg) -> devices to compile for (default: compile-only GPUs, plan_devices).
+    validate_depth / validate_batch: compile one more point (default depth: the config's; default batch:
+    the first of `batches`) and store the fit's error on it in Row.validation."""
     import jax
 
     log = log or (lambda m: None)
@@ -371,14 +398,13 @@ def build_rows(cfg, modes, remats, fsdps, depths, batches, seq, validate_depth=N
                 extra = max(p.output - p.alias for p in pts)
                 parts = full_state_parts(cfg, mode, remat, f, 1, seq, devices_for)
                 row = Row(mode, remat, f, parts, fit, extra, cfg.model.num_layers, seq, f * gpus_per_fsdp)
-                if validate_depth and (not validate_cached or point_key(mode, remat, f, validate_depth, batches[0], seq) in cache):
-                    B = batches[0]
-                    vp = get(mode, remat, f, validate_depth, B)
-                    row.validation = dict(layers=validate_depth, batch=B, compiled_temp=vp.temp,
-                                          predicted_temp=fit(validate_depth, B),
-                                          rel_error=(fit(validate_depth, B) - vp.temp) / max(vp.temp, 1),
-                                          phase="update" if fit.update(validate_depth) >= fit.activation(validate_depth, B)
-                                          else "activation")
+                vL = validate_depth or (cfg.model.num_layers if validate_batch else None)
+                B = validate_batch or batches[0]
+                if vL and (not validate_cached or point_key(mode, remat, f, vL, B, seq) in cache):
+                    vp = get(mode, remat, f, vL, B)
+                    row.validation = dict(layers=vL, batch=B, compiled_temp=vp.temp, predicted_temp=fit(vL, B),
+                                          rel_error=(fit(vL, B) - vp.temp) / max(vp.temp, 1),
+                                          phase="update" if fit.update(vL) >= fit.activation(vL, B) else "activation")
                 rows.append(row)
     return rows
 
@@ -403,9 +429,10 @@ def bound_rows(cfg, rows: Sequence[Row], fsdps: Sequence[int], devices_for=None)
 def format_plan(cfg_name: str, rows: Sequence[Row], usable: float, devices=tuple(DEVICE_MEMORY)) -> str:
     lines = [f"memory plan: {cfg_name}, {rows[0].layers} layers, seq {rows[0].seq}, per device (GiB); "
              f"fits = peak <= {usable:.2f} x device memory; peak = state (+ teacher) + batch + temp, temp = "
-             f"max(update: grads + new state, activation: grads + B x act/seq)"]
+             f"max(update: grads{'' if all(r.fit.inplace for r in rows) else ' + new state'}, activation: grads + c0 + "
+             f"B x act/seq)"]
     hdr = (f"{'mode':<9}{'remat':<8}{'fsdp':>4}{'GPUs':>5}{'params':>8}{'optim':>8}{'teacher':>8}{'update':>8}"
-           f"{'act/seq':>8}{'peak@1':>8}  " + "  ".join(f"{'B ' + d:>10}" for d in devices))
+           f"{'act/seq':>8}{'temp@1':>8}{'peak@1':>8}  " + "  ".join(f"{'B ' + d:>10}" for d in devices))
     lines += [hdr, "-" * len(hdr)]
     for r in rows:
         mb = [r.max_batch(usable * DEVICE_MEMORY[d]) for d in devices]
@@ -413,7 +440,7 @@ def format_plan(cfg_name: str, rows: Sequence[Row], usable: float, devices=tuple
         lines.append(f"{r.mode:<9}{r.remat:<8}{r.fsdp:>3}{mark}{r.gpus:>5}{r.parts['params'] / GiB:>8.1f}"
                      f"{r.parts['optimizer'] / GiB:>8.1f}{r.parts.get('teacher', 0) / GiB:>8.1f}"
                      f"{r.update_temp() / GiB:>8.1f}{(r.per_seq() + r.parts['batch']) / GiB:>8.2f}"
-                     f"{r.peak(1) / GiB:>8.1f}  " + "  ".join(f"{(str(b) if b else '-'):>10}" for b in mb))
+                     f"{r.temp(1) / GiB:>8.1f}{r.peak(1) / GiB:>8.1f}  " + "  ".join(f"{(str(b) if b else '-'):>10}" for b in mb))
     lines.append("B <device> = largest per-device batch (sequences) that fits; '-' = not even one sequence")
     if any(r.bound_from for r in rows):
         lines.append("* not compiled: exact state at this FSDP size, activations per sequence of the nearest compiled "
@@ -485,6 +512,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--depths", default="2,3", help="two depths the step is compiled at")
     ap.add_argument("--batches", default="1,2", help="two per-device batches the step is compiled at")
     ap.add_argument("--validate-depth", type=int, default=None, help="compile one more depth and report the fit's error")
+    ap.add_argument("--validate-batch", type=int, default=None,
+                    help="compile one more per-device batch (at the config's depth, or --validate-depth) and report the fit's error")
     ap.add_argument("--validate-cached", action="store_true",
                     help="validate only where the --validate-depth point is already in a cache (no new compile)")
     ap.add_argument("--usable", type=float, default=USABLE_FRACTION, help="usable fraction of device memory")
@@ -522,7 +551,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         t0 = time.time()
         rows = build_rows(cfg, modes, remats, _ints(a.fsdp), _ints(a.depths), _ints(a.batches), seq,
-                          a.validate_depth, Saving(cache), log, validate_cached=a.validate_cached)
+                          a.validate_depth, Saving(cache), log, validate_cached=a.validate_cached,
+                          validate_batch=a.validate_batch)
         rows += bound_rows(cfg, rows, _ints(a.bound_fsdp))
     except FarSkipError as e:
         print(f"error: {e}", file=sys.stderr)
