@@ -223,13 +223,23 @@ class FarSkipConfig:
     preset's choice on converted layers. `layers` selects the converted layers: "all", "none",
     "first:N", "last:N", "range:A:B" (A inclusive, B exclusive) or a list of layer indices.
     `skip_distance: d` makes partial/outdated attention inputs lack the MoE outputs of the last d
-    layers (d = 1 is the paper's FarSkip)."""
+    layers (d = 1 is the paper's FarSkip).
+
+    `layers: auto` (budgeted conversion, FCSD only): the set is chosen at the start of the
+    distillation from an untrained sweep on the teacher so that the predicted val-loss gap after FCSD
+    stays within `auto_budget` (eval/budget.py, docs/fcsd.md "Budgeted conversion"); the run folder
+    keeps the chosen set and the resolved config. An unresolved `auto` never reaches a model:
+    `converted_layers` refuses it."""
 
     preset: str = "standard"
     attn_input: Optional[Literal["full", "partial", "outdated"]] = None
     moe_input: Optional[Literal["full", "outdated"]] = None
     layers: Union[str, tuple[int, ...]] = "all"
     skip_distance: int = 1
+    # --- farskip.layers: auto (eval/budget.py); each only with layers: auto ---
+    auto_budget: Optional[float] = None  # allowed relative val-loss gap to the teacher after FCSD (0.01 = 1%)
+    auto_retention: Optional[float] = None  # predicted gap after FCSD / untrained gap (default budget.DEFAULT_RETENTION)
+    auto_search: Literal["ends", "greedy"] = "ends"  # candidate sets: first/last N; greedy: + one layer at a time
 
     def __post_init__(self):
         _check(
@@ -238,8 +248,25 @@ class FarSkipConfig:
             + _suggest(self.preset, list(PRESETS)),
         )
         _check(self.skip_distance >= 1, f"farskip.skip_distance must be >= 1, got {self.skip_distance}")
-        if isinstance(self.layers, str):
+        auto = self.layers == "auto"
+        if isinstance(self.layers, str) and not auto:
             parse_layer_spec(self.layers, 10**6)  # syntax check; range checked against num_layers later
+        for key in ("auto_budget", "auto_retention") + (("auto_search",) if self.auto_search != "ends" else ()):
+            _check(auto or getattr(self, key) in (None, "ends"),
+                   f"farskip.{key} only applies to farskip.layers: auto (got layers={self.layers!r}); set "
+                   f"farskip.layers: auto or drop farskip.{key}")
+        if auto:
+            _check(self.preset != "standard",
+                   "farskip.layers: auto chooses which layers to convert, but farskip.preset is standard (nothing to "
+                   "convert); set farskip.preset: farskip (or attn_only / mlp_only)")
+            _check(self.auto_budget is not None,
+                   "farskip.layers: auto needs farskip.auto_budget: the allowed relative val-loss gap to the teacher "
+                   "after FCSD, e.g. 0.01 for 1%")
+        _check(self.auto_budget is None or 0 < self.auto_budget <= 1,
+               f"farskip.auto_budget must be a relative val-loss gap in (0, 1] (0.01 = 1%), got {self.auto_budget}")
+        _check(self.auto_retention is None or 0 < self.auto_retention <= 1,
+               f"farskip.auto_retention must be in (0, 1] (the predicted gap after FCSD as a fraction of the "
+               f"untrained gap), got {self.auto_retention}")
 
     def converted_layers(self, num_layers: int) -> frozenset[int]:
         if isinstance(self.layers, str):
@@ -255,8 +282,14 @@ class FarSkipConfig:
 
 
 def parse_layer_spec(spec: str, num_layers: int) -> frozenset[int]:
-    """'all' | 'none' | 'first:N' | 'last:N' | 'range:A:B' -> set of layer indices."""
+    """'all' | 'none' | 'first:N' | 'last:N' | 'range:A:B' -> set of layer indices ('auto' is not a
+    set: it is resolved to one before any model sees it, eval/budget.resolve_auto_layers)."""
     s = spec.strip()
+    if s == "auto":
+        raise ConfigError(
+            "farskip.layers=auto has not been resolved to a layer set: FCSD (train.mode: distill) chooses it at the "
+            "start of the run, and `python -m farskip_jax.eval.budget` plans it without training; elsewhere set an "
+            "explicit set (a run's choice is in <run_dir>/farskip_auto.json and its config.yaml)")
     try:
         if s == "all":
             return frozenset(range(num_layers))
@@ -542,9 +575,14 @@ class Config:
                 e.dispatch != "local",
                 f"mesh.expert={self.mesh.expert} needs moe.dispatch: all_to_all or ragged (got 'local')",
             )
-        conv = self.farskip.converted_layers(m.num_layers) if isinstance(self.farskip.layers, str) else self.farskip.layers
-        bad = [i for i in conv if not 0 <= i < m.num_layers]
-        _check(not bad, f"farskip.layers lists layers outside [0, {m.num_layers}): {sorted(bad)}")
+        if self.farskip.layers == "auto":  # resolved by FCSD before any model is built (eval/budget.py)
+            _check(self.train.mode == "distill",
+                   f"farskip.layers: auto is chosen at the start of FCSD (train.mode: distill), not in train.mode="
+                   f"{self.train.mode}; set an explicit farskip.layers (plan one with python -m farskip_jax.eval.budget)")
+        else:
+            conv = self.farskip.converted_layers(m.num_layers) if isinstance(self.farskip.layers, str) else self.farskip.layers
+            bad = [i for i in conv if not 0 <= i < m.num_layers]
+            _check(not bad, f"farskip.layers lists layers outside [0, {m.num_layers}): {sorted(bad)}")
         _check(self.train.seq_len <= m.max_seq_len, f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
 
 

@@ -29,8 +29,7 @@ def conversion_sweep(graphdef, st: dict, cfg: Config, batches: list, *, preset: 
     preset: the connectivity of converted layers (default cfg.farskip.preset, or "farskip" when that
     is "standard"); skip_distance and attn/moe input overrides are taken from cfg.farskip."""
     L = cfg.model.num_layers
-    fs0 = cfg.farskip
-    preset = preset or (fs0.preset if fs0.preset != "standard" else "farskip")
+    preset = sweep_preset(cfg.farskip, preset)
     counts = list(range(L + 1)) if counts is None else list(counts)
     rows, base = [], None
     for direction in directions:
@@ -38,18 +37,34 @@ def conversion_sweep(graphdef, st: dict, cfg: Config, batches: list, *, preset: 
             if n == 0 and base is not None:
                 rows.append(dict(base, direction=direction))
                 continue
-            fs = FarSkipConfig(preset=preset, attn_input=fs0.attn_input, moe_input=fs0.moe_input,
-                               layers=f"{direction}:{n}", skip_distance=fs0.skip_distance)
-            r = evaluate_pair(make_compare_fn(graphdef, fs), st, st, batches)
-            row = dict(direction=direction, layers=n, val_loss=r.val_loss, ppl=r.ppl, teacher_loss=r.teacher_loss,
-                       kl=r.kl, top1=r.top1)
+            r = evaluate_set(graphdef, st, cfg, batches, f"{direction}:{n}", preset=preset)
+            row = dict(direction=direction, layers=n, **r)
             if n == 0:
                 base = row
             rows.append(row)
             if stream is not None:
-                print(f"{direction}-{n:<3d} converted ({preset}): val loss {r.val_loss:.4f} | KL {r.kl:.5f} | "
-                      f"top-1 {100 * r.top1:.2f}%", file=stream, flush=True)
+                print(f"{direction}-{n:<3d} converted ({preset}): val loss {r['val_loss']:.4f} | KL {r['kl']:.5f} | "
+                      f"top-1 {100 * r['top1']:.2f}%", file=stream, flush=True)
     return rows
+
+
+def sweep_preset(fs0: FarSkipConfig, preset: Optional[str] = None) -> str:
+    """The connectivity of converted layers in a sweep: `preset`, else fs0's unless that is standard."""
+    return preset or (fs0.preset if fs0.preset != "standard" else "farskip")
+
+
+def evaluate_set(graphdef, st: dict, cfg: Config, batches: list, layers, *, preset: Optional[str] = None,
+                 teacher: Optional[dict] = None) -> dict:
+    """One conversion without training: `st` with `layers` (a spec such as "last:2" or layer indices)
+    converted to `preset` (sweep_preset), attn/moe input overrides and skip_distance from cfg.farskip,
+    against `teacher` (default: `st` itself) under standard connectivity.
+    Returns dict(val_loss, ppl, teacher_loss, kl, top1)."""
+    fs0 = cfg.farskip
+    fs = FarSkipConfig(preset=sweep_preset(fs0, preset), attn_input=fs0.attn_input, moe_input=fs0.moe_input,
+                       layers=layers if isinstance(layers, str) else tuple(sorted(layers)),
+                       skip_distance=fs0.skip_distance)
+    r = evaluate_pair(make_compare_fn(graphdef, fs), st, st if teacher is None else teacher, batches)
+    return dict(val_loss=r.val_loss, ppl=r.ppl, teacher_loss=r.teacher_loss, kl=r.kl, top1=r.top1)
 
 
 def write_csv(rows: list[dict], path: str) -> str:

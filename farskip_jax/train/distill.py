@@ -23,6 +23,10 @@ Conversion methods (`distill.anneal`, `distill.progressive`; train/annealing.py)
 at a per-layer alpha between the standard (0) and FarSkip (1) connectivity, passed to the jitted step
 as data; evaluations always measure the FarSkip student (alpha = 1), and early stopping counts only
 evaluations after the conversion completed.
+`farskip.layers: auto` (eval/budget.py) is resolved once, after the weights and validation batches
+load and before the run folder is touched: an untrained sweep on the teacher chooses the set within
+`farskip.auto_budget`; the run folder keeps the resolved config and `farskip_auto.json` / `.md`, and
+re-running resumes with the stored choice (no new sweep).
 
     result = distill(cfg)        # DistillResult; also `python train.py --config configs/distill_tiny.yaml`
 """
@@ -33,6 +37,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import sys
 import time
 from typing import Callable, Optional
 
@@ -215,6 +220,26 @@ def export_student(cfg: Config, graphdef, st: dict, out_dir: str) -> str:
     return export_hf(model, cfg, out_dir, family=family, overwrite=True)
 
 
+def resolve_auto_layers(cfg: Config, graphdef, src: dict, val: list, stream=None) -> tuple[Config, object, bool]:
+    """(cfg with an explicit farskip.layers, the budget.Plan, reused) for cfg.farskip.layers == "auto".
+
+    A run folder that holds this run's choice (farskip_auto.json made for the same farskip request,
+    and the folder resumes under it) keeps it: no sweep, the same layers, so resume stays bit-exact.
+    Otherwise the untrained sweep runs on the teacher (its teacher_dtype copy, as step 0 evaluates)
+    and the rule of eval/budget.py chooses. Writes nothing; ConfigError when no set fits."""
+    from farskip_jax.eval.budget import Plan, apply_choice, plan_conversion, read_plan, request_of
+
+    stored = None if cfg.train.overwrite else read_plan(os.path.abspath(cfg.train.run_dir))
+    if stored is not None and stored.get("request") == request_of(cfg):
+        resolved = apply_choice(cfg, stored["layers"])
+        if check_run_dir(resolved).resume:
+            return resolved, Plan.from_json(stored), True
+    teacher = cast_state(src, dtype_of(cfg.distill.teacher_dtype))
+    plan = plan_conversion(graphdef, src, cfg, val, teacher=teacher, stream=stream or sys.stdout)
+    del teacher
+    return apply_choice(cfg, plan.layers), plan, False
+
+
 # --------------------------------------------------------------------------------------------------
 # the loop
 # --------------------------------------------------------------------------------------------------
@@ -244,7 +269,6 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     max_steps = t.steps
     if d.max_tokens is not None:
         max_steps = min(max_steps, d.max_tokens // tokens_per_step)
-    sched = ConversionSchedule.from_config(cfg, tokens_per_step, max_steps)  # None: plain FCSD (alpha = 1)
     # everything that can be validated is, before the run folder is touched (see trainer.train)
     tok = load_tokenizer(cfg.data.tokenizer)
     check_vocab(tok, cfg.model.vocab_size,
@@ -254,6 +278,13 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
                             vocab_size=cfg.model.vocab_size)
     first_batches(train_ds)
     val = val_batches(cfg, t.eval_batches, mesh=mesh, tokenizer=tok)
+    plan, plan_reused, auto_request = None, False, None
+    if cfg.farskip.layers == "auto":  # the budgeted set, chosen once and before anything is written
+        from farskip_jax.eval.budget import request_of, write_plan
+
+        auto_request = request_of(cfg)
+        cfg, plan, plan_reused = resolve_auto_layers(cfg, graphdef, src, val, stream)
+    sched = ConversionSchedule.from_config(cfg, tokens_per_step, max_steps)  # None: plain FCSD (alpha = 1)
     task_score = None
     if d.metric == "task":
         from farskip_jax.eval.tasks import load_task, score_tasks
@@ -296,6 +327,14 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     log = RunLogger(run_dir, tensorboard=t.tensorboard, stream=stream)
     if folder.note:
         log.print(folder.note)
+    if plan is not None:
+        if not plan_reused:
+            write_plan(plan, run_dir, auto_request)
+        for line in plan.lines():
+            log.print(line)
+        log.print(f"farskip.layers: auto -> {list(plan.layers)} ("
+                  + ("the stored choice of this run folder, no new sweep" if plan_reused
+                     else f"written to {os.path.join(run_dir, 'farskip_auto.json')}") + ")")
     log.print("resolved config:\n" + dump_config(cfg))
     shardings = jax.tree.map(lambda x: x.sharding, state)  # outputs keep the inputs' placement (as the trainer)
     step_fn = jax.jit(make_distill_step(graphdef, cfg, tx, schedule), donate_argnums=0,

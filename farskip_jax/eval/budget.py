@@ -1,0 +1,417 @@
+"""Budgeted conversion (`farskip.layers: auto`): choose which layers FCSD converts so that the
+predicted val-loss gap after FCSD stays within `farskip.auto_budget`, and say what overlap it buys.
+
+The prediction (docs/fcsd.md "Budgeted conversion", with its evidence and limits):
+
+    untrained gap g(S) = val_loss(S converted, no training) / teacher_loss - 1    (measured here, on the teacher)
+    predicted gap after FCSD = retention x max(g(S), 0)                             (retention: farskip.auto_retention)
+
+`retention` defaults to DEFAULT_RETENTION, the largest ratio (gap after FCSD / untrained gap) measured
+at a 5% FCSD token budget on the project's teachers (`measured_pairs` reads them from
+benchmarks/results/fcsd); larger FCSD budgets measured lower ratios, so the default is conservative
+there. Candidate sets (`farskip.auto_search`): `ends` = first N and last N for N = 1..L; `greedy`
+adds, one layer at a time, the layer whose addition costs least (untrained), stopping when even the
+cheapest addition is over the budget. The rule: among candidates whose prediction is within the
+budget, take the one that frees the most all-to-alls (`overlap_estimate`), then the lowest untrained
+gap, then the fewest layers. No candidate that frees an all-to-all fits: ConfigError (before
+anything is written).
+
+    plan = plan_conversion(graphdef, src, cfg, batches, teacher=teacher)     # sweep + choice
+    cfg = apply_choice(cfg, plan.layers)                                     # an explicit layer list
+    python -m farskip_jax.eval.budget --config configs/distill_tiny.yaml --budget 0.01   # plan only
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import sys
+from typing import Optional, Sequence
+
+from farskip_jax.config import Config, FarSkipConfig, ModelConfig, replace
+from farskip_jax.errors import ConfigError
+
+# gap after FCSD / untrained gap: the largest measured at a 5% FCSD budget (16-layer d64 teacher, lr 3e-3:
+# +5.52% -> +2.25%); tests/test_layers_auto.py checks it against measured_pairs()
+DEFAULT_RETENTION = 0.41
+PLAN_JSON, PLAN_MD = "farskip_auto.json", "farskip_auto.md"
+# forward all-to-all time hidden, full-depth DeepSeek-V2-Lite, EP 8, 8 x H200 target, two-stream MI300X
+# model (docs/overlap.md): standard 43.2%, farskip (every layer) 96.8%
+OVERLAP_DOC_FWD = {"standard": 0.432, "farskip": 0.968}
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One candidate set measured without training: name (first:N | last:N | greedy:N), layers."""
+    name: str
+    layers: tuple[int, ...]
+    val_loss: float
+    teacher_loss: float
+    kl: float
+    top1: float
+    freed: int = 0  # forward all-to-alls this set frees (overlap_estimate)
+
+    @property
+    def gap(self) -> float:
+        return self.val_loss / self.teacher_loss - 1.0
+
+
+@dataclasses.dataclass
+class Plan:
+    budget: float
+    retention: float
+    search: str
+    preset: str
+    candidates: list  # [Candidate], in sweep order
+    choice: Candidate
+    overlap: dict  # overlap_estimate of the choice
+    overlap_all: dict  # ... of converting every layer (for comparison)
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return self.choice.layers
+
+    def predicted(self, c: Candidate) -> float:
+        return self.retention * max(c.gap, 0.0)
+
+    def to_json(self) -> dict:
+        return dict(budget=self.budget, retention=self.retention, search=self.search, preset=self.preset,
+                    layers=list(self.layers), choice=self.choice.name,
+                    predicted_gap=self.predicted(self.choice), overlap=self.overlap, overlap_all=self.overlap_all,
+                    rule="largest freed all-to-all count among candidates with retention x untrained gap <= budget; "
+                         "ties: lower untrained gap, fewer layers",
+                    candidates=[dict(dataclasses.asdict(c), layers=list(c.layers), gap=c.gap,
+                                     predicted=self.predicted(c), fits=self.predicted(c) <= self.budget)
+                                for c in self.candidates])
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Plan":
+        cands = [Candidate(c["name"], tuple(c["layers"]), c["val_loss"], c["teacher_loss"], c["kl"], c["top1"],
+                           c["freed"]) for c in d["candidates"]]
+        choice = next(c for c in cands if c.name == d["choice"])
+        return cls(d["budget"], d["retention"], d["search"], d["preset"], cands, choice, d["overlap"], d["overlap_all"])
+
+    def lines(self) -> list[str]:
+        """The sweep table, the choice and its overlap (markdown; also the progress log)."""
+        out = [f"farskip.layers: auto, budget {100 * self.budget:g}% val-loss gap after FCSD, predicted as "
+               f"retention {self.retention:g} x the untrained gap (preset {self.preset}, candidates: {self.search})", "",
+               "| candidate | layers | untrained gap | KL | top-1 | predicted after FCSD | fits | freed all-to-alls |",
+               "|---|---|---|---|---|---|---|---|"]
+        for c in self.candidates:
+            out.append(f"| {c.name} | {list(c.layers)} | {100 * c.gap:+.2f}% | {c.kl:.4f} | {100 * c.top1:.1f}% | "
+                       f"{100 * self.predicted(c):+.2f}% | {'yes' if self.predicted(c) <= self.budget else 'no'} | "
+                       f"{c.freed} |")
+        o, oa = self.overlap, self.overlap_all
+        out += ["", f"choice: **{self.choice.name}** = layers {list(self.layers)} (untrained {100 * self.choice.gap:+.2f}%, "
+                    f"predicted {100 * self.predicted(self.choice):+.2f}% after FCSD)",
+                f"overlap it buys (estimate, counted from the layer set): {o['freed']} of {o['total']} forward "
+                f"all-to-alls ({100 * o['share']:.0f}%) no longer gate the next compute ({o['converted_moe']} of "
+                f"{o['moe_layers']} MoE layers converted; every layer converted: {oa['freed']} of {oa['total']}, "
+                f"{100 * oa['share']:.0f}%)",
+                f"estimated forward all-to-all time hidden: {100 * o['hidden_fwd_est']:.0f}% (standard "
+                f"{100 * OVERLAP_DOC_FWD['standard']:.1f}%, every layer farskip {100 * oa['hidden_fwd_est']:.1f}%; "
+                "interpolated by freed share between docs/overlap.md's full-depth DeepSeek-V2-Lite figures, "
+                "not a compiled report)"]
+        return out
+
+
+# --------------------------------------------------------------------------------------------------
+# what a layer set buys
+# --------------------------------------------------------------------------------------------------
+
+
+def overlap_estimate(model: ModelConfig, fs: FarSkipConfig) -> dict:
+    """Forward all-to-alls whose wait the connectivity `fs` (an explicit set) removes, by DESIGN.md
+    section 1: the dispatch of MoE layer j no longer waits for attention j when its MoE input is
+    `outdated`; the combine of MoE layer j no longer gates attention j+1 when that reads `partial` or
+    `outdated`. The last layer's combine always gates the final norm. An ESTIMATE from the layer set,
+    not a compiled schedule (analysis/overlap.py measures that)."""
+    n = model.num_layers
+    kinds = [fs.layer_inputs(i, n) for i in range(n)]
+    moe = [i for i in range(n) if model.is_moe_layer(i)]
+    freed = sum(kinds[j][1] == "outdated" for j in moe) + sum(j + 1 < n and kinds[j + 1][0] != "full" for j in moe)
+    total = 2 * len(moe)
+    share = freed / total if total else 0.0
+    std, far = OVERLAP_DOC_FWD["standard"], OVERLAP_DOC_FWD["farskip"]
+    return dict(freed=int(freed), total=total, share=share, moe_layers=len(moe),
+                converted_moe=sum(kinds[j] != ("full", "full") for j in moe),
+                hidden_fwd_est=std + share * (far - std))
+
+
+def _fs_with(fs0: FarSkipConfig, preset: str, layers) -> FarSkipConfig:
+    return FarSkipConfig(preset=preset, attn_input=fs0.attn_input, moe_input=fs0.moe_input,
+                         layers=tuple(sorted(layers)), skip_distance=fs0.skip_distance)
+
+
+# --------------------------------------------------------------------------------------------------
+# the rule
+# --------------------------------------------------------------------------------------------------
+
+
+def choose(candidates: Sequence[Candidate], budget: float, retention: float) -> Candidate:
+    """The candidate with the most freed all-to-alls among those with retention x max(gap, 0) <= budget;
+    ties: lower untrained gap, then fewer layers, then sweep order. ConfigError when none that frees
+    anything fits (naming the cheapest and the budget it would need)."""
+    useful = [c for c in candidates if c.freed > 0]
+    if not useful:
+        raise ConfigError("farskip.layers: auto found no candidate set that frees an all-to-all (a model without "
+                          "MoE layers?); set farskip.layers explicitly")
+    fits = [c for c in useful if retention * max(c.gap, 0.0) <= budget]
+    if not fits:
+        cheap = min(useful, key=lambda c: c.gap)
+        need = retention * max(cheap.gap, 0.0)
+        raise ConfigError(
+            f"farskip.auto_budget={budget:g}: no candidate set fits; the cheapest, {cheap.name} (layers "
+            f"{list(cheap.layers)}), is predicted at {100 * need:+.2f}% after FCSD (untrained {100 * cheap.gap:+.2f}% x "
+            f"farskip.auto_retention {retention:g}). Raise farskip.auto_budget to at least {need:.4g}, set "
+            "farskip.auto_retention lower if FCSD runs on this model measured less (python -m farskip_jax.eval.budget "
+            "--retention-from RUN), or set farskip.layers explicitly")
+    order = {id(c): k for k, c in enumerate(candidates)}
+    return min(fits, key=lambda c: (-c.freed, c.gap, len(c.layers), order[id(c)]))
+
+
+def plan_conversion(graphdef, st: dict, cfg: Config, batches: list, *, teacher: Optional[dict] = None,
+                    stream=sys.stdout) -> Plan:
+    """Measure the candidate sets of cfg.farskip (layers: auto) without training and choose one.
+
+    st: the weights to convert; teacher: the standard-connectivity teacher state (default st; distill
+    passes its teacher_dtype copy so the sweep's teacher loss is step 0's)."""
+    from farskip_jax.eval.sweep import evaluate_set, sweep_preset
+
+    fs0 = cfg.farskip
+    if fs0.layers != "auto":
+        raise ConfigError(f"plan_conversion plans farskip.layers: auto, got layers={fs0.layers!r}")
+    L = cfg.model.num_layers
+    preset = sweep_preset(fs0)
+    budget = fs0.auto_budget
+    retention = fs0.auto_retention if fs0.auto_retention is not None else DEFAULT_RETENTION
+    cands: list[Candidate] = []
+    seen: dict[tuple, Candidate] = {}
+
+    def overlap_of(layers) -> dict:
+        return overlap_estimate(cfg.model, _fs_with(fs0, preset, layers))
+
+    def measure(name: str, layers) -> Candidate:
+        key = tuple(sorted(layers))
+        if key in seen:  # e.g. first:L = last:L: measured once, listed under its first name
+            return seen[key]
+        r = evaluate_set(graphdef, st, cfg, batches, key, preset=preset, teacher=teacher)
+        c = Candidate(name, key, r["val_loss"], r["teacher_loss"], r["kl"], r["top1"], overlap_of(key)["freed"])
+        seen[key] = c
+        cands.append(c)
+        if stream is not None:
+            print(f"[auto] {name:<10s} layers {list(key)}: untrained gap {100 * c.gap:+.2f}% | KL {c.kl:.5f} | "
+                  f"top-1 {100 * c.top1:.2f}% | predicted after FCSD {100 * retention * max(c.gap, 0):+.2f}%",
+                  file=stream, flush=True)
+        return c
+
+    for n in range(1, L + 1):
+        measure(f"last:{n}", range(L - n, L))
+    for n in range(1, L + 1):
+        measure(f"first:{n}", range(n))
+    if fs0.auto_search == "greedy":
+        chosen: list[int] = []
+        while len(chosen) < L:
+            trials = [measure(f"+{i}", chosen + [i]) for i in range(L) if i not in chosen]
+            best = min(trials, key=lambda c: (c.gap, c.layers))
+            chosen = list(best.layers)
+            if best.name.startswith("+"):  # name the chain's members greedy:N (a set met before keeps its name)
+                named = dataclasses.replace(best, name=f"greedy:{len(chosen)}")
+                cands[cands.index(best)] = seen[best.layers] = named
+            if retention * max(best.gap, 0.0) > budget:
+                break  # even the cheapest addition is over the budget: larger greedy sets are not tried
+        cands[:] = [c for c in cands if not c.name.startswith("+")]  # trial sets off the chain are not candidates
+
+    choice = choose(cands, budget, retention)
+    return Plan(budget, retention, fs0.auto_search, preset, cands, choice, overlap_of(choice.layers),
+                overlap_of(range(L)))
+
+
+def apply_choice(cfg: Config, layers) -> Config:
+    """cfg with farskip.layers = the explicit sorted list `layers` and the auto_* keys cleared (the
+    resolved config: what the model runs, what config.yaml keeps)."""
+    return replace(cfg, **{"farskip.layers": sorted(int(i) for i in layers), "farskip.auto_budget": None,
+                           "farskip.auto_retention": None, "farskip.auto_search": "ends"})
+
+
+def request_of(cfg: Config) -> dict:
+    """The keys a stored choice was made for (a resumed run reuses its choice when they are unchanged)."""
+    fs = cfg.farskip
+    return dict(auto_budget=fs.auto_budget, auto_retention=fs.auto_retention, auto_search=fs.auto_search,
+                preset=fs.preset, attn_input=fs.attn_input, moe_input=fs.moe_input, skip_distance=fs.skip_distance)
+
+
+def write_plan(plan: Plan, folder: str, request: Optional[dict] = None) -> list[str]:
+    """<folder>/farskip_auto.json (the plan, and the request it answers) and farskip_auto.md."""
+    os.makedirs(folder, exist_ok=True)
+    paths = []
+    for name, text in ((PLAN_JSON, json.dumps(dict(plan.to_json(), request=request), indent=1)),
+                       (PLAN_MD, "\n".join(["# farskip.layers: auto", ""] + plan.lines()) + "\n")):
+        path = os.path.join(folder, name)
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+        paths.append(path)
+    return paths
+
+
+def read_plan(folder: str) -> Optional[dict]:
+    """The farskip_auto.json of a run folder, or None."""
+    path = os.path.join(folder, PLAN_JSON)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} is unreadable ({e}); delete it (the choice is planned again) or set "
+                          "train.overwrite=true") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# the evidence for DEFAULT_RETENTION, and a run's own retention
+# --------------------------------------------------------------------------------------------------
+
+
+def _nominal(frac: float) -> float:
+    """A run's FCSD token share rounded up to the budgets the experiments used."""
+    for b in (0.05, 0.1, 0.2, 0.4):
+        if frac <= b + 1e-6:
+            return b
+    return round(frac, 2)
+
+
+def measured_pairs(root: str = "benchmarks/results/fcsd") -> list[dict]:
+    """(untrained gap, gap after FCSD, FCSD token share) of every plain-FCSD run recorded under `root`
+    (benchmarks/fcsd_experiment.py's results*.json and benchmarks/fcsd_methods.py's results.json).
+    Left out: conversion methods (anneal, progressive) and top-k logits, which are not the default
+    recipe. Each pair: dict(source, budget, untrained, after, retention)."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(root, "**", "results*.json"), recursive=True)):
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except (OSError, ValueError):
+            continue
+        rel = os.path.relpath(path, root)
+        if isinstance(d, dict) and "table" in d and "teacher_tokens" in d:  # fcsd_experiment.py
+            if "top-k all" not in d.get("recipe", "top-k all"):
+                continue
+            t, conv, after = (row[1] for row in d["table"][:3])
+            out.append(dict(source=rel, budget=_nominal(d["fcsd_tokens"] / d["teacher_tokens"]),
+                            untrained=conv / t - 1, after=after / t - 1))
+        elif isinstance(d, dict) and "rows" in d and "converted" in d:  # fcsd_methods.py
+            c = d["converted"]
+            for r in d["rows"]:
+                if any(k in o for o in r.get("overrides", []) for k in ("anneal", "progressive", "top_k")):
+                    continue
+                out.append(dict(source=f"{rel}:{r['method']}", budget=r["budget"],
+                                untrained=c["val_loss"] / c["teacher_loss"] - 1, after=r["gap"]))
+    for p in out:
+        p["retention"] = p["after"] / p["untrained"] if p["untrained"] > 0 else float("nan")
+    return out
+
+
+def run_retention(run_dir: str) -> dict:
+    """Retention measured by a finished FCSD run: its step-0 (converted, untrained) gap and its best
+    evaluation's gap on the early-stopping batches (metrics.jsonl, early_stopping.json)."""
+    from farskip_jax.train.logger import read_metrics
+
+    evals = read_metrics(run_dir, "eval")
+    if not evals or evals[0]["step"] != 0:
+        raise ConfigError(f"{run_dir} has no step-0 evaluation in metrics.jsonl; pass the run folder of an FCSD run "
+                          "(train.mode: distill)")
+    es_path = os.path.join(run_dir, "early_stopping.json")
+    best_step = None
+    if os.path.isfile(es_path):
+        with open(es_path) as f:
+            best_step = json.load(f).get("best_step")
+    best = next((e for e in evals if e["step"] == best_step), None) or min(evals, key=lambda e: e["val_loss"])
+    g0 = evals[0]["val_loss"] / evals[0]["teacher_loss"] - 1
+    g1 = best["val_loss"] / best["teacher_loss"] - 1
+    if g0 <= 0:
+        raise ConfigError(f"{run_dir}: the converted model at step 0 is not worse than the teacher ({100 * g0:+.2f}%); "
+                          "no retention to measure")
+    return dict(run=run_dir, untrained=g0, after=g1, step=best["step"], retention=max(g1, 0.0) / g0)
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI: plan without training
+# --------------------------------------------------------------------------------------------------
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python -m farskip_jax.eval.budget",
+        description="Plan farskip.layers: auto without training: the untrained sweep on the teacher (the "
+                    "weights of init_from_hf / distill.init_from_run, read as train.py's distillation reads them), "
+                    "the choice for a val-loss budget and the overlap it buys. The same plan FCSD makes at its start.")
+    p.add_argument("--config", help="a distillation config (train.mode: distill), e.g. configs/distill_hf.yaml")
+    p.add_argument("--budget", type=float, help="farskip.auto_budget: allowed relative val-loss gap after FCSD")
+    p.add_argument("--retention", type=float, help="farskip.auto_retention (default %g)" % DEFAULT_RETENTION)
+    p.add_argument("--retention-from", metavar="RUN", help="use the retention measured by this finished FCSD run")
+    p.add_argument("--search", choices=("ends", "greedy"), help="farskip.auto_search")
+    p.add_argument("--out", help="folder for farskip_auto.json / farskip_auto.md")
+    p.add_argument("--evidence", metavar="ROOT", nargs="?", const="benchmarks/results/fcsd",
+                   help="print the measured (untrained, after FCSD) pairs under ROOT and exit")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. init_from_hf=/models/x data.tokenizer=/models/x")
+    a = p.parse_args(argv)
+    if a.evidence:
+        pairs = measured_pairs(a.evidence)
+        print("| source | FCSD budget | untrained gap | after FCSD | retention |\n|---|---|---|---|---|")
+        for q in pairs:
+            print(f"| {q['source']} | {100 * q['budget']:g}% | {100 * q['untrained']:+.2f}% | {100 * q['after']:+.2f}% | "
+                  f"{q['retention']:.3f} |")
+        for b in sorted({q["budget"] for q in pairs}):
+            rs = [q["retention"] for q in pairs if q["budget"] == b]
+            print(f"budget {100 * b:g}%: {len(rs)} runs, retention min {min(rs):.3f} / median "
+                  f"{sorted(rs)[len(rs) // 2]:.3f} / max {max(rs):.3f}")
+        return 0
+    from farskip_jax.config import load_config
+    from farskip_jax.data.tokenizer import check_vocab, load_tokenizer
+    from farskip_jax.eval.metrics import cast_state, val_batches
+    from farskip_jax.model.layers import dtype_of
+    from farskip_jax.parallel.build import model_mesh
+    from farskip_jax.train.distill import load_source
+
+    ov = list(a.overrides) + ["farskip.layers=auto"]
+    if a.budget is not None:
+        ov.append(f"farskip.auto_budget={a.budget}")
+    if a.retention_from:
+        if a.retention is not None:
+            raise ConfigError("pass --retention or --retention-from, not both")
+        r = run_retention(a.retention_from)
+        print(f"retention measured by {a.retention_from}: untrained {100 * r['untrained']:+.2f}% -> "
+              f"{100 * r['after']:+.2f}% at step {r['step']} = {r['retention']:.3f}", flush=True)
+        a.retention = max(r["retention"], 1e-6)
+    if a.retention is not None:
+        ov.append(f"farskip.auto_retention={a.retention}")
+    if a.search:
+        ov.append(f"farskip.auto_search={a.search}")
+    cfg = load_config(a.config, ["train.mode=distill"] + ov)
+    mesh = model_mesh(cfg)
+    cfg, graphdef, src = load_source(cfg, mesh)
+    tok = load_tokenizer(cfg.data.tokenizer)
+    check_vocab(tok, cfg.model.vocab_size, f"the model to convert ({cfg.init_from_hf or cfg.distill.init_from_run})")
+    batches = val_batches(cfg, cfg.train.eval_batches, mesh=mesh, tokenizer=tok)
+    teacher = cast_state(src, dtype_of(cfg.distill.teacher_dtype))
+    plan = plan_conversion(graphdef, src, cfg, batches, teacher=teacher)
+    print("\n".join([""] + plan.lines()), flush=True)
+    print(f"\nequivalent explicit setting: farskip.layers={list(plan.layers)}", flush=True)
+    if a.out:
+        for path in write_plan(plan, a.out, request_of(cfg)):
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    from farskip_jax.errors import FarSkipError
+
+    try:
+        raise SystemExit(main())
+    except FarSkipError as e:
+        raise SystemExit(f"error: {e}")
