@@ -138,6 +138,98 @@ def overlap_facts(config: str, batch: int, seq: int, overrides: list[str]) -> di
     return res
 
 
+REPORT_FLAGS = ["--programs", "train", "--target", "h200", "--hardware", "mi300x", "--grouped-gemm", "--batch", "8",
+                "--seq", "4096"]
+
+
+def report_child(config: str, layers: int, layout: str, overrides: list[str], path: str) -> None:
+    """Runs in the child process: the overlap report (analysis/overlap.py, standard and farskip) of the
+    train step with the layers scanned or unrolled; its JSON (+ the printed report) written to path."""
+    from farskip_jax.analysis.overlap import main as overlap_main
+
+    out = path + ".dir"
+    argv = ["--config", config, *REPORT_FLAGS, "--out", out, "moe.dispatch=all_to_all", "moe.capacity_factor=1.0",
+            *overrides, f"model.num_layers={layers}", f"model.scan_layers={str(layout == 'scan').lower()}"]
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    t0 = time.perf_counter()
+    with contextlib.redirect_stdout(buf):
+        rc = overlap_main(argv)
+    with open(os.path.join(out, "report.json")) as f:
+        rep = json.load(f)
+    with open(path, "w") as f:
+        json.dump(dict(layers=layers, layout=layout, rc=rc, wall_s=round(time.perf_counter() - t0, 1),
+                       command="python -m farskip_jax.analysis.overlap " + " ".join(argv), report=rep,
+                       text=buf.getvalue()), f, indent=1)
+
+
+def report_rows(entry: dict) -> list[dict]:
+    """Per connectivity: the two-stream (headline) and XLA figures of one report_child result."""
+    rows = []
+    train = entry["report"]["train"]
+    std = train["standard"]
+    for conn, r in train.items():
+        for model, m, base in (("two-stream mi300x", r["modelled"], std["modelled"]), ("XLA (h200)", r, std)):
+            t = m["totals"]
+            rows.append(dict(layers=entry["layers"], layout=r["program_layout"], model=model, conn=conn,
+                             fwd=100 * t["fwd"]["hidden_frac"], bwd=100 * t["bwd"]["hidden_frac"],
+                             all=100 * t["all"]["hidden_frac"], bound=100 * t["all"]["bound_frac"],
+                             n=t["all"]["count"], exposed_ms=t["all"]["exposed"] / 1e3,
+                             step_ms=m["step_time_us"] / 1e3, speedup=base["step_time_us"] / m["step_time_us"],
+                             compile_s=r["compile_s"]))
+    return rows
+
+
+def report_table(entries: list[dict]) -> str:
+    rows = [r for e in entries for r in report_rows(e)]
+    out = ["| layers | program | model | conn | all-to-alls | fwd hidden | bwd hidden | all hidden | structural bound "
+           "| exposed a2a ms | exposed / step | step ms | fs / std (same program) | compile s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    order = lambda r: (r["layers"], r["model"] != "two-stream mi300x", r["layout"], r["conn"] != "standard")  # noqa: E731
+    for r in sorted(rows, key=order):
+        out.append(f"| {r['layers']} | {r['layout']} | {r['model']} | {r['conn']} | {r['n']} | {r['fwd']:.1f}% | "
+                   f"{r['bwd']:.1f}% | {r['all']:.1f}% | {r['bound']:.1f}% | {r['exposed_ms']:.2f} | "
+                   f"{100 * r['exposed_ms'] / r['step_ms']:.2f}% | "
+                   f"{r['step_ms']:.2f} | "
+                   f"{r['speedup']:.3f}x | {r['compile_s']:.0f} |")
+    return "\n".join(out) + "\n"
+
+
+def report_main(a, overrides: list[str]) -> int:
+    """--report: scanned vs unrolled overlap reports side by side, one child process per (layers, layout)."""
+    os.makedirs(a.out, exist_ok=True)
+    entries = []
+    for n in [int(x) for x in a.layers.split(",")]:
+        for layout in a.modes.split(","):
+            path = os.path.join(a.out, f"overlap_report_L{n}_{layout}.json")
+            if not (os.path.isfile(path) and not a.force):
+                cmd = [sys.executable, __file__, "--report-child", f"{n}/{layout}", path, "--config", a.config,
+                       *overrides]
+                t0 = time.perf_counter()
+                try:
+                    p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout,
+                                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+                    ok = p.returncode == 0
+                    err = "\n".join(p.stderr.strip().splitlines()[-5:])
+                except subprocess.TimeoutExpired:
+                    ok, err = False, f"timeout > {a.timeout:.0f} s"
+                how = "done" if ok else "FAILED " + err
+                print(f"{n}/{layout}: {how} in {time.perf_counter() - t0:.0f} s", flush=True)
+                if not ok:
+                    continue
+            with open(path) as f:
+                entries.append(json.load(f))
+    md = report_table(entries)
+    cmds = sorted({e["command"] for e in entries})
+    with open(os.path.join(a.out, "overlap_report.md"), "w") as f:
+        f.write("Overlap report of the train step, scanned vs unrolled layers (benchmarks/scan_compile.py --report). "
+                "Commands:\n\n" + "".join(f"    {c}\n" for c in cmds) + "\n" + md)
+    print(md)
+    return 0
+
+
 def table(results: dict, layers: list[int]) -> str:
     rows = ["| layers | loop compile s | scan compile s | compile loop/scan | loop instructions | scan instructions "
             "| instructions loop/scan | lower s (loop / scan) |", "|---|---|---|---|---|---|---|---|"]
@@ -170,8 +262,19 @@ def main(argv=None) -> int:
     ap.add_argument("--overlap", action="store_true",
                     help="instead: the while-body schedule facts of the scanned 4-layer program, farskip vs standard "
                          "(OUT/overlap_while_body.json)")
+    ap.add_argument("--report", action="store_true",
+                    help="instead: the overlap report (analysis/overlap.py) of the train step for --modes scan,loop "
+                         "at --layers, side by side (OUT/overlap_report_L<n>_<mode>.json, OUT/overlap_report.md); "
+                         "batch 8 x seq 4096, H200 target, two-stream MI300X model, grouped-GEMM proxy")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--report-child", nargs=2, help=argparse.SUPPRESS)
     a, overrides = ap.parse_known_args(argv)
+    if a.report_child:
+        layers, mode = a.report_child[0].split("/")
+        report_child(a.config, int(layers), mode, overrides, a.report_child[1])
+        return 0
+    if a.report:
+        return report_main(a, overrides)
     if a.overlap:
         os.makedirs(a.out, exist_ok=True)
         facts = overlap_facts(a.config, a.batch, a.seq, overrides)

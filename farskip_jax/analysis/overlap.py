@@ -275,7 +275,8 @@ def to_json(results: Sequence[ProgramResult]) -> dict:
                                  "compute_time_us": r.modelled.compute_time,
                                  "row_copy_us": r.modelled.row_copy_time,
                                  "other_collectives_us": r.modelled.other_collective_time,
-                                 "other_collectives_waited_us": r.modelled.other_exposed}
+                                 "other_collectives_waited_us": r.modelled.other_exposed,
+                                 "collectives": [dataclasses.asdict(s) for s in r.modelled.stats]}
             if r.modelled_schedule is not None:  # us of compute per named scope (which part of the layer costs what)
                 entry["modelled"]["compute_by_scope_us"] = _compute_by_scope(r.modelled_schedule)
         if r.serial is not None:
