@@ -14,6 +14,13 @@ seconds, XLA compile seconds, and the number of HLO instructions in the compiled
 (`compiled.as_text()`: lines `%name = ...` over all computations; a while body counts once).
 Results: OUT/compile.json (updated after every compile; an entry already there is reused unless
 --force) and OUT/compile.md. Timings are CPU seconds on whatever host runs this: read the ratios.
+
+    JAX_PLATFORMS=cpu python benchmarks/scan_compile.py --report --layers 4,27 --modes scan,loop [--timeout 3600]
+
+instead runs the overlap report (analysis/overlap.py, standard and farskip) of the train step once per
+(layers, mode), each in its own process: DeepSeek-V2-Lite config, batch 8 x seq 4096, 8 compile-only
+H200s, two-stream MI300X model, grouped-GEMM proxy (REPORT_FLAGS). Results: OUT/overlap_report_L<n>_<mode>.json
+(reused unless --force) and OUT/overlap_report.md, scanned and unrolled side by side (docs/scan.md).
 """
 
 from __future__ import annotations
@@ -187,7 +194,9 @@ def report_table(entries: list[dict]) -> str:
     out = ["| layers | program | model | conn | all-to-alls | fwd hidden | bwd hidden | all hidden | structural bound "
            "| exposed a2a ms | exposed / step | step ms | fs / std (same program) | compile s |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    order = lambda r: (r["layers"], r["model"] != "two-stream mi300x", r["layout"], r["conn"] != "standard")  # noqa: E731
+    def order(r):
+        return r["layers"], r["model"] != "two-stream mi300x", r["layout"], r["conn"] != "standard"
+
     for r in sorted(rows, key=order):
         out.append(f"| {r['layers']} | {r['layout']} | {r['model']} | {r['conn']} | {r['n']} | {r['fwd']:.1f}% | "
                    f"{r['bwd']:.1f}% | {r['all']:.1f}% | {r['bound']:.1f}% | {r['exposed_ms']:.2f} | "
