@@ -176,6 +176,13 @@ class MoEConfig:
     # FoE under expert parallelism: tokens between the groups' sub-blocks replicated over the device
     # groups (the paper's layout) or sharded over them (dense parts once; parallel/foe.py, docs/foe.md)
     foe_tokens: Literal["replicated", "sharded"] = "replicated"
+    # FoE, token-sharded only: where every group reads the same attention input (FarSkip-converted
+    # layers, layer 0) run it as the ordinary all-head attention on each device's own tokens (the same
+    # values, no cross-group sum or gather for it) instead of head groups on gathered copies
+    foe_attention: Literal["groups", "local"] = "groups"
+    # payload of the FoE cross-group sums / gathers: auto = the values' dtype (the compute dtype);
+    # float8_e4m3fn = per-token scaled fp8 (a lossy choice; token-sharded only; parallel/foe.py)
+    foe_sum_dtype: Literal["auto", "float32", "bfloat16", "float8_e4m3fn"] = "auto"
     shared_gate: bool = False  # shared-expert output *= sigmoid(x @ w_gate [d, 1]) (Qwen2-MoE)
     route_on_input: bool = False  # the routing weight scales the expert INPUT (Llama-4; needs top_k 1)
 
@@ -198,6 +205,12 @@ class MoEConfig:
         _check(self.gpus_per_node is None or self.dispatch == "hierarchical",
                f"moe.gpus_per_node is read by moe.dispatch=hierarchical only (got dispatch={self.dispatch!r})")
         _check(self.num_groups >= 1, "moe.num_groups must be >= 1")
+        _check(self.foe_attention == "groups" or self.foe_tokens == "sharded",
+               "moe.foe_attention=local needs moe.foe_tokens=sharded (with replicated tokens every device "
+               "group would run the whole attention on all tokens)")
+        _check(self.foe_sum_dtype != "float8_e4m3fn" or self.foe_tokens == "sharded",
+               "moe.foe_sum_dtype=float8_e4m3fn needs moe.foe_tokens=sharded (the fp8 sum is an all-to-all "
+               "of scaled shards plus a local sum, i.e. a reduce-scatter)")
         _check(not self.route_on_input or self.top_k == 1,
                f"moe.route_on_input scales each expert's input by its weight and needs moe.top_k=1, got {self.top_k}")
 

@@ -70,11 +70,14 @@ def _reference(cfg, toks):
             for k, (loss, out, grads) in res.items()}
 
 
-@pytest.mark.parametrize("h,placement", [
-    (2, "contiguous"),  # the layout itself in the default run; the other placements / H under -m extended (CI time)
-    pytest.param(2, "strided", marks=pytest.mark.extended), pytest.param(4, "strided", marks=pytest.mark.extended)])
-def test_sharded_tokens_equal_single_device(h, placement):
-    cfg = _cfg(h, "moe.foe_tokens=sharded")
+@pytest.mark.parametrize("h,placement,attention", [
+    (2, "contiguous", "groups"),  # the layout itself in the default run; the other placements / H under -m extended
+    (2, "contiguous", "local"),  # token-local attention where the groups' inputs coincide (moe.foe_attention)
+    pytest.param(2, "strided", "groups", marks=pytest.mark.extended),
+    pytest.param(4, "strided", "groups", marks=pytest.mark.extended),
+    pytest.param(4, "contiguous", "local", marks=pytest.mark.extended)])
+def test_sharded_tokens_equal_single_device(h, placement, attention):
+    cfg = _cfg(h, "moe.foe_tokens=sharded", f"moe.foe_attention={attention}")
     toks = _tokens(cfg)
     mesh = make_foe_mesh(cfg.mesh, h, placement=placement)
     model = create_foe_model(cfg, mesh, seed=0)
@@ -101,9 +104,10 @@ def _device_groups(mesh, groups):
     return sorted(tuple(sorted(int(flat[i].id) for i in g)) for g in groups)
 
 
-@pytest.mark.parametrize("placement", ["contiguous", pytest.param("strided", marks=pytest.mark.extended)])
-def test_sharded_forward_sums_are_reduce_scatter_and_all_gather(placement):
-    cfg = _cfg(2, "moe.foe_tokens=sharded")
+@pytest.mark.parametrize("placement,attention", [("contiguous", "groups"), ("contiguous", "local"),
+                                                 pytest.param("strided", "groups", marks=pytest.mark.extended)])
+def test_sharded_forward_sums_are_reduce_scatter_and_all_gather(placement, attention):
+    cfg = _cfg(2, "moe.foe_tokens=sharded", f"moe.foe_attention={attention}")
     mesh = make_foe_mesh(cfg.mesh, 2, placement=placement)
     model = create_foe_model(cfg, mesh, seed=0)
     graphdef, state = nnx.split(model)
@@ -119,8 +123,10 @@ def test_sharded_forward_sums_are_reduce_scatter_and_all_gather(placement):
     rs = [c for c in acts if c.op == "reduce-scatter"]
     ag = [c for c in acts if c.op == "all-gather"]
     # farskip, 3 layers (1 dense + 2 MoE): a reduce-scatter per attention sum and per routed sum
-    # (5); an all-gather per attention input after layer 0 and per MoE input (2 + 2)
-    assert len(rs) == 5 and len(ag) == 4, (len(rs), len(ag))
+    # (5); an all-gather per attention input after layer 0 and per MoE input (2 + 2). Local attention
+    # (every farskip layer's groups read one input): only the routed sums and the MoE inputs are left
+    want = (5, 4) if attention == "groups" else (2, 2)
+    assert (len(rs), len(ag)) == want, (len(rs), len(ag))
     for c in rs + ag:
         assert _device_groups(mesh, c.groups) == group
     # the token exchanges stay inside a device group (the routing, computed on the own tokens, may be

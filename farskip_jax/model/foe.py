@@ -43,6 +43,11 @@ Choices where the paper leaves details open (documented, see also docs/foe.md):
   - unsupported with H > 1 (rejected by `check_foe`): MLA attention, q/k norm over all heads,
     group-limited routing (moe.n_group > 1), route_on_input.
 
+Token-sharded layout, moe.foe_attention=local: where every group reads the same attention input
+(FarSkip-converted layers, layer 0) sum_h a^h is the ordinary all-head attention of that input, so it
+runs on each device's own tokens: no cross-group sum and no gather for it (a FarSkip layer keeps one
+reduce-scatter, of the routed outputs, and one all-gather, of the MoE input; same values).
+
 Single device: group representations are carried as [H, b, s, d]; the attention of all groups runs
 as one einsum over the leading H axis with per-group views of the q/k/v/o weights. The routed
 compute goes through the model's pluggable `RoutedComputeFn`; a backend that also has
@@ -168,15 +173,22 @@ class TokenLayout:
     head) run once per device group. sharded (a backend with `group_scatter`, parallel/foe.py):
     split over the device groups too; a cross-group sum is a reduce-scatter, the dense parts run on
     each device's own tokens, and `groups(x)` all-gathers the group-replicated view a group's
-    attention or experts read. The values are the same in both (only where they live differs)."""
+    attention or experts read. The values are the same in both (only where they live differs).
+    sum_dtype (moe.foe_sum_dtype): payload of the cross-group collectives of a parallel backend
+    (auto = the values' dtype; a single device has no collective and ignores it)."""
 
-    def __init__(self, backend, sharded: bool):
+    def __init__(self, backend, sharded: bool, sum_dtype: str = "auto"):
         self.backend = backend
         self.sharded = bool(sharded) and hasattr(backend, "group_scatter")
+        self.sum_dtype = sum_dtype
 
     def sum(self, v: jax.Array) -> jax.Array:
         """[H, ...] -> [...]: all-reduce (replicated) or reduce-scatter (sharded)."""
-        return self.backend.group_scatter(v) if self.sharded else group_sum(self.backend, v)
+        if self.sharded:
+            return self.backend.group_scatter(v, self.sum_dtype)
+        if hasattr(self.backend, "group_sum"):
+            return self.backend.group_sum(v, self.sum_dtype)
+        return jnp.sum(v, axis=0)
 
     def device_groups(self, x: jax.Array, replicated: bool = False) -> jax.Array:
         """The routed experts' input: x [b, ...] itself (replicated layout), else [G_m, b, ...] each
@@ -184,7 +196,7 @@ class TokenLayout:
         is already on every device group)."""
         if not self.sharded:
             return x
-        return self.backend.copy_groups(x) if replicated else self.backend.gather_groups(x)
+        return self.backend.copy_groups(x) if replicated else self.backend.gather_groups(x, self.sum_dtype)
 
     def groups_h(self, x: jax.Array, num_groups: int, replicated: bool = False) -> jax.Array:
         """[H, b, ...]: x for each FoE group (the groups' attention inputs)."""
@@ -288,7 +300,7 @@ class FoEBlockOutput:
 def foe_block(block: Block, x_h: jax.Array, full: jax.Array, positions, segment_ids, moe_input: str,
               num_groups: int, backend, pending_h: Optional[jax.Array] = None,
               defer_routed: bool = False, attention_fn=None, layout: Optional[TokenLayout] = None,
-              full_groups: Optional[jax.Array] = None) -> FoEBlockOutput:
+              full_groups: Optional[jax.Array] = None, local_attention: bool = False) -> FoEBlockOutput:
     """One FoE layer. x_h: [H, b, s, d] group attention inputs; full: [b, s, d] = R_{k-1}.
 
     pending_h: [H, b, s, d] routed outputs of layer k-1 whose cross-group sum was deferred: they join
@@ -298,15 +310,22 @@ def foe_block(block: Block, x_h: jax.Array, full: jax.Array, positions, segment_
     layout: TokenLayout (default replicated). Sharded: the sums are reduce-scatters; the norms, router,
     shared expert and dense MLP run on the device's own tokens; the routed experts on each device
     group's gathered copy of the normalised MoE input. full_groups: `full` when it is known to be on
-    every device group (the embedding): an outdated MoE input is then copied, not gathered."""
+    every device group (the embedding): an outdated MoE input is then copied, not gathered.
+    local_attention: x_h is ONE [b, s, d] input that every group reads (token-sharded): the ordinary
+    all-head attention on the own tokens = sum_h a^h (no sum; attn_groups None, pending_h must be None)."""
     layout = layout or TokenLayout(backend, False)
-    with jax.named_scope("attention"):
-        xn_h = block.attn_norm(x_h)
-        a_h = (attention_fn(xn_h) if attention_fn is not None
-               else group_attention(block.attn, xn_h, positions, segment_ids, num_groups))
-        a_h = checkpoint_name(a_h, "attention_out")
-    with jax.named_scope("group_sum"):
-        a = layout.sum(a_h if pending_h is None else a_h + pending_h)
+    if local_attention:
+        assert pending_h is None, "a deferred routed sum needs the groups' attention sum"
+        with jax.named_scope("attention"):
+            a, a_h = block.attention(x_h, positions, segment_ids), None
+    else:
+        with jax.named_scope("attention"):
+            xn_h = block.attn_norm(x_h)
+            a_h = (attention_fn(xn_h) if attention_fn is not None
+                   else group_attention(block.attn, xn_h, positions, segment_ids, num_groups))
+            a_h = checkpoint_name(a_h, "attention_out")
+        with jax.named_scope("group_sum"):
+            a = layout.sum(a_h if pending_h is None else a_h + pending_h)
     x_moe = layout.shards(full + a if moe_input == "full" else full)
     zero = jnp.zeros((), jnp.float32)
     with jax.named_scope("moe" if block.is_moe else "mlp"):
@@ -361,7 +380,7 @@ def foe_forward(model: Transformer, tokens: jax.Array, positions: Optional[jax.A
     n = len(blocks)
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    layout = TokenLayout(backend, cfg.moe.foe_tokens == "sharded")
+    layout = TokenLayout(backend, cfg.moe.foe_tokens == "sharded", cfg.moe.foe_sum_dtype)
     emb = layout.replicated(model.embed(tokens))  # group-replicated (the tokens are)
     streams = Streams.init(emb, fs.skip_distance)
     sync = emb  # R_{k-1} minus every group's routed output of layer k-1 (= P_{k-1} + s_{k-1})
@@ -376,19 +395,24 @@ def foe_forward(model: Transformer, tokens: jax.Array, positions: Optional[jax.A
     for i, block in enumerate(blocks):
         attn_kind, moe_kind = kinds[i]
         pending = routed_h if i > 0 and defer[i - 1] else None
+        # every group reads the same attention input: run it token-local (moe.foe_attention=local)
+        local = (layout.sharded and cfg.moe.foe_attention == "local" and attention_fns is None and not return_trace
+                 and not (attn_kind == "full" and routed_h is not None))
         with jax.named_scope(f"layer_{i}"):
             with jax.named_scope("group_gather"):
-                if attn_kind == "full" and routed_h is not None:
+                if local:
+                    x_attn = layout.shards(streams.attn_input(attn_kind))
+                elif attn_kind == "full" and routed_h is not None:
                     x_attn = layout.groups_h(sync, hg, on_all(sync)) + routed_h  # group h's own X^h_{k-1}
                 else:
                     x = streams.attn_input(attn_kind)
                     x_attn = layout.groups_h(x, hg, on_all(x))
-            if hasattr(backend, "constrain_groups"):  # parallel/foe.py: group h's stream on its devices
+            if hasattr(backend, "constrain_groups") and not local:  # parallel/foe.py: group h's stream on its devices
                 x_attn = backend.constrain_groups(x_attn)
             attn_fn = attention_fns[i] if attention_fns is not None else None
             full_g = streams.full if layout.sharded and on_all(streams.full) else None
             fn = lambda b, xa, f, p, s, pe, fg: foe_block(b, xa, f, p, s, moe_kind, hg, backend, pe,  # noqa: E731
-                                                          defer[i], attn_fn, layout, fg)
+                                                          defer[i], attn_fn, layout, fg, local)
             if cfg.model.remat != "none" and attention_fns is None:
                 fn = nnx.remat(fn, policy=REMAT_POLICIES[cfg.model.remat])
             out = fn(block, x_attn, streams.full, positions, segment_ids, pending, full_g)

@@ -28,6 +28,9 @@ Token-sharded layout (moe.foe_tokens=sharded, model/foe.TokenLayout): between th
 sub-blocks tokens are split over `group` as well (SHARD_AXES); the sums are `group_scatter`
 (reduce-scatter), a group's inputs `gather_groups` (all-gather into a copy per device group), so the
 dense parts run once per token. `foe_mesh_from(..., placement="strided")`: group g = ranks r % G_m.
+Payloads (moe.foe_sum_dtype): `reduce_scatter_as` / `all_gather_as` cast to float32 / bfloat16, or
+send per-token scaled fp8 (`fp8_reduce_scatter`: an all-to-all of uint8 [.., d + 4] shards and a
+local fp32 sum; `fp8_all_gather`; each the other's backward).
 
 Bytes per layer (the paper's single-node formula): with T tokens per data shard, the ordinary
 MoE's dispatch all-to-all moves T*k*d rows*width over ep devices, a fraction (ep-1)/ep leaving the
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from typing import Optional, Sequence
 
 import jax
@@ -65,6 +69,73 @@ SHARD_AXES = (*BATCH_AXES, GROUP_AXIS)
 
 
 PLACEMENTS = ("contiguous", "strided")
+FP8 = "float8_e4m3fn"
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+# ---- payloads of the cross-group sums / gathers (moe.foe_sum_dtype) --------------------------------
+# "auto": the values' own dtype; "float32" / "bfloat16": cast before the collective, back after (the
+# backward collective then carries the same dtype); FP8: per-row (per token) scaled float8_e4m3fn,
+# values and fp32 scale packed into one uint8 buffer [..., d + 4] (one collective, not two). An fp8
+# reduce-scatter cannot sum in fp8: it is an all-to-all of the quantised shards and a local fp32 sum
+# (the same bytes per device as a reduce-scatter over one GPU per node). Gradients: straight through
+# the rounding; the backward collectives (all-gather <-> reduce-scatter) are fp8 too.
+
+
+def quantize_rows(x: jax.Array) -> jax.Array:
+    """x [..., d] -> uint8 [..., d + 4]: float8_e4m3fn of x / scale, scale = amax(|row|) / 448 (fp32,
+    as its 4 bytes). Rounding error per element <= 2^-4 |x| + 2^-10 scale (3 mantissa bits;
+    subnormal spacing 2^-9 below 2^-6)."""
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    q = jnp.clip(xf / scale, -FP8_MAX, FP8_MAX).astype(FP8)
+    sb = jax.lax.bitcast_convert_type(scale[..., 0], jnp.uint8)  # [..., 4]
+    return jnp.concatenate([jax.lax.bitcast_convert_type(q, jnp.uint8), sb], axis=-1)
+
+
+def dequantize_rows(p: jax.Array) -> jax.Array:
+    """uint8 [..., d + 4] (quantize_rows) -> fp32 [..., d]."""
+    q = jax.lax.bitcast_convert_type(p[..., :-4], FP8).astype(jnp.float32)
+    return q * jax.lax.bitcast_convert_type(p[..., -4:], jnp.float32)[..., None]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def fp8_reduce_scatter(a: jax.Array, axis: str) -> jax.Array:
+    """psum_scatter(a, axis, scatter_dimension=0, tiled=True) with fp8 payloads (inside shard_map):
+    a [n, ...] (n divisible by the axis size G) -> [n / G, ...] in a's dtype."""
+    g = jax.lax.psum(1, axis)
+    chunks = quantize_rows(a).reshape(g, a.shape[0] // g, *a.shape[1:-1], a.shape[-1] + 4)
+    recv = jax.lax.all_to_all(chunks, axis, 0, 0, tiled=True)  # [G, n/G, ...]: chunk from each member
+    return dequantize_rows(recv).sum(0).astype(a.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def fp8_all_gather(x: jax.Array, axis: str) -> jax.Array:
+    """all_gather(x, axis, axis=0, tiled=True) with fp8 payloads: x [m, ...] -> [G m, ...] in x's dtype."""
+    return dequantize_rows(jax.lax.all_gather(quantize_rows(x), axis, axis=0, tiled=True)).astype(x.dtype)
+
+
+fp8_reduce_scatter.defvjp(lambda a, axis: (fp8_reduce_scatter(a, axis), None),
+                          lambda axis, _, ct: (fp8_all_gather(ct, axis),))
+fp8_all_gather.defvjp(lambda x, axis: (fp8_all_gather(x, axis), None),
+                      lambda axis, _, ct: (fp8_reduce_scatter(ct, axis),))
+
+
+def reduce_scatter_as(a: jax.Array, axis: str, dtype: str = "auto") -> jax.Array:
+    """Tiled reduce-scatter over dim 0 with payload `dtype` (see above); result in a's dtype."""
+    if dtype == FP8:
+        return fp8_reduce_scatter(a, axis)
+    pd = a.dtype if dtype == "auto" else jnp.dtype(dtype)
+    return jax.lax.psum_scatter(a.astype(pd), axis, scatter_dimension=0, tiled=True).astype(a.dtype)
+
+
+def all_gather_as(x: jax.Array, axis: str, dtype: str = "auto") -> jax.Array:
+    """Tiled all-gather over dim 0 with payload `dtype`; result in x's dtype."""
+    if dtype == FP8:
+        return fp8_all_gather(x, axis)
+    pd = x.dtype if dtype == "auto" else jnp.dtype(dtype)
+    return jax.lax.all_gather(x.astype(pd), axis, axis=0, tiled=True).astype(x.dtype)
 
 
 def foe_mesh_from(mesh: Mesh, num_groups: int, placement: str = "contiguous") -> Mesh:
@@ -177,11 +248,19 @@ class FoECompute:
             y, dropped = fn(xv, idx, w, experts.w_gate, experts.w_up, experts.w_down)
         return y.reshape(hg, b, s, d), dropped
 
-    def group_sum(self, v: jax.Array) -> jax.Array:
-        """[H, ...] -> [...]: local sum of a device group's groups, then psum over `group`."""
+    def group_sum(self, v: jax.Array, dtype: str = "auto") -> jax.Array:
+        """[H, ...] -> [...]: local sum of a device group's groups, then psum over `group` (payload
+        `dtype`: auto, float32 or bfloat16; fp8 needs the token-sharded layout)."""
+        if dtype == FP8:
+            raise ConfigError("moe.foe_sum_dtype=float8_e4m3fn needs moe.foe_tokens=sharded")
         gm = self.device_groups
         vv = v.reshape(gm, v.shape[0] // gm, *v.shape[1:])
-        fn = jax.shard_map(lambda a: jax.lax.psum(a[0].sum(0), GROUP_AXIS), mesh=self.mesh, in_specs=P(GROUP_AXIS),
+        pd = v.dtype if dtype == "auto" else jnp.dtype(dtype)
+
+        def body(a):
+            return jax.lax.psum(a[0].sum(0).astype(pd), GROUP_AXIS).astype(v.dtype)
+
+        fn = jax.shard_map(body, mesh=self.mesh, in_specs=P(GROUP_AXIS),
                            out_specs=P(), axis_names={GROUP_AXIS}, check_vma=False)
         return fn(vv)
 
@@ -196,28 +275,29 @@ class FoECompute:
                               f"group = {n} devices; make the batch a multiple of {n} or use "
                               f"moe.foe_tokens=replicated")
 
-    def group_scatter(self, v: jax.Array) -> jax.Array:
+    def group_scatter(self, v: jax.Array, dtype: str = "auto") -> jax.Array:
         """[H, b, ...] -> [b, ...] token-sharded (SHARD_AXES): the cross-group sum as a reduce-scatter
-        over `group` (local sum of a device group's groups first)."""
+        over `group` (local sum of a device group's groups first; payload `dtype`, reduce_scatter_as)."""
         gm = self.device_groups
         self._check_shardable(v.shape[1])
         vv = v.reshape(gm, v.shape[0] // gm, *v.shape[1:])
         spec = P(GROUP_AXIS, None, BATCH_AXES, *([None] * (v.ndim - 2)))
 
         def body(a):
-            return jax.lax.psum_scatter(a[0].sum(0), GROUP_AXIS, scatter_dimension=0, tiled=True)
+            return reduce_scatter_as(a[0].sum(0), GROUP_AXIS, dtype)
 
         fn = jax.shard_map(body, mesh=self.mesh, in_specs=spec, out_specs=P(SHARD_AXES), check_vma=False)
         return fn(vv)
 
-    def gather_groups(self, x: jax.Array) -> jax.Array:
+    def gather_groups(self, x: jax.Array, dtype: str = "auto") -> jax.Array:
         """[b, ...] token-sharded -> [G_m, b, ...]: device group g's own copy of every token of its data
         shard (group dim over `group`, batch over BATCH_AXES): an all-gather over `group`. A copy per
         device group (not one value replicated over them) keeps the backward a reduce-scatter of the
-        groups' own cotangents (a replicated value's cotangent would first be all-reduced)."""
+        groups' own cotangents (a replicated value's cotangent would first be all-reduced). Payload
+        `dtype` (all_gather_as)."""
         self._check_shardable(x.shape[0])
         x = self.to_shards(x)
-        fn = jax.shard_map(lambda a: jax.lax.all_gather(a, GROUP_AXIS, axis=0, tiled=True)[None], mesh=self.mesh,
+        fn = jax.shard_map(lambda a: all_gather_as(a, GROUP_AXIS, dtype)[None], mesh=self.mesh,
                            in_specs=P(SHARD_AXES), out_specs=P(GROUP_AXIS, BATCH_AXES), check_vma=False)
         return fn(x)
 
