@@ -38,6 +38,11 @@ Levers (--lever, each alone on top of the defaults; docs/multinode.md):
   foe_sharded   FoE only (standard / farskip reuse `none`): moe.foe_tokens=sharded, tokens split over the
                 FoE device groups between the groups' sub-blocks (parallel/foe.py): the cross-group sums
                 are reduce-scatters, the dense parts (dense MLP, LM head, most shared experts) run once
+  foe_local     foe_sharded + moe.foe_attention=local: where every group reads the same attention input
+                (FarSkip layers, layer 0) the attention runs on the own tokens, all heads: no cross-group
+                sum or gather for it (a FarSkip FoE layer: one reduce-scatter + one all-gather, not two)
+  foe_fp8       foe_sharded + moe.foe_sum_dtype=float8_e4m3fn (per-token scaled fp8 sums and gathers)
+  foe_local_fp8 both; foe_local_h8: foe_local with H = 8 groups instead of H = nodes
   --foe-groups strided  re-times the FoE compiles with group g = the ranks r % G == g (each sum
                 inside a node, each group's all-to-all across the nodes) instead of one group per
                 node: the same program (tests/test_multinode_compile.py), another device assignment
@@ -74,6 +79,11 @@ MODEL_OVERRIDES = {"dsv3_6l_gqa": ["model.attention=gqa", "model.num_kv_heads=16
 # the paper's Figure 5 (arXiv 2511.11505, DeepSeek-V3 cut to 6 layers, Megatron on MI325X nodes, 400 Gb/s
 # between nodes): FarSkip step speedup over the baseline without overlap, as quoted in issue 23
 PAPER = {8: 1.10, 32: 1.22}
+# XLA's own 30 MiB combine thresholds for reduce-scatter / all-gather instead of the preset's 128 MiB
+# (set for FSDP weight gathers): combining an attention sum with the routed sum would make FarSkip's
+# next attention wait for the experts
+_FOE_FLAGS = {"xla_gpu_reduce_scatter_combine_threshold_bytes": 30 << 20,
+              "xla_gpu_all_gather_combine_threshold_bytes": 30 << 20}
 LEVERS = {
     "none": ([], {}),
     "dropless": (["moe.capacity_factor=null"], {}),
@@ -86,14 +96,21 @@ LEVERS = {
     "chunks4_fp8": ([], {}),
     "limit4": ([], {"xla_gpu_experimental_parallel_collective_overlap_limit": 4}),
     "hierarchical": (["moe.dispatch=hierarchical"], {}),
-    # XLA's own 30 MiB combine thresholds for reduce-scatter / all-gather instead of the preset's 128 MiB
-    # (set for FSDP weight gathers): combining an attention sum with the routed sum would make FarSkip's
-    # next attention wait for the experts
-    "foe_sharded": (["moe.foe_tokens=sharded"], {"xla_gpu_reduce_scatter_combine_threshold_bytes": 30 << 20,
-                                                 "xla_gpu_all_gather_combine_threshold_bytes": 30 << 20}),
+    "foe_sharded": (["moe.foe_tokens=sharded"], _FOE_FLAGS),
+    # + token-local attention where every group reads the same input (FarSkip layers, layer 0): one
+    # cross-group reduce-scatter + all-gather per FarSkip layer instead of two
+    "foe_local": (["moe.foe_tokens=sharded", "moe.foe_attention=local"], _FOE_FLAGS),
+    # + per-token scaled fp8 payloads of the cross-group sums / gathers (moe.foe_sum_dtype)
+    "foe_fp8": (["moe.foe_tokens=sharded", "moe.foe_sum_dtype=float8_e4m3fn"], _FOE_FLAGS),
+    "foe_local_fp8": (["moe.foe_tokens=sharded", "moe.foe_attention=local", "moe.foe_sum_dtype=float8_e4m3fn"],
+                      _FOE_FLAGS),
+    # H = 8 groups of half a node each (instead of H = nodes), with local attention
+    "foe_local_h8": (["moe.foe_tokens=sharded", "moe.foe_attention=local"], _FOE_FLAGS),
 }
 # levers that change only the FoE variants: standard / farskip are lever `none`'s compiles
-FOE_ONLY_LEVERS = {"foe_sharded"}
+FOE_ONLY_LEVERS = {"foe_sharded", "foe_local", "foe_fp8", "foe_local_fp8", "foe_local_h8"}
+# FoE group count per lever (default H = nodes)
+FOE_GROUPS = {"foe_local_h8": 8}
 EP_OPTIONS = {"chunks2": {"chunks": 2}, "chunks4": {"chunks": 4}, "fp8_dispatch": {"dispatch_dtype": "float8_e4m3fn"},
               "chunks4_fp8": {"chunks": 4, "dispatch_dtype": "float8_e4m3fn"}}
 VARIANTS = ("standard", "farskip", "foe", "foe_farskip")
@@ -104,13 +121,14 @@ def key(model, lever, ep, data, batch, seq, program, variant):
 
 
 def compile_one(cfg, variant, program, batch, seq, n, gpus_per_node, nodes, flags, target, memory_gb, log,
-                ep_options=None) -> dict:
-    """Compile one variant deviceless; returns what the analysis needs (picklable)."""
+                ep_options=None, groups=None) -> dict:
+    """Compile one variant deviceless (FoE with `groups` groups, default H = nodes); returns what the
+    analysis needs (picklable)."""
     from farskip_jax.analysis.overlap import run_overlap
 
     (r,) = run_overlap(cfg, (variant,), (program,), batch=batch, seq=seq, target=target, num_devices=n, flags=flags,
                        hardware=None, log=log, gpus_per_node=min(gpus_per_node, n), memory_gb=memory_gb,
-                       grouped_gemm=True, cfg_for=cfg_for_variant(nodes), ep_options=ep_options,
+                       grouped_gemm=True, cfg_for=cfg_for_variant(groups or nodes), ep_options=ep_options,
                        probe_latency=False)
     return {"schedule": r.schedule, "node_of": tuple(int(d.process_index) for d in r.mesh.devices.flat),
             "compile_s": r.compile_s, "xla_step_us": r.report.step_time, "peak_memory": r.report.peak_memory,
@@ -125,7 +143,7 @@ def entry_of(c: dict, hardware: str, links_over: dict, streams: str, fused_atten
     placement (logical device p on plain position foe_device_order(...).flat[p])."""
     from farskip_jax.analysis.cost_model import HARDWARE, optimizer_step, simulate
     from farskip_jax.analysis.report import ALL_TO_ALLS, analyze
-    from farskip_jax.analysis.topology import LINKS, Topology, resized
+    from farskip_jax.analysis.topology import LINKS, SUM_ALL_TO_ALL, Topology, resized
 
     nodes = c["node_of"]
     if retime_gpus_per_node:  # the same program on nodes of another size (XLA's schedule ignores hosts)
@@ -139,8 +157,8 @@ def entry_of(c: dict, hardware: str, links_over: dict, streams: str, fused_atten
     per = max(nodes.count(x) for x in set(nodes))
     topo = Topology(resized(LINKS[hardware], per, **links_over), nodes)
     hw = HARDWARE[hardware]
-    own = ("all-reduce", "all-gather", "reduce-scatter") if streams == "split" else ()
-    sched = c["schedule"]
+    own = ("all-reduce", "all-gather", "reduce-scatter", SUM_ALL_TO_ALL) if streams == "split" else ()
+    sched = foe_sums_relabelled(c["schedule"])
     kw = dict(topology=topo, own_stream=own, fused_attention=fused_attention,
               free=optimizer_step(sched) if steady else None)
     s_m, d_m = simulate(sched, hw, **kw)
@@ -159,9 +177,31 @@ def entry_of(c: dict, hardware: str, links_over: dict, streams: str, fused_atten
         "a2a_nic_bytes": nic_bytes(a2a, nodes),
         "other_coll_us": sum(d for p, d in zip(sched.pairs, d_m) if p.collective not in ALL_TO_ALLS),
         "other_coll_cross_node_fraction": _other_cross(sched.pairs, d_m, nodes),
+        "foe_sum_us": sum(d for p, d in zip(sched.pairs, d_m) if _is_foe_sum(p)),
+        "foe_sum_exposed_us": sum(max(p.done.end - p.done.start, 0.0) for p in s_m.pairs if _is_foe_sum(p)),
         "nodes": len(set(nodes)), "compile_s": c["compile_s"], "xla_step_us": c["xla_step_us"],
         "peak_memory_gib": c["peak_memory"] / 2**30,
     }
+
+
+def _is_foe_sum(p) -> bool:
+    """A cross-group sum / gather of FoE (model/foe.py scopes group_sum, group_gather), either direction."""
+    return "group_sum" in (p.start.op_name or "") or "group_gather" in (p.start.op_name or "")
+
+
+def foe_sums_relabelled(sched):
+    """The schedule with FoE's cross-group all-to-alls (scopes group_sum / group_gather: the fp8
+    reduce-scatters, parallel/foe.fp8_reduce_scatter, forward sums and the backward of the fp8
+    gathers; the routing redistributed over the groups) labelled SUM_ALL_TO_ALL: priced as
+    all-to-alls, but on the sums' stream and not counted as the dispatch / combine all-to-alls
+    (hidden fractions, the no-overlap baseline)."""
+    import dataclasses
+
+    from farskip_jax.analysis.topology import SUM_ALL_TO_ALL
+
+    pairs = [dataclasses.replace(p, collective=SUM_ALL_TO_ALL) if p.collective == "all-to-all" and _is_foe_sum(p)
+             else p for p in sched.pairs]
+    return sched if pairs == sched.pairs else dataclasses.replace(sched, pairs=pairs)
 
 
 def _other_cross(pairs, durations, node_of) -> float:
@@ -189,14 +229,15 @@ def nic_bytes(pairs, node_of) -> float:
     return tot
 
 
-def cfg_for_variant(nodes):
+def cfg_for_variant(groups):
+    """variant -> config: the FarSkip preset, and FoE's `groups` (moe.num_groups) for the FoE variants."""
     from farskip_jax.config import replace
 
     def fn(variant, cfg):
         preset = "farskip" if variant in ("farskip", "foe_farskip") else "standard"
         over = {"farskip.preset": preset}
         if variant.startswith("foe"):
-            over["moe.num_groups"] = nodes
+            over["moe.num_groups"] = groups
         return replace(cfg, **over)
 
     return fn
@@ -439,11 +480,11 @@ def main() -> int:
                             t0 = time.time()
                             epo = None if var.startswith("foe") else EP_OPTIONS.get(a.lever)
                             c = compile_one(cfg, var, prog, b * n, a.seq, n, a.gpus_per_node, nodes, flags, a.target,
-                                            a.memory_gb, log, ep_options=epo)
+                                            a.memory_gb, log, ep_options=epo, groups=FOE_GROUPS.get(a.lever))
                             with gzip.open(cpath, "wb") as f:
                                 pickle.dump(c, f)
                             log(f"[multinode] {k}: compiled in {time.time() - t0:.0f}s")
-                        gm = min(nodes, ep)  # FoE device groups (H = nodes)
+                        gm = min(FOE_GROUPS.get(a.lever, nodes), ep)  # FoE device groups
                         place = (gm, a.data, "strided") if var.startswith("foe") and a.foe_groups == "strided" else None
                         results[rk] = entry_of(c, a.hardware, links_over, a.streams, a.attention == "fused",
                                                a.accum == "inf", a.retime_gpus_per_node, place)

@@ -176,3 +176,33 @@ def test_foe_sharded_tokens_and_strided_groups_on_two_nodes():
         assert all(len({node[x] for x in g}) == 1 for g in p.groups)  # inside a node
     for p in a2a:
         assert all(sorted(node[x] for x in g) == [0] * 4 + [1] * 4 for g in p.groups)
+
+
+def test_foe_local_attention_and_fp8_sums_on_two_nodes():
+    """FoE H = 2, token-sharded, on 16 compile-only GPUs over 2 nodes, farskip forward with
+    moe.foe_attention=local and moe.foe_sum_dtype=float8_e4m3fn: the attention sums are gone (layer 0
+    and the FarSkip layers run their attention on the own tokens), one fp8 sum per MoE layer is left,
+    an all-to-all of uint8 [.., d + 4] over {g, 8+g} (one GPU per node) with no reduce-scatter or
+    all-reduce of activations; the MoE input is gathered as uint8 too (d + 4 bytes a row, not 2 d)."""
+    from farskip_jax.analysis.overlap import run_overlap
+
+    d, s = 256, 256
+    cfg = _small(**{"moe.num_groups": 2, "moe.num_experts": 16, "mesh.expert": 16, "moe.foe_tokens": "sharded",
+                    "moe.foe_attention": "local", "moe.foe_sum_dtype": "float8_e4m3fn"})
+    (r,) = run_overlap(cfg, ("farskip",), ("forward",), batch=16, seq=s, num_devices=16, gpus_per_node=8,
+                       hardware="mi325x", grouped_gemm=True, probe_latency=False)
+    big = [p for p in r.schedule.pairs if p.bytes >= s * d]
+    assert not [p for p in big if p.collective in ("all-reduce", "reduce-scatter")]
+    sums = [p for p in big if "group_sum" in p.start.op_name]
+    gathers = [p for p in big if "group_gather" in p.start.op_name]
+    # one routed sum per MoE layer (2), as an all-to-all of uint8 rows: a chunk of one sequence per
+    # member (2 members), d + 4 bytes a row where the bf16 reduce-scatter moved 2 d
+    assert len(sums) == 2 and {p.collective for p in sums} == {"all-to-all"}
+    assert all(p.operand_shapes == (("U8", (2, 1, s, d + 4)),) and p.bytes == 2 * s * (d + 4) for p in sums), \
+        [(p.operand_shapes, p.bytes) for p in sums]
+    # the MoE inputs: layer 0's (outdated: the embedding, on every group already) is copied, layer 1's
+    # gathered as uint8 rows (XLA combines it with a small routing redistribution, int32)
+    u8 = [dims for p in gathers for dt, dims in p.operand_shapes if dt == "U8"]
+    assert {p.collective for p in gathers} == {"all-gather"} and u8 == [(1, s, d + 4)], u8
+    for p in sums + gathers:
+        assert sorted(p.groups) == [(g, 8 + g) for g in range(8)]

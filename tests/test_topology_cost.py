@@ -7,7 +7,7 @@ import pytest
 
 from farskip_jax.analysis.cost_model import HARDWARE, Hardware, collective_time_us, simulate
 from farskip_jax.analysis.hlo import CollectivePair, HloOp, Schedule
-from farskip_jax.analysis.topology import GBIT, LINKS, Links, Topology
+from farskip_jax.analysis.topology import GBIT, LINKS, SUM_ALL_TO_ALL, Links, Topology
 from farskip_jax.errors import ConfigError
 
 # 2 nodes x 2 GPUs. Inside a node: one 1 GB/s link per peer (full mesh); per node 2 NICs of 0.25 GB/s
@@ -29,6 +29,10 @@ def test_all_to_all_by_hand():
     assert TOPO.crossing_fraction([(0, 1, 2, 3)]) == pytest.approx(2 / 3)
     assert TOPO.crossing_fraction([(0, 1), (2, 3)]) == 0.0
     assert TOPO.all_to_all_us(4000, [(0,), (1,)]) == 0.0  # nothing to exchange
+    # FoE's fp8 reduce-scatter (an all-to-all + local sum) is priced as the all-to-all it is; over one GPU
+    # per node it equals the reduce-scatter of the same payload: 5 + 2000 B / 0.25 GB/s
+    assert TOPO.collective_time_us(SUM_ALL_TO_ALL, 4000, [(0, 2), (1, 3)]) == pytest.approx(13.0)
+    assert TOPO.collective_time_us("reduce-scatter", 4000, [(0, 2), (1, 3)]) == pytest.approx(13.0)
 
 
 def test_all_reduce_and_others_by_hand():

@@ -42,6 +42,7 @@ from typing import Optional, Sequence
 from farskip_jax.errors import ConfigError
 
 GBIT = 1e9 / 8  # bytes/s of 1 Gb/s
+SUM_ALL_TO_ALL = "sum-all-to-all"  # an all-to-all + local sum standing for a reduce-scatter (collective_time_us)
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,10 @@ class Topology:
         return worst
 
     def collective_time_us(self, kind: str, payload: float, groups: Optional[Sequence[Sequence[int]]] = None) -> float:
-        if kind in ("all-to-all", "ragged-all-to-all"):
+        """Modelled time of one collective (module doc). Kind SUM_ALL_TO_ALL: an all-to-all that
+        implements a reduce-scatter (FoE's fp8 cross-group sum, parallel/foe.fp8_reduce_scatter),
+        priced as the all-to-all it is."""
+        if kind in ("all-to-all", "ragged-all-to-all", SUM_ALL_TO_ALL):
             return self.all_to_all_us(payload, groups)
         if kind == "all-reduce":
             return self.all_reduce_us(payload, groups, 2.0)
