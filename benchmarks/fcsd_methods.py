@@ -85,7 +85,16 @@ def method_table(a) -> dict:
 def run_config(a, tcfg, run_dir: str, budget: int, ovr: list):
     from farskip_jax.config import load_config
 
-    tps = a.batch_size * tcfg.train.seq_len
+    # a method may set its own batch (train.batch_size=N): the schedule is sized to the same token budget
+    # (fewer steps) and the early-stopping slice stays the same rows (val batches are file order)
+    bs = a.batch_size
+    for o in ovr:
+        if o.startswith("train.batch_size="):
+            bs = int(o.partition("=")[2])
+    if (a.select_batches * a.batch_size) % bs:
+        raise SystemExit(f"train.batch_size={bs}: --select-batches x --batch-size ({a.select_batches} x "
+                         f"{a.batch_size}) rows must split into whole batches of {bs}")
+    tps = bs * tcfg.train.seq_len
     steps = max(1, budget // tps)
     fill = dict(tokens=budget, half=budget // 2, tenth=budget // 10, stage=budget // (2 * tcfg.model.num_layers))
     d = tcfg.data  # FCSD reads the teacher's own text and tokenizer (distill_tiny.yaml's are the stdlib's bytes)
@@ -93,7 +102,7 @@ def run_config(a, tcfg, run_dir: str, budget: int, ovr: list):
             f"data.val_fraction={d.val_fraction}", f"data.text_field={d.text_field}"]
     return load_config(os.path.join(ROOT, "configs/distill_tiny.yaml"), data + [
         f"train.seq_len={tcfg.train.seq_len}", "train.tensorboard=false", "mesh.data=1",
-        f"train.batch_size={a.batch_size}", f"train.eval_batches={a.select_batches}",
+        f"train.batch_size={bs}", f"train.eval_batches={a.select_batches * a.batch_size // bs}",
         f"distill.init_from_run={a.teacher}", f"train.run_dir={run_dir}", "train.overwrite=true",
         f"train.steps={steps}", f"distill.max_tokens={budget}", f"train.lr={a.lr}",
         f"train.min_lr_ratio={a.min_lr_ratio}", f"train.warmup_steps={max(1, steps // 20)}",
