@@ -47,14 +47,14 @@ from typing import Optional
 
 from farskip_jax.analysis.hlo import FREE_OPCODES, Schedule, load_schedule, shape_bytes
 from farskip_jax.analysis.textproto import first, parse_textproto
-from farskip_jax.eval.decode_scan import SCAN_SCOPE
+from farskip_jax.model.stacking import SCAN_SCOPE
 
 ROW_COPY = "row_copy"  # op_name suffix of the ops that only copy one row out of a stacked buffer
 _PASS = {"bitcast", "copy", "reshape"}  # between a fused parameter and its dynamic-slice / the root
 
 
 def layer_names(op_name: str, iteration: int, trips: Optional[int] = None, reverse: bool = False) -> str:
-    """op_name of iteration `iteration` of a scanned loop (eval/decode_scan.scan_scope, the training
+    """op_name of iteration `iteration` of a scanned loop (model/stacking.scan_scope, the training
     scan of model/transformer.py): `layer_q{q}` under `scan_L{first}_P{period}` becomes
     `layer_{first + r * period + q}`, r = iteration, or trips - 1 - iteration when `reverse` (a
     backward loop: the transpose of a scan runs its rows last to first)."""
@@ -92,7 +92,7 @@ class LayerLoop:
 
 def layer_loops(text: str) -> list[LayerLoop]:
     """The while loops over layers of an LHS dump (bodies whose op_names carry a scan_L{first}_P{period}
-    scope, eval/decode_scan.scan_scope and model/transformer.py's training scan), in computation order;
+    scope, model/stacking.scan_scope: the decode and the training scans), in computation order;
     [] for a program whose layers are unrolled."""
     module = first(parse_textproto(text), "hlo_module") or {}
     comps = {first(c, "id"): c for c in module.get("computations", [])}

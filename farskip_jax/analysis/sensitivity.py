@@ -60,10 +60,10 @@ class SweepRow:
 def sweep_point(std: Schedule, fs: Schedule, hw: Hardware, a2a_bw: float, group_size: int = 8) -> SweepRow:
     """One bandwidth (bytes/s): the three re-timed steps."""
     h = dataclasses.replace(hw, a2a_bw=a2a_bw)
-    s_sched, s_d = simulate(std, h, group_size)
+    s_sched, s_d = simulate(std, h, group_size, in_place_updates=True)
     s_rep = analyze(s_sched, s_d, with_bound=False)
-    n_sched, _ = simulate(std, h, group_size, serialize=ALL_TO_ALLS)
-    f_sched, _ = simulate(fs, h, group_size)
+    n_sched, _ = simulate(std, h, group_size, serialize=ALL_TO_ALLS, in_place_updates=True)
+    f_sched, _ = simulate(fs, h, group_size, in_place_updates=True)
     tot = s_rep.totals("all")
     return SweepRow(a2a_bw / 1e9, s_rep.step_time, n_sched.makespan, f_sched.makespan, tot["duration"], tot["exposed"])
 

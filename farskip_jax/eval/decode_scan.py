@@ -33,7 +33,6 @@ unrolled path and the per-layer cache. Used by eval/generate.py (`decode_step`, 
 
 from __future__ import annotations
 
-import re
 from typing import Callable
 
 import jax
@@ -43,17 +42,9 @@ from flax import nnx
 from farskip_jax.config import FarSkipConfig
 from farskip_jax.model.attention import attention_core
 from farskip_jax.model.connectivity import Streams
-from farskip_jax.model.stacking import LAYER_AXIS, connectivity_runs, is_variable, plan_segments, stable_carry
+from farskip_jax.model.stacking import (LAYER_AXIS, connectivity_runs, is_variable, plan_segments, scan_scope,
+                                        stable_carry)
 
-
-def scan_scope(first: int, period: int) -> str:
-    """Named scope of the scan of a run whose first layer is `first`: inside it, block q of
-    iteration k is layer first + k * period + q, named `layer_q{q}` (analysis/loop_schedule.py
-    renames it `layer_{i}` when it unrolls the loop)."""
-    return f"scan_L{first}_P{period}"
-
-
-SCAN_SCOPE = re.compile(r"scan_L(\d+)_P(\d+)")
 
 
 def scanned_decode(model) -> bool:

@@ -47,7 +47,7 @@ from farskip_jax.model.block import REMAT_POLICIES, Block, BlockOutput, ModelOut
 from farskip_jax.model.connectivity import Streams
 from farskip_jax.model.experts import RoutedComputeFn
 from farskip_jax.model.layers import Embed, Linear, RMSNorm, dtype_of
-from farskip_jax.model.stacking import LayerStack, connectivity_runs, plan_segments, slice_state, stable_carry
+from farskip_jax.model.stacking import LayerStack, connectivity_runs, plan_segments, scan_scope, slice_state, stable_carry
 
 
 class Transformer(nnx.Module):
@@ -183,9 +183,9 @@ class Transformer(nnx.Module):
                     rows = mix[np.asarray([[seg.layer(q, r) for q in range(seg.period)] for r in range(r0, r1)])]
                     x_of = lambda r, rows=rows, r0=r0: ([slice_state(x, r) for x in states],  # noqa: E731
                                                         rows[r - r0] if isinstance(r, int) else rows)
-                # scan_L{first}_P{period} (as eval/decode_scan.scan_scope): analysis/loop_schedule.py names
+                # stacking.scan_scope: analysis/loop_schedule.py names
                 # block q of iteration k `layer_{first + k * period + q}` when it unrolls the loop
-                with jax.named_scope(f"stack_{s}"), jax.named_scope(f"scan_L{seg.layer(0, r0)}_P{seg.period}"):
+                with jax.named_scope(f"stack_{s}"), jax.named_scope(scan_scope(seg.layer(0, r0), seg.period)):
                     if r1 - r0 == 1:
                         streams, (stats, hid) = body(streams, x_of(r0))
                         stats, hid = [[y] for y in stats], [[y] for y in hid]
