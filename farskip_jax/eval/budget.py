@@ -7,9 +7,9 @@ The prediction (docs/fcsd.md "Budgeted conversion", with its evidence and limits
     predicted gap after FCSD = retention x max(g(S), 0)                             (retention: farskip.auto_retention)
 
 `retention` defaults to DEFAULT_RETENTION, the largest ratio (gap after FCSD / untrained gap) measured
-at a 5% FCSD token budget on the project's teachers (`measured_pairs` reads them from
-benchmarks/results/fcsd); larger FCSD budgets measured lower ratios, so the default is conservative
-there. Candidate sets (`farskip.auto_search`): `ends` = first N and last N for N = 1..L; `greedy`
+at a 5% FCSD token budget on the project's teachers, all-layer and partial conversions
+(`measured_pairs` reads them from benchmarks/results/fcsd); larger FCSD budgets measured lower
+ratios, so the default is conservative there. Candidate sets (`farskip.auto_search`): `ends` = first N and last N for N = 1..L; `greedy`
 adds, one layer at a time, the layer whose addition costs least (untrained), stopping when even the
 cheapest addition is over the budget. The rule: among candidates whose prediction is within the
 budget, take the one that frees the most all-to-alls (`overlap_estimate`), then the lowest untrained
@@ -33,9 +33,10 @@ from typing import Optional, Sequence
 from farskip_jax.config import Config, FarSkipConfig, ModelConfig, replace
 from farskip_jax.errors import ConfigError
 
-# gap after FCSD / untrained gap: the largest measured at a 5% FCSD budget (16-layer d64 teacher, lr 3e-3:
-# +5.52% -> +2.25%); tests/test_layers_auto.py checks it against measured_pairs()
-DEFAULT_RETENTION = 0.41
+# gap after FCSD / untrained gap: the largest measured at a 5% FCSD budget (measured_pairs; checked by
+# tests/test_layers_auto.py): the set auto chose on the DeepSeek-V2-style hard teacher at lr 1e-4,
+# +2.70% -> +2.11% (report slice). Over all-layer conversions alone the largest is 0.41 (16-layer d64, lr 3e-3)
+DEFAULT_RETENTION = 0.78
 PLAN_JSON, PLAN_MD = "farskip_auto.json", "farskip_auto.md"
 # forward all-to-all time hidden, full-depth DeepSeek-V2-Lite, EP 8, 8 x H200 target, two-stream MI300X
 # model (docs/overlap.md): standard 43.2%, farskip (every layer) 96.8%
@@ -68,6 +69,7 @@ class Plan:
     choice: Candidate
     overlap: dict  # overlap_estimate of the choice
     overlap_all: dict  # ... of converting every layer (for comparison)
+    batches: Optional[int] = None  # validation batches the sweep measured (the run's train.eval_batches)
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -78,7 +80,7 @@ class Plan:
 
     def to_json(self) -> dict:
         return dict(budget=self.budget, retention=self.retention, search=self.search, preset=self.preset,
-                    layers=list(self.layers), choice=self.choice.name,
+                    layers=list(self.layers), choice=self.choice.name, batches=self.batches,
                     predicted_gap=self.predicted(self.choice), overlap=self.overlap, overlap_all=self.overlap_all,
                     rule="largest freed all-to-all count among candidates with retention x untrained gap <= budget; "
                          "ties: lower untrained gap, fewer layers",
@@ -91,12 +93,14 @@ class Plan:
         cands = [Candidate(c["name"], tuple(c["layers"]), c["val_loss"], c["teacher_loss"], c["kl"], c["top1"],
                            c["freed"]) for c in d["candidates"]]
         choice = next(c for c in cands if c.name == d["choice"])
-        return cls(d["budget"], d["retention"], d["search"], d["preset"], cands, choice, d["overlap"], d["overlap_all"])
+        return cls(d["budget"], d["retention"], d["search"], d["preset"], cands, choice, d["overlap"], d["overlap_all"],
+                   d.get("batches"))
 
     def lines(self) -> list[str]:
         """The sweep table, the choice and its overlap (markdown; also the progress log)."""
         out = [f"farskip.layers: auto, budget {100 * self.budget:g}% val-loss gap after FCSD, predicted as "
-               f"retention {self.retention:g} x the untrained gap (preset {self.preset}, candidates: {self.search})", "",
+               f"retention {self.retention:g} x the untrained gap (preset {self.preset}, candidates: {self.search}; "
+               f"gaps on the first {self.batches or '?'} validation batches, the ones the run evaluates)", "",
                "| candidate | layers | untrained gap | KL | top-1 | predicted after FCSD | fits | freed all-to-alls |",
                "|---|---|---|---|---|---|---|---|"]
         for c in self.candidates:
@@ -111,9 +115,9 @@ class Plan:
                 f"{o['moe_layers']} MoE layers converted; every layer converted: {oa['freed']} of {oa['total']}, "
                 f"{100 * oa['share']:.0f}%)",
                 f"estimated forward all-to-all time hidden: {100 * o['hidden_fwd_est']:.0f}% (standard "
-                f"{100 * OVERLAP_DOC_FWD['standard']:.1f}%, every layer farskip {100 * oa['hidden_fwd_est']:.1f}%; "
-                "interpolated by freed share between docs/overlap.md's full-depth DeepSeek-V2-Lite figures, "
-                "not a compiled report)"]
+                f"{100 * OVERLAP_DOC_FWD['standard']:.1f}%, every layer {self.preset} "
+                f"{100 * OVERLAP_DOC_FWD['farskip']:.1f}%: docs/overlap.md's full-depth DeepSeek-V2-Lite figures, "
+                f"interpolated by freed all-to-alls {o['freed']} / {o['freed_all']}; an estimate, not a compiled report)"]
         return out
 
 
@@ -127,17 +131,26 @@ def overlap_estimate(model: ModelConfig, fs: FarSkipConfig) -> dict:
     section 1: the dispatch of MoE layer j no longer waits for attention j when its MoE input is
     `outdated`; the combine of MoE layer j no longer gates attention j+1 when that reads `partial` or
     `outdated`. The last layer's combine always gates the final norm. An ESTIMATE from the layer set,
-    not a compiled schedule (analysis/overlap.py measures that)."""
+    not a compiled schedule (analysis/overlap.py measures that).
+
+    hidden_fwd_est: the forward all-to-all time hidden, interpolated between docs/overlap.md's
+    standard and every-layer-farskip figures (OVERLAP_DOC_FWD) by freed / freed with every layer
+    converted (the same preset)."""
     n = model.num_layers
-    kinds = [fs.layer_inputs(i, n) for i in range(n)]
     moe = [i for i in range(n) if model.is_moe_layer(i)]
-    freed = sum(kinds[j][1] == "outdated" for j in moe) + sum(j + 1 < n and kinds[j + 1][0] != "full" for j in moe)
+
+    def count(f: FarSkipConfig) -> tuple[int, list]:
+        kinds = [f.layer_inputs(i, n) for i in range(n)]
+        return (sum(kinds[j][1] == "outdated" for j in moe)
+                + sum(j + 1 < n and kinds[j + 1][0] != "full" for j in moe)), kinds
+
+    freed, kinds = count(fs)
+    freed_all, _ = count(dataclasses.replace(fs, layers="all"))
     total = 2 * len(moe)
-    share = freed / total if total else 0.0
     std, far = OVERLAP_DOC_FWD["standard"], OVERLAP_DOC_FWD["farskip"]
-    return dict(freed=int(freed), total=total, share=share, moe_layers=len(moe),
-                converted_moe=sum(kinds[j] != ("full", "full") for j in moe),
-                hidden_fwd_est=std + share * (far - std))
+    return dict(freed=int(freed), total=total, share=freed / total if total else 0.0, freed_all=int(freed_all),
+                moe_layers=len(moe), converted_moe=sum(kinds[j] != ("full", "full") for j in moe),
+                hidden_fwd_est=std + (freed / freed_all if freed_all else 0.0) * (far - std))
 
 
 def _fs_with(fs0: FarSkipConfig, preset: str, layers) -> FarSkipConfig:
@@ -226,7 +239,7 @@ def plan_conversion(graphdef, st: dict, cfg: Config, batches: list, *, teacher: 
 
     choice = choose(cands, budget, retention)
     return Plan(budget, retention, fs0.auto_search, preset, cands, choice, overlap_of(choice.layers),
-                overlap_of(range(L)))
+                overlap_of(range(L)), len(batches))
 
 
 def apply_choice(cfg: Config, layers) -> Config:
@@ -270,6 +283,34 @@ def read_plan(folder: str) -> Optional[dict]:
                           "train.overwrite=true") from None
 
 
+def compiled_overlap(cfg: Config, layers, *, preset: str = "farskip", batch: Optional[int] = None,
+                     seq: Optional[int] = None, num_devices: int = 8, hardware: str = "mi300x",
+                     log=None) -> dict:
+    """The overlap report (analysis/overlap.run_overlap, deviceless GPU compiles; needs the
+    jax-cuda12 plugin) of the forward program for standard, the chosen `layers` and every layer
+    converted: {label: dict(hidden_frac, bound_frac, exposed_us, duration_us, step_us)} from the
+    two-stream `hardware` model (the report's headline). cfg's mesh must hold an expert axis (e.g.
+    mesh.expert=8 mesh.data=1 moe.dispatch=all_to_all)."""
+    from farskip_jax.analysis.overlap import run_overlap
+
+    chosen = sorted(int(i) for i in layers)
+
+    def cfg_for(label: str, c: Config) -> Config:
+        if label == "standard":
+            return replace(c, **{"farskip.preset": "standard", "farskip.layers": "all"})
+        return replace(c, **{"farskip.preset": preset, "farskip.layers": "all" if label == "all" else chosen})
+
+    out = {}
+    for r in run_overlap(cfg, presets=("standard", "chosen", "all"), programs=("forward",), batch=batch, seq=seq,
+                         num_devices=num_devices, hardware=hardware, log=log, cfg_for=cfg_for):
+        rep = r.modelled if r.modelled is not None else r.report
+        t = rep.totals("fwd")
+        out[r.preset] = dict(hidden_frac=float(t["hidden_frac"]), bound_frac=float(t["bound_frac"]), exposed_us=float(t["exposed"]),
+                             duration_us=float(t["duration"]), step_us=float(rep.step_time),
+                             model=f"two-stream {hardware}" if r.modelled is not None else "XLA")
+    return out
+
+
 # --------------------------------------------------------------------------------------------------
 # the evidence for DEFAULT_RETENTION, and a run's own retention
 # --------------------------------------------------------------------------------------------------
@@ -285,10 +326,22 @@ def _nominal(frac: float) -> float:
 
 def measured_pairs(root: str = "benchmarks/results/fcsd") -> list[dict]:
     """(untrained gap, gap after FCSD, FCSD token share) of every plain-FCSD run recorded under `root`
-    (benchmarks/fcsd_experiment.py's results*.json and benchmarks/fcsd_methods.py's results.json).
+    (benchmarks/fcsd_experiment.py's results*.json, benchmarks/fcsd_methods.py's results.json: all
+    layers converted; hard/auto/run_auto.py's auto_runs*.json: the sets farskip.layers=auto chose).
     Left out: conversion methods (anneal, progressive) and top-k logits, which are not the default
-    recipe. Each pair: dict(source, budget, untrained, after, retention)."""
+    recipe. Each pair: dict(source, budget, untrained, after, retention, layers: "all" | "partial")."""
     out = []
+    for path in sorted(glob.glob(os.path.join(root, "**", "auto_runs*.json"), recursive=True)):
+        with open(path) as f:
+            rows = json.load(f)
+        seen = set()
+        for r in rows:  # a budget whose choice repeats an earlier budget's reuses its run: one pair
+            key = (r["teacher"], tuple(r["layers"]), r.get("tag", ""))
+            if key in seen:
+                continue
+            seen.add(key)
+            out.append(dict(source=f"{os.path.relpath(path, root)}:{r['teacher']}:{r['choice']}", budget=r["token_share"],
+                            untrained=r["untrained_gap"], after=r["gap"], layers="partial"))
     for path in sorted(glob.glob(os.path.join(root, "**", "results*.json"), recursive=True)):
         try:
             with open(path) as f:
@@ -301,14 +354,14 @@ def measured_pairs(root: str = "benchmarks/results/fcsd") -> list[dict]:
                 continue
             t, conv, after = (row[1] for row in d["table"][:3])
             out.append(dict(source=rel, budget=_nominal(d["fcsd_tokens"] / d["teacher_tokens"]),
-                            untrained=conv / t - 1, after=after / t - 1))
+                            untrained=conv / t - 1, after=after / t - 1, layers="all"))
         elif isinstance(d, dict) and "rows" in d and "converted" in d:  # fcsd_methods.py
             c = d["converted"]
             for r in d["rows"]:
                 if any(k in o for o in r.get("overrides", []) for k in ("anneal", "progressive", "top_k")):
                     continue
                 out.append(dict(source=f"{rel}:{r['method']}", budget=r["budget"],
-                                untrained=c["val_loss"] / c["teacher_loss"] - 1, after=r["gap"]))
+                                untrained=c["val_loss"] / c["teacher_loss"] - 1, after=r["gap"], layers="all"))
     for p in out:
         p["retention"] = p["after"] / p["untrained"] if p["untrained"] > 0 else float("nan")
     return out
@@ -345,6 +398,8 @@ def run_retention(run_dir: str) -> dict:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     import argparse
 
+    import yaml
+
     p = argparse.ArgumentParser(
         prog="python -m farskip_jax.eval.budget",
         description="Plan farskip.layers: auto without training: the untrained sweep on the teacher (the "
@@ -356,20 +411,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--retention-from", metavar="RUN", help="use the retention measured by this finished FCSD run")
     p.add_argument("--search", choices=("ends", "greedy"), help="farskip.auto_search")
     p.add_argument("--out", help="folder for farskip_auto.json / farskip_auto.md")
+    p.add_argument("--overlap-report", metavar="OVERRIDES", nargs="?", const="",
+                   help="also compile the forward program deviceless for 8 GPUs (analysis/overlap.py, jax-cuda12 "
+                        "plugin) for standard, the choice and every layer; OVERRIDES: comma list of config overrides "
+                        "for that compile (mesh.expert=8,mesh.data=1,moe.dispatch=all_to_all are always set)")
     p.add_argument("--evidence", metavar="ROOT", nargs="?", const="benchmarks/results/fcsd",
                    help="print the measured (untrained, after FCSD) pairs under ROOT and exit")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. init_from_hf=/models/x data.tokenizer=/models/x")
     a = p.parse_args(argv)
     if a.evidence:
         pairs = measured_pairs(a.evidence)
-        print("| source | FCSD budget | untrained gap | after FCSD | retention |\n|---|---|---|---|---|")
+        print("| source | converted | FCSD budget | untrained gap | after FCSD | retention |\n|---|---|---|---|---|---|")
         for q in pairs:
-            print(f"| {q['source']} | {100 * q['budget']:g}% | {100 * q['untrained']:+.2f}% | {100 * q['after']:+.2f}% | "
-                  f"{q['retention']:.3f} |")
+            print(f"| {q['source']} | {q['layers']} | {100 * q['budget']:g}% | {100 * q['untrained']:+.2f}% | "
+                  f"{100 * q['after']:+.2f}% | {q['retention']:.3f} |")
         for b in sorted({q["budget"] for q in pairs}):
-            rs = [q["retention"] for q in pairs if q["budget"] == b]
-            print(f"budget {100 * b:g}%: {len(rs)} runs, retention min {min(rs):.3f} / median "
-                  f"{sorted(rs)[len(rs) // 2]:.3f} / max {max(rs):.3f}")
+            for kind in ("all", "partial", None):
+                rs = [q["retention"] for q in pairs if q["budget"] == b and kind in (None, q["layers"])]
+                if rs:
+                    print(f"budget {100 * b:g}%, {kind or 'every'} set(s): {len(rs)} runs, retention min {min(rs):.3f} / "
+                          f"median {sorted(rs)[len(rs) // 2]:.3f} / max {max(rs):.3f}")
         return 0
     from farskip_jax.config import load_config
     from farskip_jax.data.tokenizer import check_vocab, load_tokenizer
@@ -402,9 +463,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     plan = plan_conversion(graphdef, src, cfg, batches, teacher=teacher)
     print("\n".join([""] + plan.lines()), flush=True)
     print(f"\nequivalent explicit setting: farskip.layers={list(plan.layers)}", flush=True)
+    compiled = None
+    if a.overlap_report is not None:
+        ocfg = replace(apply_choice(cfg, plan.layers), **{"mesh.expert": 8, "mesh.data": 1, "moe.dispatch": "all_to_all"})
+        for o in [x for x in a.overlap_report.split(",") if x]:
+            k, _, v = o.partition("=")
+            ocfg = replace(ocfg, **{k: yaml.safe_load(v)})
+        compiled = compiled_overlap(ocfg, plan.layers, preset=plan.preset, log=lambda m: print(m, flush=True))
+        print("\ncompiled overlap report, forward program (analysis/overlap.py, deviceless, 8 GPUs, "
+              f"{next(iter(compiled.values()))['model']} model):", flush=True)
+        for label, r in compiled.items():
+            print(f"  {label:<8s} hidden {100 * r['hidden_frac']:.1f}% of {r['duration_us']:.1f} us all-to-all "
+                  f"(bound {100 * r['bound_frac']:.1f}%), step {r['step_us']:.1f} us", flush=True)
     if a.out:
         for path in write_plan(plan, a.out, request_of(cfg)):
             print(f"wrote {path}")
+        if compiled is not None:
+            with open(os.path.join(a.out, "overlap_report.json"), "w") as f:
+                json.dump(dict(layers=list(plan.layers), forward=compiled), f, indent=1)
+            print(f"wrote {os.path.join(a.out, 'overlap_report.json')}")
     return 0
 
 
