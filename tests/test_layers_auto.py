@@ -208,6 +208,7 @@ def test_loop_auto_equals_the_explicit_list_and_resumes_with_its_choice(teacher_
 
     straight, broken = str(tmp_path / "explicit"), str(tmp_path / "auto")
     a = distill(_cfg(teacher_run, straight, f"farskip.layers=[{','.join(map(str, expected))}]"), stream=io.StringIO())
+    assert a.status == "done" and a.step == 4
     hook = _SigtermAt(2)
     b = distill(_cfg(teacher_run, broken, *auto), stream=hook)
     assert hook.sent and b.status == "preempted" and b.step == 2
