@@ -96,11 +96,12 @@ def _cos(a, b):
 
 # (payload, extra overrides, logits relative L2, loss relative, min gradient cosine). fp8 e4m3 rounds each
 # element by up to 2^-4 relative and a layer takes several fp8 round trips (the MoE input's gather,
-# the routed sum; with group attention also its input's gather and its sum), so the tolerance is 1e-1
-# (measured: 1.7-2.4% local attention, 4.7-5.9% group attention; cosines >= 0.996 / 0.970); bf16
-# (2^-9 relative): 1e-2 (measured 0.13-0.40%)
+# the routed sum; with group attention also its input's gather and its sum). Tolerances about 2x the
+# measured errors: logits 5e-2 local attention (measured 1.7-2.4%), 1e-1 group attention (4.7-5.9%);
+# loss 5e-3 (measured < 0.2%); cosines >= 0.996 / 0.970 measured; bf16 (2^-9 relative): 1e-2
+# (measured 0.13-0.40%)
 PAYLOADS = {
-    "fp8_local": ("float8_e4m3fn", ("moe.foe_attention=local",), 1e-1, 1e-2, 0.99),
+    "fp8_local": ("float8_e4m3fn", ("moe.foe_attention=local",), 5e-2, 5e-3, 0.99),
     "fp8_groups": ("float8_e4m3fn", (), 1e-1, 1e-2, 0.95),
     "bf16_local": ("bfloat16", ("moe.foe_attention=local",), 1e-2, 1e-3, 0.999),
 }

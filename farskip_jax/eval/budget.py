@@ -30,7 +30,8 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from farskip_jax.config import Config, FarSkipConfig, ModelConfig, replace
+from farskip_jax.config import (Config, FarSkipConfig, ModelConfig, apply_overrides, config_from_dict, replace,
+                                to_dict)
 from farskip_jax.errors import ConfigError
 
 # gap after FCSD / untrained gap: the largest measured at a 5% FCSD budget (measured_pairs; checked by
@@ -398,8 +399,6 @@ def run_retention(run_dir: str) -> dict:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     import argparse
 
-    import yaml
-
     p = argparse.ArgumentParser(
         prog="python -m farskip_jax.eval.budget",
         description="Plan farskip.layers: auto without training: the untrained sweep on the teacher (the "
@@ -466,9 +465,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     compiled = None
     if a.overlap_report is not None:
         ocfg = replace(apply_choice(cfg, plan.layers), **{"mesh.expert": 8, "mesh.data": 1, "moe.dispatch": "all_to_all"})
-        for o in [x for x in a.overlap_report.split(",") if x]:
-            k, _, v = o.partition("=")
-            ocfg = replace(ocfg, **{k: yaml.safe_load(v)})
+        ocfg = config_from_dict(apply_overrides(to_dict(ocfg), [x for x in a.overlap_report.split(",") if x]))
         compiled = compiled_overlap(ocfg, plan.layers, preset=plan.preset, log=lambda m: print(m, flush=True))
         print("\ncompiled overlap report, forward program (analysis/overlap.py, deviceless, 8 GPUs, "
               f"{next(iter(compiled.values()))['model']} model):", flush=True)

@@ -158,10 +158,11 @@ def group_routed(routed_compute, x: jax.Array, route: RouteResult, experts: Expe
     return out.y.reshape(hg, b, s, d).astype(x.dtype), out.dropped
 
 
-def group_sum(routed_compute, v: jax.Array) -> jax.Array:
-    """The cross-group sum [H, ...] -> [...] (an explicit collective for the parallel backend)."""
+def group_sum(routed_compute, v: jax.Array, dtype: str = "auto") -> jax.Array:
+    """The cross-group sum [H, ...] -> [...] (an explicit collective for the parallel backend, with
+    payload `dtype` = moe.foe_sum_dtype; a single device has no collective and ignores it)."""
     if hasattr(routed_compute, "group_sum"):
-        return routed_compute.group_sum(v)
+        return routed_compute.group_sum(v, dtype)
     return jnp.sum(v, axis=0)
 
 
@@ -186,9 +187,7 @@ class TokenLayout:
         """[H, ...] -> [...]: all-reduce (replicated) or reduce-scatter (sharded)."""
         if self.sharded:
             return self.backend.group_scatter(v, self.sum_dtype)
-        if hasattr(self.backend, "group_sum"):
-            return self.backend.group_sum(v, self.sum_dtype)
-        return jnp.sum(v, axis=0)
+        return group_sum(self.backend, v, self.sum_dtype)
 
     def device_groups(self, x: jax.Array, replicated: bool = False) -> jax.Array:
         """The routed experts' input: x [b, ...] itself (replicated layout), else [G_m, b, ...] each
