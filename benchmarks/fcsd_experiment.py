@@ -51,7 +51,7 @@ def parse(argv):
     p.add_argument("--hidden-weight", type=float, default=0.0,
                    help="> 0: add this weight x mean over layers of ||h_student - h_teacher||^2 / d_model "
                         "(per-layer full streams)")
-    p.add_argument("--top-k", type=int, default=0, help="> 0: forward KL on the teacher's top-k tokens only")
+    p.add_argument("--top-k", type=int, default=0, help="> 0: forward KL on the teacher's top-k tokens plus one tail bucket")
     p.add_argument("--eval-every", type=int, default=25, help="FCSD steps between early-stopping evaluations")
     p.add_argument("--select-batches", type=int, default=8,
                    help="early-stopping slice: the first N validation batches of --distill-batch-size rows")

@@ -414,7 +414,7 @@ class DistillConfig:
     kl_weight: float = 1.0
     ce_weight: float = 0.0
     hidden_weight: float = 0.0
-    top_k_logits: int = 0  # 0 = full distribution
+    top_k_logits: int = 0  # 0 = full distribution; k > 0: forward KL over the teacher's top-k tokens + one tail bucket
     teacher_dtype: DType = "bfloat16"
     metric: Literal["val_kl", "val_loss", "task"] = "val_kl"  # "task": mean accuracy over eval.tasks
     patience: int = 20

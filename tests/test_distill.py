@@ -34,11 +34,12 @@ def test_kl_matches_numpy_definition():
     pT = np.exp(t / 2) / np.exp(t / 2).sum(-1, keepdims=True)
     qT = np.exp(s / 2) / np.exp(s / 2).sum(-1, keepdims=True)
     np.testing.assert_allclose(token_divergence(t, s, temperature=2.0), 4 * (pT * np.log(pT / qT)).sum(-1), rtol=1e-5)
-    # top-k: renormalised teacher over its top 3, student's full log-probs
+    # top-k: the teacher's top 3 plus one tail bucket, both from the full softmax (tests/test_divergence.py)
     idx = np.argsort(-t, axis=-1)[..., :3]
-    pk = np.take_along_axis(p, idx, -1)
-    pk = pk / pk.sum(-1, keepdims=True)
-    ref = (pk * (np.log(pk) - np.log(np.take_along_axis(q, idx, -1)))).sum(-1)
+    top = np.zeros(t.shape, bool)
+    np.put_along_axis(top, idx, True, -1)
+    pt, qt = np.where(top, 0, p).sum(-1), np.where(top, 0, q).sum(-1)
+    ref = np.where(top, p * np.log(p / q), 0).sum(-1) + pt * np.log(pt / qt)
     np.testing.assert_allclose(topk_forward_kl(t, s, 3), ref, rtol=1e-5)
     assert np.all(np.asarray(topk_forward_kl(t, s, 3)) >= 0)
 

@@ -7,9 +7,13 @@ of tokens that count (1 = real token, 0 = padding). Per-token results are [batch
     reverse KL   KL(p_s || p_t) = sum_v p_s (log p_s - log p_t)     (mode seeking)
     temperature  both distributions are softmax(logits / T); the loss is multiplied by T^2 so its
                  gradient scale does not depend on T (Hinton et al.)
-    top-k        forward KL against the teacher's k most likely tokens only, renormalised over them:
-                 sum_{v in topk} q_t(v) (log q_t(v) - log p_s(v)) with p_s the student's FULL softmax
-                 (>= 0 because sum_{topk} p_s <= 1); what a cached top-k teacher can provide.
+    top-k        forward KL over k + 1 categories: the teacher's k most likely tokens plus one tail
+                 bucket holding the rest of the mass, for both distributions (p = the FULL softmax):
+                 sum_{v in topk_t} p_t(v) (log p_t(v) - log p_s(v)) + T_t (log T_t - log T_s),
+                 T = 1 - sum_{topk_t} p. What a cached top-k teacher (top-k log-probs of its full softmax)
+                 can provide; 0 <= it <= the full forward KL (a coarsening), = it when k = vocab.
+                 (Before, the teacher's top-k was renormalised over the k tokens against the student's
+                 full log-probs, which pushed all the student's mass onto them.)
 """
 
 from __future__ import annotations
@@ -33,13 +37,35 @@ def reverse_kl(t_logits: jax.Array, s_logits: jax.Array, temperature: float = 1.
     return forward_kl(s_logits, t_logits, temperature)
 
 
+def _tail_logsumexp(x: jax.Array, in_top: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(log sum_{v not in_top} exp(x_v), nonempty) over the last axis: [...], [...] bool. Exact (no
+    1 - sum cancellation); -inf where the complement is empty or all -inf, with finite gradients."""
+    xs = jnp.where(in_top, -jnp.inf, x)
+    m = jnp.max(xs, axis=-1)
+    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    tot = jnp.sum(jnp.exp(xs - m[..., None]), axis=-1)  # >= 1 when some x_v is finite
+    nonempty = tot > 0
+    return jnp.where(nonempty, m + jnp.log(jnp.where(nonempty, tot, 1.0)), -jnp.inf), nonempty
+
+
 def topk_forward_kl(t_logits: jax.Array, s_logits: jax.Array, k: int, temperature: float = 1.0) -> jax.Array:
-    """Forward KL against the teacher's top-k tokens (renormalised): [b, s]."""
-    t = t_logits.astype(jnp.float32) / temperature
-    top_vals, top_idx = jax.lax.top_k(t, k)
-    lq = jax.nn.log_softmax(top_vals, axis=-1)
-    ls = jnp.take_along_axis(_logp(s_logits, temperature), top_idx, axis=-1)
-    return jnp.sum(jnp.exp(lq) * (lq - ls), axis=-1)
+    """Forward KL over the teacher's top-k tokens plus one tail bucket (the rest of the mass): [b, s].
+    k >= vocab is the full forward KL."""
+    lt, ls = _logp(t_logits, temperature), _logp(s_logits, temperature)
+    vocab = lt.shape[-1]
+    k = min(int(k), vocab)
+    top_lt, top_idx = jax.lax.top_k(lt, k)
+    top_ls = jnp.take_along_axis(ls, top_idx, axis=-1)
+    head = jnp.sum(jnp.exp(top_lt) * (top_lt - top_ls), axis=-1)
+    # the teacher's top-k as a mask over the vocabulary (a scatter of the exact indices, so tied
+    # logits at the k-th place are split the same way as top_k did)
+    flat_idx = top_idx.reshape(-1, k)
+    in_top = jax.vmap(lambda i: jnp.zeros((vocab,), bool).at[i].set(True))(flat_idx).reshape(lt.shape)
+    tail_t, has_t = _tail_logsumexp(lt, in_top)
+    tail_s, _ = _tail_logsumexp(ls, in_top)
+    safe_t = jnp.where(has_t, tail_t, 0.0)  # keeps -inf (and 0 * -inf) out of the discarded branch
+    tail = jnp.where(has_t, jnp.exp(safe_t) * (safe_t - tail_s), 0.0)
+    return head + tail
 
 
 def token_divergence(t_logits: jax.Array, s_logits: jax.Array, *, kind: str = "forward", temperature: float = 1.0,
