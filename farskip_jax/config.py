@@ -414,6 +414,9 @@ class DistillConfig:
     kl_weight: float = 1.0
     ce_weight: float = 0.0
     hidden_weight: float = 0.0
+    # teacher-forced sub-block reconstruction (train/local_distill.py): each student layer on the FarSkip
+    # inputs built from the teacher's outputs, its outputs against the teacher's (relative squared error)
+    local_weight: float = 0.0
     top_k_logits: int = 0  # 0 = full distribution; k > 0: forward KL over the teacher's top-k tokens + one tail bucket
     teacher_dtype: DType = "bfloat16"
     metric: Literal["val_kl", "val_loss", "task"] = "val_kl"  # "task": mean accuracy over eval.tasks
@@ -457,7 +460,8 @@ class DistillConfig:
                f"{self.anneal_tokens}; raise stage_tokens or lower anneal_tokens")
         _check(self.top_k_logits >= 0, f"distill.top_k_logits must be >= 0 (0 = full distribution), got {self.top_k_logits}")
         _check(self.patience >= 1 and self.eval_every >= 1, "distill.patience and distill.eval_every must be >= 1")
-        _check(min(self.kl_weight, self.ce_weight, self.hidden_weight) >= 0, "distill weights must be >= 0")
+        _check(min(self.kl_weight, self.ce_weight, self.hidden_weight, self.local_weight) >= 0,
+               "distill weights (kl_weight, ce_weight, hidden_weight, local_weight) must be >= 0")
         _check(self.max_tokens is None or self.max_tokens >= 1, "distill.max_tokens must be >= 1 or null")
 
 
@@ -577,6 +581,9 @@ class Config:
                 self.mesh.expert % g == 0 or g % self.mesh.expert == 0,
                 f"moe.num_groups={g} and mesh.expert={self.mesh.expert} must divide one another",
             )
+            _check(self.distill.local_weight == 0,
+                   f"distill.local_weight={self.distill.local_weight} (teacher-forced layers) is not implemented for "
+                   f"Federation of Experts (moe.num_groups={g}); set distill.local_weight: 0 or moe.num_groups: 1")
         if e.num_experts and self.mesh.expert > 1:
             _check(
                 e.num_experts % self.mesh.expert == 0,

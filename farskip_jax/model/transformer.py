@@ -149,6 +149,35 @@ class Transformer(nnx.Module):
                 hidden.append(streams.full)
         return self.output(streams.full, outs, hidden if return_hidden else None, trace if return_trace else None)
 
+    def teacher_forced(self, trace: tuple, positions: jax.Array, segment_ids: Optional[jax.Array] = None, *,
+                       farskip: Optional[FarSkipConfig] = None) -> list:
+        """Every layer run once on inputs built from ANOTHER pass's outputs (teacher forcing; FCSD's
+        local reconstruction loss, train/local_distill.py). trace: the `trace` of a forward (per layer
+        dict of attn_in [b, s, d] (layer 0: the embedding), attn, shared, routed [b, s, d] or None).
+        Layer i's attention reads `farskip`'s attention input of the streams that the trace's outputs
+        of layers < i make; its MoE/MLP reads that input of those streams and the trace's attention
+        output of layer i (`full` = R_{i-1} + a_i of the trace, `outdated` = R_{i-1}). The layers do not
+        feed each other, so each one's error is its own. Returns per layer its BlockOutput (attn, shared,
+        routed of this model). Unrolled over `blocks()` (scan_layers: per-layer views), no remat."""
+        if self.cfg.moe.num_groups > 1:
+            raise ConfigError("teacher-forced layers (distill.local_weight) are not implemented for Federation of "
+                              "Experts (moe.num_groups > 1); set distill.local_weight: 0 or moe.num_groups: 1")
+        fs = farskip if farskip is not None else self.cfg.farskip
+        blocks = self.blocks()
+        n = len(blocks)
+        if len(trace) != n:
+            raise ValueError(f"teacher_forced: the trace has {len(trace)} layers, the model {n}")
+        streams = Streams.init(trace[0]["attn_in"], fs.skip_distance)
+        outs = []
+        for i, (block, t) in enumerate(zip(blocks, trace)):
+            attn_kind, moe_kind = fs.layer_inputs(i, n)
+            with jax.named_scope(f"forced_layer_{i}"):
+                a = block.attention(streams.attn_input(attn_kind), positions, segment_ids)
+                out = block.ffn(streams.moe_input(moe_kind, t["attn"]))
+            outs.append(out.replace(attn=a))
+            streams = streams.update(t["attn"], t["shared"], t["routed"])
+        return outs
+
     def _check_mix(self, mix) -> jax.Array:
         """connectivity_mix as float32 [num_layers], or a ConfigError (FoE; a wrong shape)."""
         n = self.cfg.model.num_layers

@@ -8,6 +8,7 @@ student only:
     loss = kl_weight * T^2 * KL_kind(softmax(t/T), softmax(s/T))    (forward | reverse | both; top-k)
          + ce_weight * CE(student, next tokens)
          + hidden_weight * mean_layers ||h_s - h_t||^2 / d           (per-layer full streams)
+         + local_weight * teacher-forced sub-block error              (train/local_distill.py)
          + moe.aux_loss_weight * aux + moe.z_loss_weight * z          (student router)
 
 all token means over non-padding tokens (`loss_mask`). Every `distill.eval_every` steps the student
@@ -59,6 +60,7 @@ from farskip_jax.parallel.sharding import place_state
 from farskip_jax.train.annealing import ConversionSchedule, GatedStopper
 from farskip_jax.train.checkpoint import Checkpointer
 from farskip_jax.train.early_stopping import EarlyStopper
+from farskip_jax.train.local_distill import local_reconstruction, trace_arrays
 from farskip_jax.train.logger import RunLogger, data_wait, format_eta
 from farskip_jax.train.optimizer import make_optimizer, schedule_change_warning
 from farskip_jax.train.rundir import check_run_dir, claim_run_dir
@@ -87,11 +89,16 @@ def make_distill_loss_fn(graphdef, cfg: Config) -> Callable:
     """loss_fn(params, bias, rest, teacher, batch, mix=None) -> (loss, aux); teacher = {params, bias,
     rest}; mix: the student's connectivity_mix (alpha [num_layers], train/annealing.py) or None."""
     d, moe = cfg.distill, cfg.moe
-    want_hidden = d.hidden_weight > 0
+    want_hidden, want_local = d.hidden_weight > 0, d.local_weight > 0
 
     def loss_fn(params, bias, rest, teacher, batch, mix=None):
         with jax.named_scope("teacher"):
-            t_out = forward(graphdef, teacher, batch, STANDARD, return_hidden=want_hidden)
+            if want_local:  # per-layer sub-block outputs for the teacher-forced student layers
+                t_out = nnx.merge(graphdef, teacher["params"], teacher["bias"], teacher["rest"])(
+                    batch["tokens"], batch["positions"], batch["segment_ids"], farskip=STANDARD,
+                    return_hidden=want_hidden, return_trace=True)
+            else:
+                t_out = forward(graphdef, teacher, batch, STANDARD, return_hidden=want_hidden)
         t_logits = jax.lax.stop_gradient(t_out.logits)
         with jax.named_scope("student"):
             student = nnx.merge(graphdef, params, bias, rest)
@@ -107,10 +114,16 @@ def make_distill_loss_fn(graphdef, cfg: Config) -> Callable:
         ce, n = token_ce(s_out.logits, batch["targets"], mask)
         hid = (hidden_l2(jax.lax.stop_gradient(t_out.hidden), s_out.hidden, mask) if want_hidden
                else jnp.zeros((), jnp.float32))
-        loss = (d.kl_weight * kl + d.ce_weight * ce + d.hidden_weight * hid
+        local = jnp.zeros((), jnp.float32)
+        if want_local:
+            with jax.named_scope("student_forced"):
+                t_trace = trace_arrays(t_out.trace, dtype_of(cfg.model.compute_dtype))
+                outs = student.teacher_forced(t_trace, batch["positions"], batch["segment_ids"], farskip=cfg.farskip)
+            local = local_reconstruction(t_trace, outs, mask)
+        loss = (d.kl_weight * kl + d.ce_weight * ce + d.hidden_weight * hid + d.local_weight * local
                 + moe.aux_loss_weight * s_out.aux_loss + moe.z_loss_weight * s_out.z_loss)
         load = s_out.load if s_out.load is not None else jnp.zeros((0, 1), jnp.float32)
-        return loss, dict(kl=kl, ce=ce, hidden=hid, aux_loss=s_out.aux_loss, load=load, tokens=n)
+        return loss, dict(kl=kl, ce=ce, hidden=hid, local=local, aux_loss=s_out.aux_loss, load=load, tokens=n)
 
     return loss_fn
 
@@ -129,7 +142,7 @@ def make_distill_step(graphdef, cfg: Config, tx: optax.GradientTransformation, s
         params, bias, rest = state["params"], state["bias"], state["rest"]
         (loss, aux), grads = accumulate_grads(lambda mb: grad_fn(params, bias, rest, teacher, mb, mix), batch, accum)
         new_state, upd = update_state(graphdef, cfg, tx, state, loss, grads, aux["load"])
-        metrics = dict(loss=loss, kl=aux["kl"], ce=aux["ce"], hidden=aux["hidden"], aux_loss=aux["aux_loss"],
+        metrics = dict(loss=loss, kl=aux["kl"], ce=aux["ce"], hidden=aux["hidden"], local=aux["local"], aux_loss=aux["aux_loss"],
                        lr=schedule(state["step"]), tokens=aux["tokens"], **upd,
                        **load_stats(aux["load"] if aux["load"].shape[0] > 0 else None))
         return new_state, metrics
