@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 import pytest
+from run_helpers import SigtermAt
 
 TINY = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1", "model.mlp_hidden=64",
         "moe.num_experts=4", "moe.expert_hidden=32", "moe.shared_gate=true", "train.batch_size=8", "train.seq_len=32", "train.log_every=50",
@@ -75,24 +76,6 @@ def test_distill_end_to_end(teacher_run, tmp_path):
                                rtol=1e-5, atol=1e-5)
 
 
-class _SigtermAt:
-    """A log stream that sends this process SIGTERM once the progress line of step `at` is printed."""
-
-    def __init__(self, at):
-        self.at, self.sent, self.text = at, False, []
-
-    def write(self, s):
-        self.text.append(s)
-        if not self.sent and s.startswith(f"step {self.at:>6d}/"):
-            import signal
-
-            self.sent = True
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    def flush(self):
-        pass
-
-
 def _train_by_step(run):
     from farskip_jax.train.logger import read_metrics
 
@@ -117,7 +100,7 @@ def test_distill_sigterm_checkpoints_and_resumes_exactly(teacher_run, tmp_path):
     straight, broken = str(tmp_path / "straight"), str(tmp_path / "broken")
     a = distill(cfg(straight), stream=io.StringIO())
     assert a.status == "done" and a.step == 6
-    hook = _SigtermAt(2)
+    hook = SigtermAt(2)
     b = distill(cfg(broken), stream=hook)
     assert hook.sent and b.status == "preempted" and b.step == 2, (b.status, b.step)
     assert any("signal" in s and "saving checkpoint at step 2" in s for s in hook.text)

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from run_helpers import SigtermAt, write_scaled_teacher
+
 from farskip_jax.config import FarSkipConfig, load_config
 from farskip_jax.errors import ConfigError
 from farskip_jax.model import Transformer
@@ -224,43 +226,8 @@ TPS = 8 * 32  # tokens per step
 @pytest.fixture(scope="module")
 def teacher_run(tmp_path_factory):
     """A run folder holding an untrained tiny MoE with weights scaled up 4x (opinionated predictions,
-    an untrained-conversion KL of ~2 nats): the mechanics need no trained teacher, and writing one
-    costs no compile."""
-    from farskip_jax.config import dump_config
-    from farskip_jax.eval.loading import build_model
-    from farskip_jax.train.checkpoint import Checkpointer
-    from farskip_jax.train.optimizer import make_optimizer
-    from farskip_jax.train.step import init_state
-
-    d = str(tmp_path_factory.mktemp("teacher"))
-    cfg = load_config("configs/tiny.yaml", [*TINY, f"train.run_dir={d}"])
-    model = build_model(cfg, None, seed=0)
-    nnx.update(model, jax.tree.map(lambda x: x * 4.0, nnx.state(model, nnx.Param)))
-    tx, _ = make_optimizer(cfg.train)
-    _, state = init_state(model, tx, cfg.train.seed)
-    ck = Checkpointer(d, keep=1, async_save=False)
-    ck.save(0, state, {})
-    ck.close()
-    with open(os.path.join(d, "config.yaml"), "w") as f:
-        f.write(dump_config(cfg))
-    return d
-
-
-class _SigtermAt:
-    """A log stream that sends this process SIGTERM once the progress line of step `at` is printed."""
-
-    def __init__(self, at):
-        self.at, self.sent = at, False
-
-    def write(self, s):
-        if not self.sent and s.startswith(f"step {self.at:>6d}/"):
-            import signal
-
-            self.sent = True
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    def flush(self):
-        pass
+    an untrained-conversion KL of ~2 nats): the mechanics need no trained teacher."""
+    return write_scaled_teacher(str(tmp_path_factory.mktemp("teacher")), TINY, 4.0)
 
 
 def _distill_cfg(teacher, run, *extra):
@@ -330,7 +297,7 @@ def test_progressive_stages_last_layer_first_and_resume_bit_for_bit(teacher_run,
 
     # SIGTERM after step 3 (the stage KL of step 2 saved, the settle at 4 not yet): the resumed run
     # decides the same stage start and repeats the straight run bit for bit
-    hook = _SigtermAt(3)
+    hook = SigtermAt(3)
     b = distill(_distill_cfg(teacher_run, broken, *extra), stream=hook)
     assert hook.sent and b.status == "preempted" and b.step == 3
     c = distill(_distill_cfg(teacher_run, broken, *extra), stream=io.StringIO())

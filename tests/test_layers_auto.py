@@ -11,9 +11,9 @@ import io
 import json
 import os
 
-import jax
 import pytest
-from flax import nnx
+
+from run_helpers import SigtermAt, write_scaled_teacher
 
 from farskip_jax.config import FarSkipConfig, ModelConfig, load_config
 from farskip_jax.errors import ConfigError
@@ -128,46 +128,13 @@ TINY = ["model.d_model=32", "model.num_layers=3", "model.num_heads=2", "model.nu
 def teacher_run(tmp_path_factory):
     """An untrained tiny MoE (3 layers) with weights scaled up 2x: every conversion costs +0.2-0.8% in
     val loss (at 4x some convert below the teacher's loss: an untrained model's loss means little)."""
-    from farskip_jax.config import dump_config
-    from farskip_jax.eval.loading import build_model
-    from farskip_jax.train.checkpoint import Checkpointer
-    from farskip_jax.train.optimizer import make_optimizer
-    from farskip_jax.train.step import init_state
-
-    d = str(tmp_path_factory.mktemp("teacher"))
-    cfg = load_config("configs/tiny.yaml", [*TINY, f"train.run_dir={d}"])
-    model = build_model(cfg, None, seed=0)
-    nnx.update(model, jax.tree.map(lambda x: x * 2.0, nnx.state(model, nnx.Param)))
-    tx, _ = make_optimizer(cfg.train)
-    _, state = init_state(model, tx, cfg.train.seed)
-    ck = Checkpointer(d, keep=1, async_save=False)
-    ck.save(0, state, {})
-    ck.close()
-    with open(os.path.join(d, "config.yaml"), "w") as f:
-        f.write(dump_config(cfg))
-    return d
+    return write_scaled_teacher(str(tmp_path_factory.mktemp("teacher")), TINY, 2.0)
 
 
 def _cfg(teacher, run, *extra):
     return load_config("configs/distill_tiny.yaml", [
         *TINY, f"distill.init_from_run={teacher}", "train.steps=4", "distill.eval_every=2", "train.lr=3e-3",
         "train.warmup_steps=1", "train.log_every=1", "train.checkpoint_every=0", f"train.run_dir={run}", *extra])
-
-
-class _SigtermAt:
-    def __init__(self, at):
-        self.at, self.sent, self.text = at, False, []
-
-    def write(self, s):
-        self.text.append(s)
-        if not self.sent and s.startswith(f"step {self.at:>6d}/"):
-            import signal
-
-            self.sent = True
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    def flush(self):
-        pass
 
 
 def test_loop_nothing_fits_fails_before_the_run_folder(teacher_run, tmp_path):
@@ -209,7 +176,7 @@ def test_loop_auto_equals_the_explicit_list_and_resumes_with_its_choice(teacher_
     straight, broken = str(tmp_path / "explicit"), str(tmp_path / "auto")
     a = distill(_cfg(teacher_run, straight, f"farskip.layers=[{','.join(map(str, expected))}]"), stream=io.StringIO())
     assert a.status == "done" and a.step == 4
-    hook = _SigtermAt(2)
+    hook = SigtermAt(2)
     b = distill(_cfg(teacher_run, broken, *auto), stream=hook)
     assert hook.sent and b.status == "preempted" and b.step == 2
     text = "".join(hook.text)

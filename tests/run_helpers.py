@@ -1,0 +1,47 @@
+"""Helpers shared by the FCSD loop tests (test_distill_e2e, test_fcsd_methods, test_layers_auto):
+a teacher run folder written without training, and a log stream that sends SIGTERM at a step."""
+
+import os
+import signal
+
+
+def write_scaled_teacher(run_dir: str, overrides: list, scale: float) -> str:
+    """A run folder (config.yaml + a step-0 checkpoint) holding the untrained MoE of configs/tiny.yaml
+    with `overrides`, every parameter multiplied by `scale` (opinionated predictions, so that a
+    conversion changes them): the loop tests need no trained teacher, and writing one costs no compile."""
+    import jax
+    from flax import nnx
+
+    from farskip_jax.config import dump_config, load_config
+    from farskip_jax.eval.loading import build_model
+    from farskip_jax.train.checkpoint import Checkpointer
+    from farskip_jax.train.optimizer import make_optimizer
+    from farskip_jax.train.step import init_state
+
+    cfg = load_config("configs/tiny.yaml", [*overrides, f"train.run_dir={run_dir}"])
+    model = build_model(cfg, None, seed=0)
+    nnx.update(model, jax.tree.map(lambda x: x * scale, nnx.state(model, nnx.Param)))
+    tx, _ = make_optimizer(cfg.train)
+    _, state = init_state(model, tx, cfg.train.seed)
+    ck = Checkpointer(run_dir, keep=1, async_save=False)
+    ck.save(0, state, {})
+    ck.close()
+    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+        f.write(dump_config(cfg))
+    return run_dir
+
+
+class SigtermAt:
+    """A log stream that sends this process SIGTERM once the progress line of step `at` is printed."""
+
+    def __init__(self, at):
+        self.at, self.sent, self.text = at, False, []
+
+    def write(self, s):
+        self.text.append(s)
+        if not self.sent and s.startswith(f"step {self.at:>6d}/"):
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def flush(self):
+        pass
