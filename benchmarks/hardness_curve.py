@@ -9,7 +9,7 @@ Evaluates on the report slice of benchmarks/fcsd_methods.py (batches of --batch-
 teacher's seq_len from the validation split, --eval-batches each from every --report-starts), so the
 last point equals that script's "converted before training" row. Writes hardness.json, hardness.md and
 hardness.png (gap and top-1 against the teacher's pretraining tokens; the teacher's own val loss on a
-second axis). Points already in hardness.json are reused.
+second axis). Points already in hardness.json for the same report slice are reused.
 """
 
 from __future__ import annotations
@@ -49,15 +49,18 @@ def main(argv=None) -> int:
 
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "hardness.json")
+    starts = [int(x) for x in a.report_starts.split(",") if x]
+    slice_key = dict(starts=starts, batch_size=a.batch_size, eval_batches=a.eval_batches)
     points = {}
     if os.path.isfile(path):
         with open(path) as f:
-            points = {int(p["step"]): p for p in json.load(f)["points"]}
+            old = json.load(f)
+        if old.get("slice") == slice_key:  # points of another report slice are measured again
+            points = {int(p["step"]): p for p in old["points"]}
     cfg0, _, _ = load_run(a.teacher, "latest")
     ck = Checkpointer(os.path.join(os.path.abspath(a.teacher), "checkpoints"), keep=10 ** 6)
     steps = [int(s) for s in a.steps.split(",") if s] or sorted(ck.all_steps())
     ck.close()
-    starts = [int(x) for x in a.report_starts.split(",") if x]
     allb = val_batches(cfg0, max(starts) + a.eval_batches, batch_size=a.batch_size)
     report = [b for s in starts for b in allb[s:s + a.eval_batches]]
     tps = cfg0.train.batch_size * cfg0.train.seq_len
@@ -81,7 +84,7 @@ def main(argv=None) -> int:
               + ", ".join(f"{p} {100 * row[p + '_gap']:+.1f}% / {100 * row[p + '_top1']:.1f}%" for p in PRESETS)
               + f" ({time.time() - t0:.0f} s)", flush=True)
         with open(path, "w") as f:
-            json.dump(dict(teacher=a.teacher, points=[points[k] for k in sorted(points)]), f, indent=1)
+            json.dump(dict(teacher=a.teacher, slice=slice_key, points=[points[k] for k in sorted(points)]), f, indent=1)
     rows = [points[k] for k in sorted(points)]
     cmd = "python benchmarks/hardness_curve.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     L = [f"# Conversion cost along pretraining: {a.teacher}", "",

@@ -25,9 +25,9 @@ from farskip_jax.train.step import init_state
 FARSKIP = FarSkipConfig(preset="farskip")
 
 
-def cfg_of(scan=False, **distill):
+def cfg_of(scan=False, remat="none", **distill):
     return Config(model=ModelConfig(vocab_size=64, d_model=32, num_layers=4, num_heads=2, num_kv_heads=1, mlp_hidden=64,
-                                    max_seq_len=16, first_k_dense=1, scan_layers=scan),
+                                    max_seq_len=16, first_k_dense=1, scan_layers=scan, remat=remat),
                   moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32, num_shared_experts=1),
                   farskip=FARSKIP,
                   train=TrainConfig(mode="distill", steps=10, batch_size=2, seq_len=16, lr=3e-3, warmup_steps=0),
@@ -113,17 +113,25 @@ def test_local_term_value_matches_numpy_and_ignores_masked_tokens():
     np.testing.assert_allclose(float(local_reconstruction(tr, outs2, b["loss_mask"])), np.mean(terms), rtol=1e-5)
 
 
-def test_scanned_student_matches_unrolled():
+def test_scanned_and_rematerialised_students_match_unrolled():
     b = batch_of()
     unrolled = Transformer(cfg_of(), rngs=nnx.Rngs(0))
-    scanned = Transformer(cfg_of(scan=True), rngs=nnx.Rngs(0))
     tr = trace_arrays(unrolled(b["tokens"], b["positions"], b["segment_ids"], farskip=STANDARD,
                                return_trace=True).trace, jnp.float32)
     u = unrolled.teacher_forced(tr, b["positions"], b["segment_ids"], farskip=FARSKIP)
-    s = scanned.teacher_forced(tr, b["positions"], b["segment_ids"], farskip=FARSKIP)
-    for x, y in zip(u, s):
-        np.testing.assert_allclose(x.attn, y.attn, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(x.shared, y.shared, rtol=1e-5, atol=1e-6)
+    for cfg in (cfg_of(scan=True), cfg_of(remat="full")):
+        other = Transformer(cfg, rngs=nnx.Rngs(0))
+        o = other.teacher_forced(tr, b["positions"], b["segment_ids"], farskip=FARSKIP)
+        for x, y in zip(u, o):
+            np.testing.assert_allclose(x.attn, y.attn, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(x.shared, y.shared, rtol=1e-5, atol=1e-6)
+        # gradients through the rematerialised / scanned layers equal the plain ones
+        g = lambda m: nnx.grad(lambda mm: local_reconstruction(  # noqa: E731
+            tr, mm.teacher_forced(tr, b["positions"], b["segment_ids"], farskip=FARSKIP), b["loss_mask"]))(m)
+        gu, go = g(unrolled), g(other)
+        nu = sum(float(jnp.sum(jnp.square(x))) for x in jax.tree.leaves(gu))
+        no = sum(float(jnp.sum(jnp.square(x))) for x in jax.tree.leaves(go))
+        np.testing.assert_allclose(no, nu, rtol=1e-4)
 
 
 def test_distill_step_with_local_term_trains_the_student_only_and_lowers_it():

@@ -158,7 +158,8 @@ class Transformer(nnx.Module):
         of layers < i make; its MoE/MLP reads that input of those streams and the trace's attention
         output of layer i (`full` = R_{i-1} + a_i of the trace, `outdated` = R_{i-1}). The layers do not
         feed each other, so each one's error is its own. Returns per layer its BlockOutput (attn, shared,
-        routed of this model). Unrolled over `blocks()` (scan_layers: per-layer views), no remat."""
+        routed of this model). Unrolled over `blocks()` (scan_layers: per-layer views); each layer under
+        the model's remat policy (`model.remat`)."""
         if self.cfg.moe.num_groups > 1:
             raise ConfigError("teacher-forced layers (distill.local_weight) are not implemented for Federation of "
                               "Experts (moe.num_groups > 1); set distill.local_weight: 0 or moe.num_groups: 1")
@@ -167,14 +168,18 @@ class Transformer(nnx.Module):
         n = len(blocks)
         if len(trace) != n:
             raise ValueError(f"teacher_forced: the trace has {len(trace)} layers, the model {n}")
+        def run(b, x_attn, x_moe, p, s):
+            return b.ffn(x_moe).replace(attn=b.attention(x_attn, p, s))
+
+        if self.cfg.model.remat != "none":  # the model's remat policy, per layer
+            run = nnx.remat(run, policy=REMAT_POLICIES[self.cfg.model.remat])
         streams = Streams.init(trace[0]["attn_in"], fs.skip_distance)
         outs = []
         for i, (block, t) in enumerate(zip(blocks, trace)):
             attn_kind, moe_kind = fs.layer_inputs(i, n)
             with jax.named_scope(f"forced_layer_{i}"):
-                a = block.attention(streams.attn_input(attn_kind), positions, segment_ids)
-                out = block.ffn(streams.moe_input(moe_kind, t["attn"]))
-            outs.append(out.replace(attn=a))
+                outs.append(run(block, streams.attn_input(attn_kind), streams.moe_input(moe_kind, t["attn"]),
+                                positions, segment_ids))
             streams = streams.update(t["attn"], t["shared"], t["routed"])
         return outs
 
