@@ -58,8 +58,8 @@ def main(argv=None) -> int:
         if old.get("slice") == slice_key:  # points of another report slice are measured again
             points = {int(p["step"]): p for p in old["points"]}
     cfg0, _, _ = load_run(a.teacher, "latest")
-    ck = Checkpointer(os.path.join(os.path.abspath(a.teacher), "checkpoints"), keep=10 ** 6)
-    steps = [int(s) for s in a.steps.split(",") if s] or sorted(ck.all_steps())
+    ck = Checkpointer(os.path.abspath(a.teacher), keep=10 ** 6)
+    steps = [int(s) for s in a.steps.split(",") if s] or sorted(ck.complete_steps())
     ck.close()
     allb = val_batches(cfg0, max(starts) + a.eval_batches, batch_size=a.batch_size)
     report = [b for s in starts for b in allb[s:s + a.eval_batches]]

@@ -1,5 +1,6 @@
-"""Helpers shared by the FCSD loop tests (test_distill_e2e, test_fcsd_methods, test_layers_auto):
-a teacher run folder written without training, and a log stream that sends SIGTERM at a step."""
+"""Helpers shared by the FCSD tests (test_distill, test_local_distill, test_distill_e2e,
+test_fcsd_methods, test_layers_auto): a tiny batch, a teacher run folder written without training,
+and a log stream that sends SIGTERM at a step."""
 
 import os
 import signal
@@ -45,3 +46,18 @@ class SigtermAt:
 
     def flush(self):
         pass
+
+
+def tiny_batch(seed=0):
+    """A [2, 16] batch of ids < 64 with 4 padding positions at the end of row 1 (loss_mask 0)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    tok = rng.integers(0, 64, size=(2, 17)).astype(np.int32)
+    mask = np.ones((2, 16), np.float32)
+    mask[1, 12:] = 0.0  # padding at the end of row 1
+    seg = mask.astype(np.int32)
+    pos = np.broadcast_to(np.arange(16, dtype=np.int32), (2, 16))
+    return dict(tokens=jnp.asarray(tok[:, :-1]), targets=jnp.asarray(tok[:, 1:]), positions=jnp.asarray(pos),
+                segment_ids=jnp.asarray(seg), loss_mask=jnp.asarray(mask))

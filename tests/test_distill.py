@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from run_helpers import tiny_batch
+
 from farskip_jax.config import Config, DistillConfig, FarSkipConfig, ModelConfig, MoEConfig, TrainConfig
 from farskip_jax.eval.divergence import forward_kl, reverse_kl, token_divergence, topk_forward_kl
 from farskip_jax.eval.metrics import cast_state
@@ -51,17 +53,6 @@ def tiny_cfg(**distill):
                   farskip=FarSkipConfig(preset="farskip"),
                   train=TrainConfig(mode="distill", steps=10, batch_size=2, seq_len=16, lr=1e-2, warmup_steps=0),
                   distill=DistillConfig(teacher_dtype="float32", **distill))
-
-
-def tiny_batch(seed=0):
-    rng = np.random.default_rng(seed)
-    tok = rng.integers(0, 64, size=(2, 17)).astype(np.int32)
-    mask = np.ones((2, 16), np.float32)
-    mask[1, 12:] = 0.0  # padding at the end of row 1
-    seg = mask.astype(np.int32)
-    pos = np.broadcast_to(np.arange(16, dtype=np.int32), (2, 16))
-    return dict(tokens=jnp.asarray(tok[:, :-1]), targets=jnp.asarray(tok[:, 1:]), positions=jnp.asarray(pos),
-                segment_ids=jnp.asarray(seg), loss_mask=jnp.asarray(mask))
 
 
 def test_gradients_flow_only_into_the_student():

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from run_helpers import tiny_batch
+
 from farskip_jax.config import Config, DistillConfig, FarSkipConfig, ModelConfig, MoEConfig, TrainConfig
 from farskip_jax.errors import ConfigError
 from farskip_jax.eval.metrics import STANDARD, cast_state
@@ -34,16 +36,6 @@ def cfg_of(scan=False, remat="none", **distill):
                   distill=DistillConfig(teacher_dtype="float32", **distill))
 
 
-def batch_of(seed=0):
-    rng = np.random.default_rng(seed)
-    tok = rng.integers(0, 64, size=(2, 17)).astype(np.int32)
-    mask = np.ones((2, 16), np.float32)
-    mask[1, 12:] = 0.0
-    pos = np.broadcast_to(np.arange(16, dtype=np.int32), (2, 16))
-    return dict(tokens=jnp.asarray(tok[:, :-1]), targets=jnp.asarray(tok[:, 1:]), positions=jnp.asarray(pos),
-                segment_ids=jnp.asarray(mask.astype(np.int32)), loss_mask=jnp.asarray(mask))
-
-
 def perturbed(model, scale=0.05, seed=1):
     """The same model with every parameter moved a little (a 'student' that differs from the teacher)."""
     gd, params, rest = nnx.split(model, nnx.Param, ...)
@@ -56,7 +48,7 @@ def test_teacher_forced_inputs_match_the_algebra():
     cfg = cfg_of()
     teacher = Transformer(cfg, rngs=nnx.Rngs(0))
     student = perturbed(teacher)
-    b = batch_of()
+    b = tiny_batch()
     tr = teacher(b["tokens"], b["positions"], b["segment_ids"], farskip=STANDARD, return_trace=True).trace
     outs = student.teacher_forced(trace_arrays(tr, jnp.float32), b["positions"], b["segment_ids"], farskip=FARSKIP)
     emb = tr[0]["attn_in"]
@@ -78,7 +70,7 @@ def test_teacher_forced_inputs_match_the_algebra():
 def test_standard_teacher_forcing_reproduces_the_teacher_and_the_term_is_zero():
     cfg = cfg_of()
     model = Transformer(cfg, rngs=nnx.Rngs(0))
-    b = batch_of()
+    b = tiny_batch()
     tr = trace_arrays(model(b["tokens"], b["positions"], b["segment_ids"], farskip=STANDARD, return_trace=True).trace,
                       jnp.float32)
     same = model.teacher_forced(tr, b["positions"], b["segment_ids"], farskip=STANDARD)
@@ -93,7 +85,7 @@ def test_local_term_value_matches_numpy_and_ignores_masked_tokens():
     cfg = cfg_of()
     teacher = Transformer(cfg, rngs=nnx.Rngs(0))
     student = perturbed(teacher)
-    b = batch_of()
+    b = tiny_batch()
     tr = trace_arrays(teacher(b["tokens"], b["positions"], b["segment_ids"], farskip=STANDARD, return_trace=True).trace,
                       jnp.float32)
     outs = student.teacher_forced(tr, b["positions"], b["segment_ids"], farskip=FARSKIP)
@@ -114,7 +106,7 @@ def test_local_term_value_matches_numpy_and_ignores_masked_tokens():
 
 
 def test_scanned_and_rematerialised_students_match_unrolled():
-    b = batch_of()
+    b = tiny_batch()
     unrolled = Transformer(cfg_of(), rngs=nnx.Rngs(0))
     tr = trace_arrays(unrolled(b["tokens"], b["positions"], b["segment_ids"], farskip=STANDARD,
                                return_trace=True).trace, jnp.float32)
@@ -140,7 +132,7 @@ def test_distill_step_with_local_term_trains_the_student_only_and_lowers_it():
     tx, schedule = make_optimizer(cfg.train)
     graphdef, state = init_state(model, tx, 0)
     teacher = cast_state(state, jnp.float32)
-    b = batch_of()
+    b = tiny_batch()
     loss_fn = make_distill_loss_fn(graphdef, cfg)
     g_s, g_t = jax.grad(lambda p, tp: loss_fn(p, state["bias"], state["rest"], dict(teacher, params=tp), b)[0],
                         argnums=(0, 1))(state["params"], teacher["params"])
