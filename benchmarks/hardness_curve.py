@@ -43,7 +43,7 @@ def parse(argv):
 def main(argv=None) -> int:
     a = parse(argv)
     from farskip_jax.config import FarSkipConfig
-    from farskip_jax.eval.loading import load_run
+    from farskip_jax.eval.loading import load_run, read_run_config
     from farskip_jax.eval.metrics import evaluate_pair, make_compare_fn, val_batches
     from farskip_jax.train.checkpoint import Checkpointer
 
@@ -57,7 +57,9 @@ def main(argv=None) -> int:
             old = json.load(f)
         if old.get("slice") == slice_key:  # points of another report slice are measured again
             points = {int(p["step"]): p for p in old["points"]}
-    cfg0, _, _ = load_run(a.teacher, "latest")
+    cfg0 = read_run_config(a.teacher)
+    if not os.path.isdir(os.path.join(a.teacher, "checkpoints")):
+        raise SystemExit(f"--teacher {a.teacher}: no checkpoints/ folder (give a pretraining run folder)")
     ck = Checkpointer(os.path.abspath(a.teacher), keep=10 ** 6)
     steps = [int(s) for s in a.steps.split(",") if s] or sorted(ck.complete_steps())
     ck.close()
@@ -69,7 +71,7 @@ def main(argv=None) -> int:
         if step in points:
             continue
         t0 = time.time()
-        cfg, gd, st = load_run(a.teacher, step)
+        _, gd, st = load_run(a.teacher, step)
         row = dict(step=step, tokens=step * tps)
         for preset in PRESETS:
             fs = dataclasses.replace(FarSkipConfig(), preset=preset, layers="all")

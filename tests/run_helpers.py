@@ -1,6 +1,6 @@
 """Helpers shared by the FCSD tests (test_distill, test_local_distill, test_distill_e2e,
-test_fcsd_methods, test_layers_auto): a tiny batch, a teacher run folder written without training,
-and a log stream that sends SIGTERM at a step."""
+test_fcsd_methods, test_layers_auto): a tiny batch, a student state with its fp32 teacher copy, a
+teacher run folder written without training, and a log stream that sends SIGTERM at a step."""
 
 import os
 import signal
@@ -61,3 +61,19 @@ def tiny_batch(seed=0):
     pos = np.broadcast_to(np.arange(16, dtype=np.int32), (2, 16))
     return dict(tokens=jnp.asarray(tok[:, :-1]), targets=jnp.asarray(tok[:, 1:]), positions=jnp.asarray(pos),
                 segment_ids=jnp.asarray(seg), loss_mask=jnp.asarray(mask))
+
+
+def student_and_teacher(cfg):
+    """(graphdef, student train state, fp32 teacher copy of the same weights, tx, schedule) of a fresh
+    Transformer(cfg) (seed 0) and the optimizer of cfg.train."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from farskip_jax.eval.metrics import cast_state
+    from farskip_jax.model.transformer import Transformer
+    from farskip_jax.train.optimizer import make_optimizer
+    from farskip_jax.train.step import init_state
+
+    tx, schedule = make_optimizer(cfg.train)
+    graphdef, state = init_state(Transformer(cfg, rngs=nnx.Rngs(0)), tx, 0)
+    return graphdef, state, cast_state(state, jnp.float32), tx, schedule

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from run_helpers import tiny_batch
+from run_helpers import student_and_teacher, tiny_batch
 
 from farskip_jax.config import Config, DistillConfig, FarSkipConfig, ModelConfig, MoEConfig, TrainConfig
 from farskip_jax.eval.divergence import forward_kl, reverse_kl, token_divergence, topk_forward_kl
@@ -57,10 +57,7 @@ def tiny_cfg(**distill):
 
 def test_gradients_flow_only_into_the_student():
     cfg = tiny_cfg(hidden_weight=0.5, ce_weight=0.1)
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
-    tx, _ = make_optimizer(cfg.train)
-    graphdef, state = init_state(model, tx, 0)
-    teacher = cast_state(state, jnp.float32)
+    graphdef, state, teacher, _, _ = student_and_teacher(cfg)
     loss_fn = make_distill_loss_fn(graphdef, cfg)
     batch = tiny_batch()
     g_s, g_t = jax.grad(lambda p, tp: loss_fn(p, state["bias"], state["rest"], dict(teacher, params=tp), batch)[0],
@@ -105,10 +102,7 @@ def test_distill_step_under_remat_equals_no_remat(remat):
     out = {}
     for r in ("none", remat):
         cfg = replace(tiny_cfg(), **{"model.remat": r})
-        model = Transformer(cfg, rngs=nnx.Rngs(0))
-        tx, schedule = make_optimizer(cfg.train)
-        graphdef, state = init_state(model, tx, 0)
-        teacher = cast_state(state, jnp.float32)
+        graphdef, state, teacher, tx, schedule = student_and_teacher(cfg)
         step = jax.jit(make_distill_step(graphdef, cfg, tx, schedule), donate_argnums=0)
         state, m = step(state, teacher, tiny_batch())
         out[r] = (float(m["loss"]), jax.tree.leaves(jax.tree.map(np.asarray, state["params"])))

@@ -13,16 +13,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from run_helpers import tiny_batch
+from run_helpers import student_and_teacher, tiny_batch
 
 from farskip_jax.config import Config, DistillConfig, FarSkipConfig, ModelConfig, MoEConfig, TrainConfig
 from farskip_jax.errors import ConfigError
-from farskip_jax.eval.metrics import STANDARD, cast_state
+from farskip_jax.eval.metrics import STANDARD
 from farskip_jax.model.transformer import Transformer
 from farskip_jax.train.distill import make_distill_loss_fn, make_distill_step
 from farskip_jax.train.local_distill import local_reconstruction, trace_arrays
-from farskip_jax.train.optimizer import make_optimizer
-from farskip_jax.train.step import init_state
 
 FARSKIP = FarSkipConfig(preset="farskip")
 
@@ -128,10 +126,7 @@ def test_scanned_and_rematerialised_students_match_unrolled():
 
 def test_distill_step_with_local_term_trains_the_student_only_and_lowers_it():
     cfg = cfg_of(local_weight=1.0, kl_weight=0.0)
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
-    tx, schedule = make_optimizer(cfg.train)
-    graphdef, state = init_state(model, tx, 0)
-    teacher = cast_state(state, jnp.float32)
+    graphdef, state, teacher, tx, schedule = student_and_teacher(cfg)
     b = tiny_batch()
     loss_fn = make_distill_loss_fn(graphdef, cfg)
     g_s, g_t = jax.grad(lambda p, tp: loss_fn(p, state["bias"], state["rest"], dict(teacher, params=tp), b)[0],

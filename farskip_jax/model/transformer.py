@@ -168,6 +168,7 @@ class Transformer(nnx.Module):
         n = len(blocks)
         if len(trace) != n:
             raise ValueError(f"teacher_forced: the trace has {len(trace)} layers, the model {n}")
+
         def run(b, x_attn, x_moe, p, s):
             return b.ffn(x_moe).replace(attn=b.attention(x_attn, p, s))
 

@@ -93,12 +93,8 @@ def make_distill_loss_fn(graphdef, cfg: Config) -> Callable:
 
     def loss_fn(params, bias, rest, teacher, batch, mix=None):
         with jax.named_scope("teacher"):
-            if want_local:  # per-layer sub-block outputs for the teacher-forced student layers
-                t_out = nnx.merge(graphdef, teacher["params"], teacher["bias"], teacher["rest"])(
-                    batch["tokens"], batch["positions"], batch["segment_ids"], farskip=STANDARD,
-                    return_hidden=want_hidden, return_trace=True)
-            else:
-                t_out = forward(graphdef, teacher, batch, STANDARD, return_hidden=want_hidden)
+            # return_trace: per-layer sub-block outputs for the teacher-forced student layers
+            t_out = forward(graphdef, teacher, batch, STANDARD, return_hidden=want_hidden, return_trace=want_local)
         t_logits = jax.lax.stop_gradient(t_out.logits)
         with jax.named_scope("student"):
             student = nnx.merge(graphdef, params, bias, rest)
@@ -142,7 +138,8 @@ def make_distill_step(graphdef, cfg: Config, tx: optax.GradientTransformation, s
         params, bias, rest = state["params"], state["bias"], state["rest"]
         (loss, aux), grads = accumulate_grads(lambda mb: grad_fn(params, bias, rest, teacher, mb, mix), batch, accum)
         new_state, upd = update_state(graphdef, cfg, tx, state, loss, grads, aux["load"])
-        metrics = dict(loss=loss, kl=aux["kl"], ce=aux["ce"], hidden=aux["hidden"], local=aux["local"], aux_loss=aux["aux_loss"],
+        metrics = dict(loss=loss, kl=aux["kl"], ce=aux["ce"], hidden=aux["hidden"], local=aux["local"],
+                       aux_loss=aux["aux_loss"],
                        lr=schedule(state["step"]), tokens=aux["tokens"], **upd,
                        **load_stats(aux["load"] if aux["load"].shape[0] > 0 else None))
         return new_state, metrics
