@@ -86,6 +86,10 @@ class ModelConfig:
     # on a leading "layers" axis; model/stacking.py): compile time and program size stop growing
     # with depth. A runtime key: checkpoints and HF folders convert at load (docs/scan.md)
     scan_layers: bool = False
+    # two-batch overlap (TBO) when 2: each layer runs the batch as this many interleaved micro-batches
+    # whose sub-blocks do not depend on each other, so one's compute can run under another's
+    # collectives (model/layer_loop.py); the same values (dropless MoE), a runtime key
+    micro_batches: int = 1
     # attention core: naive = one [t, s] score matrix; blockwise = flash-style online softmax over
     # `attention_block`-token query/key blocks with the blocks above the causal diagonal skipped;
     # causal_blocks = each query block against its key prefix (exact softmax, plain autodiff);
@@ -132,6 +136,7 @@ class ModelConfig:
         _check(not bad, f"model.nope_layers/chunked_layers have layer indices outside [0, {self.num_layers}): {bad}")
         _check(self.attention_chunk_size is None or self.attention_chunk_size >= 1, "model.attention_chunk_size must be >= 1")
         _check(self.attention_block >= 1, f"model.attention_block must be >= 1, got {self.attention_block}")
+        _check(self.micro_batches >= 1, f"model.micro_batches must be >= 1 (2 = two-batch overlap), got {self.micro_batches}")
         if self.attention == "mla":
             _check(self.qk_rope_head_dim % 2 == 0, f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even")
             _check(self.kv_lora_rank >= 1 and (self.q_lora_rank is None or self.q_lora_rank >= 1),
@@ -604,6 +609,10 @@ class Config:
             bad = [i for i in conv if not 0 <= i < m.num_layers]
             _check(not bad, f"farskip.layers lists layers outside [0, {m.num_layers}): {sorted(bad)}")
         _check(self.train.seq_len <= m.max_seq_len, f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+        rows = self.train.batch_size // self.train.grad_accum
+        _check(rows % m.micro_batches == 0,
+               f"model.micro_batches={m.micro_batches} (two-batch overlap) splits each step's batch of {rows} rows "
+               f"(train.batch_size / train.grad_accum) into equal micro-batches; make it a multiple of {m.micro_batches}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -805,7 +814,7 @@ def replace(cfg: Any, **changes: Any) -> Any:
 
 # Which keys of a checkpoint's config are the checkpoint's (the model/moe shape) and which stay the
 # user's when weights are loaded from an HF folder or another run (train.init_from_hf, distill.init_from_run).
-RUNTIME_MODEL_KEYS = ("compute_dtype", "remat", "max_seq_len", "scan_layers")
+RUNTIME_MODEL_KEYS = ("compute_dtype", "remat", "max_seq_len", "scan_layers", "micro_batches")
 RUNTIME_MOE_KEYS = ("dispatch", "gpus_per_node", "gmm", "gmm_tile", "capacity_factor", "aux_loss_weight", "z_loss_weight",
                     "bias_update_rate", "num_groups")  # FoE keeps the parameter layout: the user's H
 

@@ -1,4 +1,4 @@
-"""Scanned KV-cache decoding under model.scan_layers (eval/decode_scan.py).
+"""Scanned KV-cache decoding under model.scan_layers (eval/generate.py, the layer loop's indexed scans).
 
 Oracles: the unrolled decode of the same weights in per-layer form (scan_layers=false, eval/generate.py)
 and the one-device full forward of each row's own tokens (tests/test_generate_mesh.py row_oracle).
@@ -138,7 +138,7 @@ def stacked_weight_use(model, fs, scan: bool, layout=None) -> tuple[int, int, in
     in the decode step's jaxpr."""
     state = nnx.state(model)
     fn = make_decode_fn(nnx.split(model)[0], fs, layout, scan=scan, jit=False)
-    cache = init_cache(model, 3, 8, layout, scan=scan)
+    cache = init_cache(model, 3, 8, layout)
     jx = jax.make_jaxpr(fn)(state, jnp.zeros((3, 1), jnp.int32), jnp.int32(5), cache, jnp.zeros((3,), jnp.int32))
     leaves = jax.tree_util.tree_leaves_with_path(state)
     assert len(leaves) <= len(jx.jaxpr.invars)
@@ -179,7 +179,7 @@ def test_scanned_decode_step_has_no_per_layer_weight_slices():
     assert n_u == n and sliced_u >= 3 * n and looped_u == 0  # the check can fail
 
     args = lambda sc: (nnx.state(scan), jnp.zeros((3, 1), jnp.int32), jnp.int32(5),  # noqa: E731
-                       init_cache(scan, 3, 8, scan=sc), jnp.zeros((3,), jnp.int32))
+                       init_cache(scan, 3, 8), jnp.zeros((3,), jnp.int32))
     text = decode_fn(scan, fs).lower(*args(True)).compile().as_text()
     assert " while(" in text[text.index("\nENTRY"):]
     assert entry_users_of_stacked_params(text, 3) <= {"tuple", "while"}, entry_users_of_stacked_params(text, 3)

@@ -22,7 +22,8 @@ from flax import nnx
 from farskip_jax.config import FarSkipConfig, load_config, replace
 from farskip_jax.errors import ConfigError
 from farskip_jax.model import Transformer
-from farskip_jax.model.foe import foe_forward, group_route
+from farskip_jax.model.foe import FoEStep
+from farskip_jax.model.layer_loop import run_layers
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -38,6 +39,14 @@ def _tokens(cfg, b=2, s=12, seed=1):
     return jax.random.randint(jax.random.key(seed), (b, s), 0, cfg.model.vocab_size)
 
 
+def foe_forward(model, tokens, fs: FarSkipConfig, num_groups: int):
+    """The FoE layer step (model/foe.FoEStep) with an explicit group count through the layer loop."""
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    step = FoEStep(model, positions, None, fs, num_groups=num_groups)
+    res = run_layers(model, step.init(model.embed(tokens), fs), step, fs, scan=False)
+    return model.output(res.carry.full, res.outs, None, None)
+
+
 # --------------------------------------------------------------------------------------------------
 # H = 1 is the ordinary model; parameters do not depend on H
 # --------------------------------------------------------------------------------------------------
@@ -50,7 +59,7 @@ def test_one_group_equals_ordinary(preset):
     tokens = _tokens(cfg)
     fs = FarSkipConfig(preset=preset)
     ref = model(tokens, farskip=fs)
-    out = foe_forward(model, tokens, farskip=fs, num_groups=1)
+    out = foe_forward(model, tokens, fs, num_groups=1)
     np.testing.assert_allclose(out.logits, ref.logits, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(out.load, ref.load)  # identical expert choices
     np.testing.assert_allclose(out.aux_loss, ref.aux_loss, rtol=1e-6)
@@ -80,7 +89,7 @@ def test_routing_within_group(groups, bias):
     if bias:  # every token would prefer group 0's experts if selection crossed groups
         router.bias[...] = jnp.where(jnp.arange(e) < e // groups, 10.0, 0.0)
     x = jax.random.normal(jax.random.key(3), (3, 10, cfg.model.d_model))
-    r = group_route(router, x, groups)
+    r = router(x, groups)
     idx = np.asarray(r.indices)
     slot_group = np.arange(k) // (k // groups)
     np.testing.assert_array_equal(idx // (e // groups), np.broadcast_to(slot_group, idx.shape))

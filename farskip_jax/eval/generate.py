@@ -6,15 +6,18 @@ keys/values). So a decode step runs the SAME stream logic (model/connectivity.py
 new tokens only, with attention reading the cached keys/values of all earlier tokens. The cache
 holds, per layer, k [batch, max_len, kv_heads, head_dim] and v [batch, max_len, kv_heads, v_dim]
 (MLA: the decompressed per-head keys/values, not the latent; simple and exact, not memory-lean).
-A decode step is the model's own forward with each layer's attention swapped for a cached one
-(Transformer's `attention_fns`), so the streams are never written twice. Federation of Experts
-(moe.num_groups > 1) goes through model/foe.py's forward, each group's heads reading the cache rows
-of its own representation.
+A decode step is the model's own forward (the one layer loop, model/layer_loop.py) with each layer's
+attention swapped for a cached one (the `attention` hook) and the cache as the loop's per-layer
+side state, so the streams are never written twice. Federation of Experts (moe.num_groups > 1) runs
+its FoE step the same way, each group's heads reading the cache rows of its own representation.
 
-Stacked layers (`model.scan_layers`, docs/scan.md): the decode step is a scan per stack (and run of
-equal connectivity) over the whole stacked weights, the cache stacked on the same layer axis and
-carried (eval/decode_scan.py); no layer's weights are sliced out of a stack outside the loop. The
-unrolled loop over per-layer views stays for FoE and as `scan=False` (the former program).
+Stacked layers (`model.scan_layers`, docs/scan.md): the cache is stacked like the weights (per stack,
+per block q, [repeats, ...]) and the decode step is a scan per stack and run of equal connectivity
+over layer INDICES: each iteration indexes its layer's weights and cache row inside the loop, the
+stacked cache is carried and written in place (XLA:GPU still copies a row into a buffer of its own
+where a cuBLAS GEMM reads it: docs/inference.md), and no layer's weights are sliced out of a stack
+outside the loop. `scan=False` runs the same stacked model unrolled over per-layer views (a static
+slice, i.e. a copy, of every layer's weights per call: the comparison program); FoE always does.
 
     out = generate(model, prompt_bp, max_new_tokens=32)                   # greedy, cfg.farskip
     out = generate(model, prompt_bp, 32, farskip=FarSkipConfig(), temperature=0.8, top_p=0.9, seed=1)
@@ -37,7 +40,6 @@ together can drop differently than in a full-sequence forward.
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 from typing import Optional
 
 import jax
@@ -47,9 +49,8 @@ from flax import nnx
 
 from farskip_jax.config import FarSkipConfig
 from farskip_jax.errors import ConfigError
-from farskip_jax.eval.decode_scan import init_stacked_cache, scanned_decode, scanned_decode_step
 from farskip_jax.model.attention import attention_core, attention_mask
-from farskip_jax.model.foe import group_project_out, group_qkv
+from farskip_jax.model.stacking import plan_segments
 
 FAR = np.iinfo(np.int32).max  # position given to empty cache slots: never <= a query position
 
@@ -82,36 +83,56 @@ def pad_prompts(prompts, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return out, np.asarray([p - len(q) for q in seqs], np.int32)
 
 
-def init_cache(model, batch: int, max_len: int, layout=None, scan: Optional[bool] = None) -> tuple:
-    """Zero KV cache: per layer (k [b, max_len, kv, d], v [b, max_len, kv, dv]) in the compute dtype.
-    Federation of Experts (moe.num_groups = H > 1): k, v [H*b, max_len, kv/H, d] (group h's heads of
-    sequence j at row h*b + j, as model/foe.py folds groups into the batch). On a `layout`
+def _entry_shapes(model, batch: int, max_len: int) -> list:
+    """Per layer: (k, v) ShapeDtypeStructs of its cache entry [rows, max_len, heads, dim] on one device
+    (FoE: rows = H*b, group h's heads of sequence j at row h*b + j)."""
+    d, hg = model.cfg.model.d_model, model.cfg.moe.num_groups
+    x = jax.ShapeDtypeStruct((batch, 1, d) if hg == 1 else (hg, batch, 1, d), jnp.float32)
+    pos = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
+    out = []
+    for blk in model.blocks():
+        _, k, v = jax.eval_shape(lambda x, p, a=blk.attn: a.qkv(x, p) if hg == 1 else a.qkv(x, p, hg), x, pos)
+        out.append(tuple(jax.ShapeDtypeStruct((a.shape[0], max_len) + a.shape[2:], a.dtype) for a in (k, v)))
+    return out
+
+
+def stacked_cache_shapes(cfg, entry_shapes) -> tuple:
+    """Per stack, per block q: (k shape, v shape) with the leading repeats axis; entry_shapes(layer)
+    -> (k shape, v shape) of one layer's entry."""
+    return tuple(tuple(tuple((seg.repeats,) + tuple(s) for s in entry_shapes(seg.layer(q, 0)))
+                       for q in range(seg.period)) for seg in plan_segments(cfg))
+
+
+def init_cache(model, batch: int, max_len: int, layout=None) -> tuple:
+    """Zero KV cache in the dtype the attention produces. Unstacked model: per layer (k [b, max_len, kv, d],
+    v [b, max_len, kv, dv]). Stacked layers (model.scan_layers): per stack, per block q, (k, v)
+    [repeats, b, max_len, heads, dim]. Federation of Experts: rows H*b, heads kv/H. On a `layout`
     (parallel/inference.TpEpLayout): heads split over `tensor` (replicated kv heads: one per rank),
-    rows over `data`, created in place on the mesh. Stacked layers (model.scan_layers, no FoE): the
-    stacked cache of eval/decode_scan.py, per stack per block (k, v) [repeats, b, max_len, heads, dim]
-    (scan=False: the per-layer cache of the unrolled loop anyway; None: scanned_decode(model))."""
-    if scanned_decode(model) if scan is None else scan:
-        return init_stacked_cache(model, batch, max_len, layout)
-    d = model.cfg.model.d_model
-    hg = model.cfg.moe.num_groups
-    cache = []
-    for block in model.blocks():
-        if hg > 1:
-            qkv = partial(group_qkv, block.attn, num_groups=hg)
-            x = jax.ShapeDtypeStruct((hg, batch, 1, d), jnp.float32)
-        else:
-            qkv, x = block.attn.qkv, jax.ShapeDtypeStruct((batch, 1, d), jnp.float32)
-        q, k, v = jax.eval_shape(qkv, x, jax.ShapeDtypeStruct((batch, 1), jnp.int32))
-        rows = k.shape[0]
-        ks, vs = (rows, max_len) + k.shape[2:], (rows, max_len) + v.shape[2:]
+    rows over `data`, created in place on the mesh. model.micro_batches m > 1 (two-batch overlap): a
+    tuple of m such caches of batch / m rows each (micro-batch j = rows j, j + m, ...)."""
+    m = model.cfg.model.micro_batches
+    if m > 1:
+        if batch % m:
+            raise ConfigError(f"model.micro_batches={m} needs a batch that is a multiple of {m}, got {batch} rows")
+        return tuple(_init_cache(model, batch // m, max_len, layout) for _ in range(m))
+    return _init_cache(model, batch, max_len, layout)
+
+
+def _init_cache(model, batch: int, max_len: int, layout=None) -> tuple:
+    entries = _entry_shapes(model, batch, max_len)
+
+    def zeros(a, stacked: bool, repeats: int = 1):
+        shape = ((repeats,) if stacked else ()) + a.shape
         if layout is None:
-            cache.append((jnp.zeros(ks, k.dtype), jnp.zeros(vs, v.dtype)))
-            continue
-        ks = ks[:2] + (layout.cache_heads(model.cfg.model, ks[2]),) + ks[3:]
-        vs = vs[:2] + (layout.cache_heads(model.cfg.model, vs[2]),) + vs[3:]
-        sh = layout.cache_sharding()
-        cache.append((jnp.zeros(ks, k.dtype, device=sh), jnp.zeros(vs, v.dtype, device=sh)))
-    return tuple(cache)
+            return jnp.zeros(shape, a.dtype)
+        head = 3 if stacked else 2
+        shape = shape[:head] + (layout.cache_heads(model.cfg.model, shape[head]),) + shape[head + 1:]
+        return jnp.zeros(shape, a.dtype, device=layout.stacked_cache_sharding() if stacked else layout.cache_sharding())
+
+    if not model.scanned:
+        return tuple(tuple(zeros(a, False) for a in e) for e in entries)
+    return tuple(tuple(tuple(zeros(a, True, seg.repeats) for a in entries[seg.layer(q, 0)])
+                       for q in range(seg.period)) for seg in plan_segments(model.cfg))
 
 
 def _cache_mask(model, layer: int, positions: jax.Array, k_pos: jax.Array) -> jax.Array:
@@ -119,12 +140,6 @@ def _cache_mask(model, layer: int, positions: jax.Array, k_pos: jax.Array) -> ja
     m = model.cfg.model
     chunked = m.attention_chunk_size and (m.chunked_layers is None or layer in m.chunked_layers)
     return attention_mask(positions, k_pos, None, None, chunk_size=m.attention_chunk_size if chunked else None)
-
-
-def _write_cache(entry: tuple, k: jax.Array, v: jax.Array, start: jax.Array) -> tuple:
-    kc = jax.lax.dynamic_update_slice(entry[0], k.astype(entry[0].dtype), (0, start, 0, 0))
-    vc = jax.lax.dynamic_update_slice(entry[1], v.astype(entry[1].dtype), (0, start, 0, 0))
-    return kc, vc
 
 
 def slot_positions(start: jax.Array, t: int, max_len: int, pad: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -137,6 +152,42 @@ def slot_positions(start: jax.Array, t: int, max_len: int, pad: jax.Array) -> tu
     return positions, jnp.where(valid, slots - pad[:, None], FAR)
 
 
+def cached_attention_hook(model, positions: jax.Array, k_pos: jax.Array, start: jax.Array, layout=None):
+    """The layer loop's attention hook for KV-cache decoding: hook(block, site, entry) -> (fn, get_entry).
+    fn(normalised x [b, t, d]; FoE [H, b, t, d]) writes the new keys/values into the layer's cache
+    entry at slots [start, start + t) (row site.row of a stacked entry, in place) and attends over
+    every slot of it; get_entry() returns the updated entry."""
+    hg = model.cfg.moe.num_groups
+
+    def hook(block, site, entry):
+        attn, row, sink = block.attn, site.row, {}
+        pos = site.rows(positions)  # this micro-batch's rows (model.micro_batches)
+        qp, kp = (pos, site.rows(k_pos)) if hg == 1 else (jnp.tile(pos, (hg, 1)), jnp.tile(site.rows(k_pos), (hg, 1)))
+        mask = _cache_mask(model, block.layer_idx, qp, kp)  # alike layers of a stack share it
+
+        def fn(xn):
+            if layout is not None:
+                o, sink["entry"] = layout.cached_attention(attn, xn, pos, entry, start, mask, layer=row)
+                return o
+            q, k, v = attn.qkv(xn, pos) if hg == 1 else attn.qkv(xn, pos, hg)
+            if row is None:
+                kc = jax.lax.dynamic_update_slice(entry[0], k.astype(entry[0].dtype), (0, start, 0, 0))
+                vc = jax.lax.dynamic_update_slice(entry[1], v.astype(entry[1].dtype), (0, start, 0, 0))
+                kl, vl = kc, vc
+            else:
+                kc = jax.lax.dynamic_update_slice(entry[0], k[None].astype(entry[0].dtype), (row, 0, start, 0, 0))
+                vc = jax.lax.dynamic_update_slice(entry[1], v[None].astype(entry[1].dtype), (row, 0, start, 0, 0))
+                kl = jax.lax.dynamic_index_in_dim(kc, row, 0, keepdims=False)
+                vl = jax.lax.dynamic_index_in_dim(vc, row, 0, keepdims=False)
+            sink["entry"] = (kc, vc)
+            o = attention_core(q, kl, vl, mask, attn.scale)
+            return attn.project_out(o, xn) if hg == 1 else attn.project_out(o, xn, hg)
+
+        return fn, lambda: sink["entry"]
+
+    return hook
+
+
 def decode_step(model, tokens: jax.Array, start: jax.Array, cache: tuple, farskip: FarSkipConfig,
                 pad: Optional[jax.Array] = None, layout=None, scan: Optional[bool] = None):
     """Run tokens [b, t] in cache slots start..start+t-1 against the cache -> (logits [b, t, V] f32, cache).
@@ -145,43 +196,25 @@ def decode_step(model, tokens: jax.Array, start: jax.Array, cache: tuple, farski
     one that writes the new keys/values into cache slots [start, start + t) and reads every slot;
     slots < start must hold earlier tokens. pad [b]: left-pad tokens per row (module doc); layout:
     parallel/inference.TpEpLayout (tensor-parallel cached attention), None = one program as is.
-    Stacked layers (model.scan_layers, no FoE): one scan per stack and run of equal connectivity
-    over the whole stacked weights and the stacked cache (eval/decode_scan.py); else (or scan=False:
-    the former program of a stacked model, for comparison) the unrolled loop over the model's layers."""
+    scan (stacked layers): scans over layer indices (default) or False: unrolled per-layer views."""
     b, t = tokens.shape
-    hg = model.cfg.moe.num_groups
     pad = jnp.zeros((b,), jnp.int32) if pad is None else pad.astype(jnp.int32)
-    if scanned_decode(model) if scan is None else scan:
-        positions, k_pos = slot_positions(start, t, cache[0][0][0].shape[2], pad)
-        return scanned_decode_step(model, tokens, positions, start, cache, farskip,
-                                   lambda layer: _cache_mask(model, layer, positions, k_pos), layout)
-    positions, k_pos = slot_positions(start, t, cache[0][0].shape[1], pad)
-    q_pos, kv_pos = (jnp.tile(positions, (hg, 1)), jnp.tile(k_pos, (hg, 1))) if hg > 1 else (positions, k_pos)
-    blocks = model.blocks()  # the layers (FoE under model.scan_layers: per-layer views of the stacks)
-    new_cache = [None] * len(blocks)
-
-    def cached_attention(i, attn):
-        def fn(xn):  # normalised attention input ([b, t, d], FoE [H, b, t, d]) -> attention output
-            mask = _cache_mask(model, i, q_pos, kv_pos)
-            if layout is not None:
-                o, new_cache[i] = layout.cached_attention(attn, xn, positions, cache[i], start, mask)
-                return o
-            q, k, v = group_qkv(attn, xn, positions, hg) if hg > 1 else attn.qkv(xn, positions)
-            new_cache[i] = kc, vc = _write_cache(cache[i], k, v, start)
-            o = attention_core(q, kc, vc, mask, attn.scale)
-            return group_project_out(attn, o, xn, hg) if hg > 1 else attn.project_out(o, xn)
-        return fn
-
-    out = model(tokens, positions, farskip=farskip,
-                attention_fns=[cached_attention(i, blk.attn) for i, blk in enumerate(blocks)])
-    return out.logits, tuple(new_cache)
+    m = model.cfg.model.micro_batches
+    caches = list(cache) if m > 1 else [cache]  # one per micro-batch
+    max_len = (caches[0][0][0][0] if model.scanned else caches[0][0][0]).shape[-3]
+    positions, k_pos = slot_positions(start, t, max_len, pad)
+    sides = [c if model.scanned else tuple((entry,) for entry in c) for c in caches]
+    out = model(tokens, positions, farskip=farskip, attention=cached_attention_hook(model, positions, k_pos, start, layout),
+                side=sides if m > 1 else sides[0], weights="indexed",
+                scan=model.scanned and scan is not False and model.cfg.moe.num_groups == 1)
+    new = [sd if model.scanned else tuple(g[0] for g in sd) for sd in (out.side if m > 1 else [out.side])]
+    return out.logits, tuple(new) if m > 1 else new[0]
 
 
 def make_decode_fn(graphdef, farskip: FarSkipConfig, layout=None, scan: Optional[bool] = None, jit: bool = True):
     """jitted fn(state, tokens [b, t], start [], cache, pad [b]) -> (logits, cache); state = nnx
     state of the model. With a layout, compiled with its compiler options (layout.compiler_options).
-    scan: as decode_step (None: scanned when the model's layers are stacked); jit=False: the plain
-    function (e.g. for jax.make_jaxpr)."""
+    scan: as decode_step; jit=False: the plain function (e.g. for jax.make_jaxpr)."""
 
     def fn(state, tokens, start, cache, pad):
         return decode_step(nnx.merge(graphdef, state), tokens, start, cache, farskip, pad, layout, scan)

@@ -12,7 +12,7 @@ decode programs as abstract (deviceless-lowerable) jitted functions.
 Both programs are `make_decode_fn` of eval/generate.py (the same step `generate` runs) on the tp_ep
 layout (parallel/inference.py): state, tokens [b, t], start [], cache, pad [b] as ShapeDtypeStructs
 with their shardings, so nothing is materialised and a CPU host can compile them for 8 GPUs. Under
-model.scan_layers the programs are the scanned decode of eval/decode_scan.py (the stacked cache:
+model.scan_layers the programs are the scanned decode of eval/generate.py (the stacked cache:
 per stack, per block, [repeats, b, max_len, heads, dim]).
 """
 
@@ -26,8 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from farskip_jax.config import Config, MeshConfig, ModelConfig
-from farskip_jax.eval.decode_scan import stacked_cache_shapes
-from farskip_jax.eval.generate import decode_step, make_decode_fn
+from farskip_jax.eval.generate import decode_step, make_decode_fn, stacked_cache_shapes
 from farskip_jax.parallel.inference import TpEpLayout, abstract_inference_model, inference_model, layout_for
 from farskip_jax.parallel.mesh import make_mesh
 
@@ -65,7 +64,7 @@ def _program(cfg: Config, mesh: Mesh, batch: int, t: int, max_len: int, last_log
     dt = jnp.dtype(cfg.model.compute_dtype)
     cs = layout.cache_sharding()
     ks, vs = cache_entry_shapes(cfg.model, batch, max_len, layout)
-    if cfg.model.scan_layers:  # the stacked cache of eval/decode_scan.py: per stack, per block, [repeats, ...]
+    if cfg.model.scan_layers:  # the stacked cache of eval/generate.py: per stack, per block, [repeats, ...]
         ss = layout.stacked_cache_sharding()
         cache = tuple(tuple(tuple(jax.ShapeDtypeStruct(x, dt, sharding=ss) for x in kv) for kv in stack)
                       for stack in stacked_cache_shapes(cfg, lambda layer: (ks, vs)))
@@ -82,7 +81,7 @@ def _program(cfg: Config, mesh: Mesh, batch: int, t: int, max_len: int, last_log
     def fn(state, tokens, start, cache, pad):  # make_decode_fn's step, final norm + LM head on the last slot only
         model = nnx.merge(graphdef, state)
         output = model.output
-        model.output = lambda full, *rest: output(full[:, -1:], *rest)
+        model.output = lambda full, *rest, **kw: output(full[:, -1:], *rest, **kw)
         return decode_step(model, tokens, start, cache, fs, pad, layout)
 
     return jax.jit(fn, donate_argnums=3, compiler_options=layout.compiler_options()), args

@@ -218,19 +218,34 @@ def layer_mask(cfg: ModelConfig, layer_idx: int, positions: jax.Array, segment_i
 
 class AttentionBase(nnx.Module):
     """The three named parts shared by every attention variant. Subclasses provide `qkv(x, positions)`,
-    `cfg`, `layer_idx`, `scale`, `o_proj` and `gate_proj` (None when ungated)."""
+    `cfg`, `layer_idx`, `scale`, `o_proj` and `gate_proj` (None when ungated).
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array] = None) -> jax.Array:
+    num_groups = H > 1 (Federation of Experts, model/foe.py; GQA only): x is [H, b, t, d], group h
+    runs query heads [h*nh/H, (h+1)*nh/H) with their kv heads through its own rows of o_proj, the
+    groups folded into the batch of the core; the result is [H, b, t, d] (sum_h = the ordinary
+    attention when every group reads the same input)."""
+
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array] = None,
+                 num_groups: int = 1) -> jax.Array:
         with jax.named_scope("attention_qkv"):
-            q, k, v = self.qkv(x, positions)
+            q, k, v = self.qkv(x, positions) if num_groups == 1 else self.qkv(x, positions, num_groups)
         with jax.named_scope("attention_core"):
+            if num_groups > 1:
+                positions = jnp.tile(positions, (num_groups, 1))
+                segment_ids = None if segment_ids is None else jnp.tile(segment_ids, (num_groups, 1))
             mask = layer_mask(self.cfg, self.layer_idx, positions, segment_ids)
             o = core_attention(self.cfg, q, k, v, mask, self.scale)
         with jax.named_scope("attention_out"):
-            return self.project_out(o, x)
+            return self.project_out(o, x, num_groups)
 
-    def project_out(self, o: jax.Array, x: jax.Array) -> jax.Array:
-        """o: [b, t, h, dv] core output, x: [b, t, d] attention input -> [b, t, d] (gate + o_proj; KV-cache decode reuses it)."""
+    def project_out(self, o: jax.Array, x: jax.Array, num_groups: int = 1) -> jax.Array:
+        """o: [b, t, h, dv] core output, x: [b, t, d] attention input -> [b, t, d] (gate + o_proj; KV-cache
+        decode reuses it). num_groups H > 1: o [H*b, t, h/H, dv], x [H, b, t, d] -> [H, b, t, d]."""
+        if num_groups > 1:
+            o = o.reshape(*x.shape[:3], -1)
+            if self.gate_proj is not None:
+                o = o * jax.nn.sigmoid(self.gate_proj.grouped(x, num_groups))
+            return self.o_proj.grouped(o, num_groups, split="in")
         o = o.reshape(o.shape[0], o.shape[1], -1)
         if self.gate_proj is not None:
             o = o * jax.nn.sigmoid(self.gate_proj(x))
@@ -267,16 +282,24 @@ class Attention(AttentionBase):
         self.inv_freq = tuple(float(f) for f in self.inv_freq)  # hashable static attribute
         self.scale = hd ** -0.5
 
-    def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        cfg = self.cfg
-        b, t, _ = x.shape
+    def qkv(self, x: jax.Array, positions: jax.Array, num_groups: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [b, t, d] -> q [b, t, nh, hd], k / v [b, t, nkv, hd] (rope, q/k norms applied).
+        num_groups H > 1: x [H, b, t, d] -> each group's heads, groups folded into the batch:
+        q [H*b, t, nh/H, hd], k / v [H*b, t, nkv/H, hd] (head-scope q/k norm only)."""
+        cfg, hg = self.cfg, num_groups
+        t = x.shape[-2]
         hd = cfg.resolved_head_dim
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if hg == 1:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = (p.grouped(x, hg) for p in (self.q_proj, self.k_proj, self.v_proj))
+            positions = jnp.tile(positions, (hg, 1))
         if self.q_norm is not None and cfg.qk_norm_scope == "all_heads":
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q.reshape(b, t, cfg.num_heads, hd)
-        k = k.reshape(b, t, cfg.num_kv_heads, hd)
-        v = v.reshape(b, t, cfg.num_kv_heads, hd)
+        rows = x.shape[0] * (x.shape[1] if hg > 1 else 1)
+        q = q.reshape(rows, t, cfg.num_heads // hg, hd)
+        k = k.reshape(rows, t, cfg.num_kv_heads // hg, hd)
+        v = v.reshape(rows, t, cfg.num_kv_heads // hg, hd)
         q, k = self.position_qk(q, k, positions)
         return q, k, v
 

@@ -1,13 +1,12 @@
 """One pre-norm layer (`Block`) and the results a forward returns (`BlockOutput`, `ModelOutput`),
-plus the remat policies (`REMAT_POLICIES`). Shared by model/transformer.py and model/foe.py so that
-neither imports the other (issue 21).
+plus the remat policies (`REMAT_POLICIES`).
 
     out = Block(cfg, layer_idx, rngs=rngs)(x_attn [b, s, d], full [b, s, d], positions [b, s],
-                                           segment_ids, moe_input="full" | "outdated", moe_keep=None)
+                                           segment_ids, moe_input="full" | "outdated")
     out.attn / out.shared / out.routed [b, s, d] (shared None without shared experts, routed None on
     dense layers); aux_loss, z_loss [], load [E] or None, dropped [].
-    moe_keep (connectivity annealing, a traced scalar 1 - alpha): an `outdated` MoE input reads
-    full + moe_keep * attn (model/connectivity.py `add_scaled`); None: the plain code path.
+The MoE input is `connectivity.moe_stream(moe_input, full, attn)`; which stream attention reads is the
+caller's (model/layer_loop.py).
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from flax import nnx, struct
 from jax.ad_checkpoint import checkpoint_name
 
 from farskip_jax.config import Config
-from farskip_jax.model.connectivity import add_scaled
+from farskip_jax.model.connectivity import moe_stream
 from farskip_jax.model.attention import Attention
 from farskip_jax.model.experts import RoutedComputeFn
 from farskip_jax.model.layers import RMSNorm, SwiGLU, dtype_of
@@ -37,6 +36,7 @@ class BlockOutput:
     z_loss: jax.Array
     load: Optional[jax.Array]
     dropped: jax.Array
+    importance: Optional[jax.Array] = None  # [E] mean router probability (router.balance_loss); None: dense
 
 
 @struct.dataclass
@@ -48,6 +48,8 @@ class ModelOutput:
     dropped: jax.Array
     hidden: Optional[tuple] = None
     trace: Optional[tuple] = None
+    final: Optional[jax.Array] = None  # [b, s, d] final-normed full stream (forward with logits=False)
+    side: Optional[tuple] = None  # the per-layer side state after the forward (KV cache), or None
 
 
 class Block(nnx.Module):
@@ -83,18 +85,16 @@ class Block(nnx.Module):
         o = self.moe(h)
         shared = None if o.shared is None else checkpoint_name(o.shared, "shared_out")
         return BlockOutput(attn=None, shared=shared, routed=checkpoint_name(o.routed, "routed_out"),
-                           aux_loss=o.aux_loss, z_loss=o.z_loss, load=o.load, dropped=o.dropped)
+                           aux_loss=o.aux_loss, z_loss=o.z_loss, load=o.load, dropped=o.dropped,
+                           importance=o.importance)
 
     def __call__(self, x_attn: jax.Array, full: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array],
-                 moe_input: str = "full", attention_fn=None, moe_keep: Optional[jax.Array] = None) -> BlockOutput:
+                 moe_input: str = "full", attention_fn=None) -> BlockOutput:
         """attention_fn(normalised x_attn) -> [b, s, d] replaces self.attn (KV-cache decoding)."""
         with jax.named_scope("attention"):
             a = (self.attention(x_attn, positions, segment_ids) if attention_fn is None
                  else attention_fn(self.attn_norm(x_attn)))
-        if moe_keep is not None and moe_input == "outdated":
-            x_moe = add_scaled(full, moe_keep, a)
-        else:
-            x_moe = full + a if moe_input == "full" else full
+        x_moe = moe_stream(moe_input, full, a)
         with jax.named_scope("moe" if self.is_moe else "mlp"):
             out = self.ffn(x_moe)
         return out.replace(attn=a)

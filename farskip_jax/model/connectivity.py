@@ -1,4 +1,5 @@
-"""The residual streams of FarSkip connectivity (DESIGN.md section 1).
+"""The residual streams of FarSkip connectivity (DESIGN.md section 1): the one place that says which
+stream a sub-block reads and how the streams are summed.
 
 With a_j, s_j, r_j the attention, shared (dense MLP for dense layers) and routed outputs of layer j:
 
@@ -7,20 +8,20 @@ With a_j, s_j, r_j the attention, shared (dense MLP for dense layers) and routed
     no_moe     O_k      = R_k minus s_j + r_j of the last d layers    -> attention input `outdated`
 
 d = `skip_distance` (1 = the paper's FarSkip: partial = R_{k-2} + a_{k-1} + s_{k-1}, outdated =
-R_{k-2} + a_{k-1}). The MoE reads R_{k-1} + a_k (`full`) or R_{k-1} (`outdated`). All streams start
-as the embedding. Everything is additive (no subtraction), so each stream is exactly the sum named
-above; streams nobody reads are dead code that XLA removes (standard connectivity costs nothing).
+R_{k-2} + a_{k-1}). The MoE reads R_{k-1} + a_k (`full`) or R_{k-1} (`outdated`): `moe_stream`. All
+streams start as the embedding. Everything is additive (no subtraction), so each stream is exactly
+the sum named above; streams nobody reads are dead code that XLA removes (standard connectivity
+costs nothing).
 
-Connectivity annealing (FCSD, docs/fcsd.md "Conversion methods"): `attn_input(kind, keep)` and
-`moe_input(kind, attn_out, keep)` with keep = 1 - alpha (a traced scalar) give the FarSkip stream plus
-`keep` times what FarSkip removes from it (partial: the pending routed outputs; outdated: pending
-routed + shared; MoE outdated: the layer's own attention output). Still additive, so keep = 0
-(alpha = 1) is bitwise the FarSkip stream and keep = 1 (alpha = 0) the full stream up to the order
-of the sum. keep=None is the plain FarSkip code path.
+Summation order (d = 1) is the FarSkip-native layout's (Instella-MoE): t = R_{k-1} + a_k;
+N_k = t + s_k; R_k = t + (s_k + r_k) (= t + (r_k + s_k) bitwise: one add commutes); O_k = t. So a model exported in that layout and run by it
+matches this one to rounding of the same sums. d > 1 keeps running sums: N_k = N_{k-1} + r_{k-d}
++ a_k + s_k, O_k = O_{k-1} + s_{k-d} + r_{k-d} + a_k.
 
-`Streams.padded()` is the fixed-shape form a `jax.lax.scan` carries (model/transformer.py): the
-pending tuples hold exactly d arrays, zeros where a layer had no routed/shared output or where
-fewer than d layers have run. Adding a zero is exact (x + 0 == x), so it computes the same sums.
+`Streams.pruned(kinds)` replaces the streams that no attention of `kinds` reads by scalar zeros (a
+scan carry then holds, and XLA copies, only live streams); `Streams.padded()` is the fixed-shape form a `jax.lax.scan` carries (model/layer_loop.py): the
+pending tuples hold exactly d arrays, zeros where a layer had no routed/shared output or where fewer
+than d layers have run. Adding a zero is exact (x + 0 == x), so it computes the same sums.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+ATTN_KINDS = ("full", "partial", "outdated")
+MOE_KINDS = ("full", "outdated")
+
 
 def add_present(x: jax.Array, *ys: Optional[jax.Array]) -> jax.Array:
     """x + every y that is not None."""
@@ -40,20 +44,22 @@ def add_present(x: jax.Array, *ys: Optional[jax.Array]) -> jax.Array:
     return x
 
 
-def add_scaled(x: jax.Array, keep: jax.Array, y: Optional[jax.Array]) -> jax.Array:
-    """x + keep * y in x's dtype (keep is cast to y's dtype first): keep == 0 returns x bitwise
-    (x + 0 * y == x for finite y), keep == 1 is x + y. y None: x."""
-    if y is None:
-        return x
-    return (x + jnp.asarray(keep).astype(y.dtype) * y).astype(x.dtype)
-
-
 def sum_present(*ys: Optional[jax.Array]) -> Optional[jax.Array]:
     """The sum of the ys that are not None (None when all are)."""
     present = [y for y in ys if y is not None]
     if not present:
         return None
     return add_present(present[0], *present[1:])
+
+
+def moe_stream(kind: str, full: jax.Array, attn_out: jax.Array) -> jax.Array:
+    """The stream the MoE / dense MLP of layer k reads: `full` = R_{k-1} + a_k | `outdated` = R_{k-1}.
+    full: R_{k-1} [..., d]; attn_out: a_k [..., d]."""
+    if kind == "full":
+        return full + attn_out
+    if kind == "outdated":
+        return full
+    raise ValueError(f"unknown moe input {kind!r}; expected one of {MOE_KINDS}")
 
 
 @struct.dataclass
@@ -71,7 +77,10 @@ class Streams:
 
     def padded(self) -> "Streams":
         """The same streams with pending_routed / pending_shared of exactly `distance` arrays (zeros
-        for missing outputs, oldest first): a pytree of fixed structure for a scan carry."""
+        for missing outputs, oldest first): a pytree of fixed structure for a scan carry. d = 1 keeps
+        no pending outputs (its streams are sums of the full stream and the layer's own outputs)."""
+        if self.distance == 1:
+            return self
         zero = jnp.zeros_like(self.full)
 
         def fill(xs: tuple) -> tuple:
@@ -80,33 +89,41 @@ class Streams:
 
         return self.replace(pending_routed=fill(self.pending_routed), pending_shared=fill(self.pending_shared))
 
-    def attn_input(self, kind: str, keep: Optional[jax.Array] = None) -> jax.Array:
-        """The stream attention reads: full | partial | outdated. keep (= 1 - alpha, a scalar) adds
-        back that fraction of what partial/outdated remove from the full stream (annealing)."""
-        if keep is not None and kind in ("partial", "outdated"):
-            removed = sum_present(*self.pending_routed) if kind == "partial" else sum_present(
-                *self.pending_routed, *self.pending_shared)
-            return add_scaled(self.attn_input(kind), keep, removed)
+    def pruned(self, attn_kinds) -> "Streams":
+        """These streams with the ones no attention input of `attn_kinds` (the kinds of every layer still
+        to run) reads replaced by scalar zeros: the MoE reads `full` only, `partial` reads no_routed,
+        `outdated` no_moe; pending routed outputs feed both, pending shared outputs no_moe only."""
+        partial, outdated = "partial" in attn_kinds, "outdated" in attn_kinds
+        live = dict(no_routed=partial, no_moe=outdated, pending_routed=partial or outdated, pending_shared=outdated)
+        zero = jnp.zeros((), self.full.dtype)
+        out = {}
+        for name, keep in live.items():
+            v = getattr(self, name)
+            if not keep and not (isinstance(v, tuple) and not v):
+                out[name] = tuple(zero for _ in v) if isinstance(v, tuple) else zero
+        return self.replace(**out) if out else self
+
+    def attn_input(self, kind: str) -> jax.Array:
+        """The stream attention reads: full | partial | outdated."""
         if kind == "full":
             return self.full
         if kind == "partial":
             return self.no_routed
         if kind == "outdated":
             return self.no_moe
-        raise ValueError(f"unknown attention input {kind!r}")
+        raise ValueError(f"unknown attention input {kind!r}; expected one of {ATTN_KINDS}")
 
-    def moe_input(self, kind: str, attn_out: jax.Array, keep: Optional[jax.Array] = None) -> jax.Array:
-        """The stream the MoE/MLP reads: full = R_{k-1} + a_k | outdated = R_{k-1} (+ keep * a_k when
-        keep = 1 - alpha is given: annealing)."""
-        if keep is not None and kind == "outdated":
-            return add_scaled(self.full, keep, attn_out)
-        if kind == "full":
-            return self.full + attn_out
-        if kind == "outdated":
-            return self.full
-        raise ValueError(f"unknown moe input {kind!r}")
+    def moe_input(self, kind: str, attn_out: jax.Array) -> jax.Array:
+        """The stream the MoE / MLP of the next layer reads given its attention output (`moe_stream`)."""
+        return moe_stream(kind, self.full, attn_out)
 
     def update(self, attn: jax.Array, shared: Optional[jax.Array], routed: Optional[jax.Array]) -> "Streams":
+        """The streams after a layer with outputs a (attn), s (shared or dense MLP; None without shared
+        experts) and r (routed; None on dense layers)."""
+        if self.distance == 1:  # the native order: N = (R + a) + s, R' = (R + a) + (s + r), O = R + a
+            moe_out = shared if routed is None else (routed if shared is None else shared + routed)
+            t = self.full + attn
+            return Streams(full=add_present(t, moe_out), no_routed=add_present(t, shared), no_moe=t, distance=1)
         pr, ps = list(self.pending_routed), list(self.pending_shared)
         no_routed, no_moe = self.no_routed, self.no_moe
         if len(pr) == self.distance:

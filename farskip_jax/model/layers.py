@@ -50,6 +50,21 @@ class Linear(nnx.Module):
             y = y + self.b[...].astype(self.compute_dtype)
         return y
 
+    def grouped(self, x_h: jax.Array, num_groups: int, split: str = "out") -> jax.Array:
+        """This layer applied per group h of H = num_groups (Federation of Experts, model/foe.py):
+        split "out": x_h [H, ..., in] -> [H, ..., out/H], group h through columns [h*out/H, (h+1)*out/H)
+        (and that slice of the bias); split "in": x_h [H, ..., in/H] -> [H, ..., out] through rows
+        [h*in/H, (h+1)*in/H) (no bias: the groups' outputs are summed by the caller)."""
+        cd, hg = self.compute_dtype, num_groups
+        w = self.w[...].astype(cd)
+        if split == "in":
+            return jnp.einsum("h...i,hio->h...o", x_h.astype(cd), w.reshape(hg, w.shape[0] // hg, w.shape[1]))
+        y = jnp.einsum("h...i,iho->h...o", x_h.astype(cd), w.reshape(w.shape[0], hg, w.shape[1] // hg))
+        if self.b is not None:
+            b = self.b[...].astype(cd).reshape(hg, -1)
+            y = y + b.reshape(hg, *([1] * (y.ndim - 2)), b.shape[-1])
+        return y
+
 
 class Embed(nnx.Module):
     """Token embedding table [vocab, d_model]; `attend` gives tied output logits."""

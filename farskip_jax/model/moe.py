@@ -3,7 +3,7 @@
     MoEOutput = MoEBlock(x: [batch, seq, d_model])
       shared [b, s, d] or None   shared-expert output (FarSkip's "no-routed" part)
       routed [b, s, d]           weighted routed-expert output (crosses the all-to-alls under EP)
-      aux_loss, z_loss []        router losses; load [E]; dropped [] assignments
+      aux_loss, z_loss []        router losses; load [E]; dropped [] assignments; importance [E]
 
 Shared and routed are returned separately because the two residual streams need them apart
 (DESIGN.md section 1). Named scopes: router, dispatch/expert_compute/combine (in the exchange),
@@ -32,6 +32,7 @@ class MoEOutput:
     z_loss: jax.Array
     load: jax.Array
     dropped: jax.Array
+    importance: Optional[jax.Array] = None
 
 
 class MoEBlock(nnx.Module):
@@ -62,7 +63,7 @@ class MoEBlock(nnx.Module):
         out = self.routed_compute(x_routed.astype(self.experts.compute_dtype), route, self.experts.weights(self.cfg.gmm),
                                   self.cfg)
         return MoEOutput(shared=self.shared_out(x), routed=out.y.astype(x.dtype), aux_loss=route.aux_loss,
-                         z_loss=route.z_loss, load=route.load, dropped=out.dropped)
+                         z_loss=route.z_loss, load=route.load, dropped=out.dropped, importance=route.importance)
 
     def shared_out(self, x: jax.Array) -> Optional[jax.Array]:
         """Shared-expert output [b, s, d] (Qwen2-MoE: times its sigmoid gate), or None without shared experts."""

@@ -17,7 +17,7 @@ its own experts). With H >= ep every device holds whole groups and no all-to-all
   group_routed(x, route, experts, cfg, H) -> ([H, b, s, d], dropped)
       jax.shard_map manual over `group` only; inside, each device group runs the ordinary
       expert-parallel exchange of `cfg.moe.dispatch` (parallel/ep.py: all_to_all or ragged) on its
-      own H/G_m groups' "virtual tokens" (model/foe.group_routed) with the group's expert ids, over
+      own H/G_m groups' "virtual tokens" (as model/foe.SingleDeviceFoE) with the group's expert ids, over
       the `expert` axis of this mesh = the devices of its group only.
   group_sum(v [H, ...]) -> [...]
       psum over `group` inside shard_map (the cross-group all-reduce of the paper).
@@ -55,6 +55,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from farskip_jax.config import MeshConfig
 from farskip_jax.errors import ConfigError
 from farskip_jax.model.experts import ExpertWeights, RoutedOutput
+from farskip_jax.model.foe import FoEBackend
 from farskip_jax.model.router import RouteResult
 from farskip_jax.parallel.ep import routed_compute_for
 from farskip_jax.parallel.mesh import BATCH_AXES, make_mesh
@@ -206,11 +207,13 @@ def _on_context_mesh(backend):
 
 
 @dataclasses.dataclass(frozen=True)
-class FoECompute:
-    """FoE routed-compute backend on a mesh from `make_foe_mesh` (see module doc)."""
+class FoECompute(FoEBackend):
+    """FoE routed-compute backend on a mesh from `make_foe_mesh` (see module doc): the model/foe.py
+    FoEBackend protocol on a mesh, token-sharded layout included."""
 
     mesh: Mesh
     dispatch: str = "all_to_all"
+    token_sharding = True
 
     @property
     def device_groups(self) -> int:

@@ -22,7 +22,7 @@ tensor) that is `mesh.tensor = 8` (data = fsdp = expert = 1 for the paper's layo
     out = layout.forward(model, tokens [b, s])             # ModelOutput, = the one-device forward
 
 `layout.forward` is the model's own forward (its streams, DESIGN.md section 1) with each layer's
-attention swapped (Transformer's `attention_fns`) for the shard_map'd tensor-parallel one; the MoE
+attention swapped (the layer loop's `attention` hook) for the shard_map'd tensor-parallel one; the MoE
 runs `ReplicatedEPCompute`, the routed-compute backend the model was built with. So with FarSkip the
 compiled program has no path from the attention all-reduce of layer k to the MoE of layer k (which
 reads R_{k-1}), nor from the routed all-reduce of layer k to attention of layer k+1 (which reads
@@ -31,7 +31,7 @@ the compiled HLO) -- provided its all-reduce combiner does not merge the two (no
 all-reduces of a layer back into one: programs of this layout compile with
 `TpEpLayout.compiler_options()` (`forward_fn`, eval/generate.make_decode_fn pass it to jax.jit).
 KV-cache decoding: `layout.cached_attention` (eval/generate.py; with a stacked cache and a layer
-index under model.scan_layers, eval/decode_scan.py). Deviceless lowering for GPUs:
+index under model.scan_layers). Deviceless lowering for GPUs:
 `abstract_inference_model` (eval/serving.py builds the prefill / decode programs).
 """
 
@@ -291,7 +291,7 @@ class TpEpLayout:
         """KV-cache attention of one layer: xn [b, t, d] normalised input at positions [b, t]; entry
         (k, v) [b, L, heads, dim] sharded by cache_sharding; new keys/values written at slots
         [start, start + t); mask [b, 1, t, L] -> (output [b, t, d] after the all-reduce, new entry).
-        layer (a scalar; scanned decoding, eval/decode_scan.py): entry is a stacked cache
+        layer (an int or a traced scalar; stacked layers, eval/generate.py): entry is a stacked cache
         [repeats, b, L, heads, dim] (stacked_cache_sharding). Only the layer's row enters the
         shard_map; the new keys/values come back out and are written into the stack after the row
         was read (an optimization barrier orders it), so XLA updates the carried stack in place
@@ -328,11 +328,15 @@ class TpEpLayout:
 
     def forward(self, model, tokens: jax.Array, positions: Optional[jax.Array] = None,
                 segment_ids: Optional[jax.Array] = None, *, farskip: Optional[FarSkipConfig] = None, **kw):
-        """The model's forward (ModelOutput) with tensor-parallel attention; `model` from inference_model."""
+        """The model's forward (ModelOutput) with tensor-parallel attention (the layer loop's attention
+        hook, unrolled); `model` from inference_model."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        fns = [self.attention_fn(blk.attn, positions, segment_ids) for blk in model.blocks()]
-        return model(tokens, positions, segment_ids, farskip=farskip, attention_fns=fns, **kw)
+
+        def hook(block, site, side_q):  # site.rows: this micro-batch's rows (model.micro_batches)
+            return self.attention_fn(block.attn, site.rows(positions), site.rows(segment_ids)), lambda: side_q
+
+        return model(tokens, positions, segment_ids, farskip=farskip, attention=hook, scan=False, **kw)
 
 
 # --------------------------------------------------------------------------------------------------
