@@ -26,9 +26,12 @@ forward recomputation under remat (its op_names run through `transpose(...)`). P
     time   cost_model.fused_attention_us: launch + max(flops * causal fraction [x backward
            recompute] / (peak * attn_eff), bytes / (hbm_bw * mem_eff))
 
-spread over the kernel's ops in proportion to their FLOPs (the ops keep their places in the
-schedule). A component without dots (a mask or -inf broadcast XLA hoisted out of the layer loop)
-costs nothing: the flash kernel generates it.
+spread over the kernel's ops in proportion to their compiled (roofline) times: the ops keep their
+places in the schedule XLA chose and their shares of the core's time, so the compute that LHS put
+inside a collective's window stays there, scaled to the kernel's price (a flash kernel itself is
+one launch; where the compiled core straddles a collective's start or done, so does its price). A
+component without dots (a mask or -inf broadcast XLA hoisted out of the layer loop) costs
+nothing: the flash kernel generates it.
 """
 
 from __future__ import annotations
@@ -137,14 +140,18 @@ def attention_kernels(schedule: Schedule) -> list[AttentionKernel]:
     return kernels
 
 
-def flash_attention_times(schedule: Schedule, hw) -> dict[int, float]:
+def flash_attention_times(schedule: Schedule, hw, in_place_updates: bool = False) -> dict[int, float]:
     """{op id: modelled us} of every attention_core compute op: its kernel's time (cost_model.
-    fused_attention_us; 0 for a kernel without dots) spread over its ops in proportion to their FLOPs."""
-    from farskip_jax.analysis.cost_model import fused_attention_us
+    fused_attention_us; 0 for a kernel without dots) spread over its ops in proportion to their
+    compiled roofline times (cost_model.compute_time_us; `in_place_updates` as cost_model.moved_bytes)."""
+    from farskip_jax.analysis.cost_model import compute_time_us, fused_attention_us, moved_bytes
 
     out: dict[int, float] = {}
     for k in attention_kernels(schedule):
         t = fused_attention_us(k.flops, k.bytes, k.direction, hw) if k.flops > 0 else 0.0
+        naive = {i: compute_time_us(schedule.by_id[i].flops, moved_bytes(schedule.by_id[i], in_place_updates), hw)
+                 for i in k.ops}
+        total = sum(naive.values())
         for i in k.ops:
-            out[i] = t * schedule.by_id[i].flops / k.flops if k.flops > 0 else 0.0
+            out[i] = t * naive[i] / total if total > 0 else 0.0
     return out

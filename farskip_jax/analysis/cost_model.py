@@ -257,7 +257,7 @@ def simulate(schedule: Schedule, hw: Hardware, group_size: int = 8,
     if fused_attention:
         from farskip_jax.analysis.attention_cost import flash_attention_times
 
-        attn = flash_attention_times(sched, hw)
+        attn = flash_attention_times(sched, hw, in_place_updates)
     for o in sched.ops:
         if o.kind == "compute" and o.id in free_ops:
             o.start = o.end = t
