@@ -114,7 +114,6 @@ def attention_kernels(schedule: Schedule) -> list[AttentionKernel]:
         groups.setdefault((comp[o.id], direction_of(o.op_name)), []).append(o)
     kernels = []
     for (root, direction), ops in groups.items():
-        mine = {o.id for o in ops}
         # ops downstream of one of the kernel's dots (inside the kernel): whose outputs are results
         after = {o.id for o in ops if o.flops > 0}
         for o in ops:  # schedule order: producers first
