@@ -4,14 +4,15 @@ layout, standard vs farskip, on 8 GPUs (one node) and 16 GPUs (two nodes) (issue
     JAX_PLATFORMS=cpu python benchmarks/inference_overlap.py [--models dsv2_lite,dsv2,scout]
         [--gpus 8,16] [--programs prefill,decode] [--prompts 1024,...,16384] [--decode-batches 16,...,1024]
         [--context 2048] [--depth auto|full|cut] [--hardware h200] [--out benchmarks/results/inference]
-        [--scan-layers config|true|false] [--plot-only]
+        [--scan-layers config|true|false] [--contention 0.8] [--plot-only]
 
 Every point compiles eval/serving.prefill_program (16 requests x prompt length, LM head on the last
 slot) or decode_program (one token per request against a `--context` cache) deviceless for H200s
 (analysis/inference_report.py: LHS on, all-reduce combiners and the dot merger off, routed experts at
 a balanced grouped GEMM's cost) under standard and FarSkip connectivity, and re-times XLA's schedule
 with the two-stream model: H200 roofline, NVLink 4 inside a node, 8 x 400 Gb/s NICs per node
-(analysis/topology.py). Layout: TP = EP = all GPUs where the heads split that many ways, else TP 8
+(analysis/topology.py), compute under an all-reduce in flight at the hardware's contention
+(cost_model.HARDWARE; --contention overrides). Layout: TP = EP = all GPUs where the heads split that many ways, else TP 8
 inside each node with EP over all GPUs (Llama-4-Scout's 40 heads on 16 GPUs).
 
 Depth: `auto` = DeepSeek-V2-Lite at full depth (27 layers), DeepSeek-V2 and Llama-4-Scout cut to
@@ -59,8 +60,15 @@ def scores_of(base, mesh_shape: dict, program: str, batch: int, tokens: int) -> 
     return batch * (base.model.num_heads // mesh_shape["tensor"]) * tokens * tokens if program == "prefill" else 0
 
 
+def _contention(hardware: str, contention=None) -> float:
+    """The contention a point is timed with: `contention`, else the hardware's (cost_model.HARDWARE)."""
+    from farskip_jax.analysis.cost_model import HARDWARE, with_contention
+
+    return with_contention(HARDWARE[hardware], contention).contention
+
+
 def compile_point(base, model, gpus, gpn, program, batch, tokens, ctx, layers, preset, hardware, cache_dir, log,
-                  compile_missing: bool = True, scan_layers=None):
+                  compile_missing: bool = True, scan_layers=None, contention=None):
     """ServingTiming json of one compiled point (compiled, or re-timed from the schedule cache; None
     when it is not cached and compile_missing is False). scan_layers: None = the config's."""
     from farskip_jax.analysis import inference_report as ir
@@ -89,12 +97,14 @@ def compile_point(base, model, gpus, gpn, program, batch, tokens, ctx, layers, p
         with gzip.open(cpath, "wb") as f:
             pickle.dump(c, f)
         log(f"[inference] {k}: compiled in {c['compile_s']:.0f}s (mesh {c['mesh']})")
-    t = ir.time_serving(c["schedule"], c["node_of"], hardware, program, scores_of(base, c["mesh"], program, batch, tokens))
+    t = ir.time_serving(c["schedule"], c["node_of"], hardware, program, scores_of(base, c["mesh"], program, batch, tokens),
+                        contention)
     layer_ars = [p.bytes for p in c["schedule"].pairs
                  if p.collective == "all-reduce" and ir.role_of(p.start.op_name) in ir.LAYER_ROLES]
     return {**t.to_json(), "compile_s": c["compile_s"], "mesh": c["mesh"], "layers": c["layers"],
             "scan_layers": c.get("scan_layers", False),
             "nodes": len(set(c["node_of"])), "expected_ar_bytes": c["expected_ar_bytes"],
+            "contention": _contention(hardware, contention),
             "layer_ar_bytes": sorted(set(layer_ars))}
 
 
@@ -271,7 +281,7 @@ def weight_floor_md(rows, bases, gpn, hardware: str = "h200") -> list[str]:
     return out + [""]
 
 
-def timelines(cache_dir, hardware, out, ctx, full_layers) -> list[str]:
+def timelines(cache_dir, hardware, out, ctx, full_layers, contention=None) -> list[str]:
     """One layer's two streams, standard above farskip, for DeepSeek-V2-Lite (else the first model
     cached) at prefill 16 x 4096 and decode batch 64 on 8 GPUs, from the schedule cache."""
     from farskip_jax.analysis.inference_report import plot_serving_timelines
@@ -295,7 +305,7 @@ def timelines(cache_dir, hardware, out, ctx, full_layers) -> list[str]:
                         items.append((f"{MODELS[m][1]} {program} {preset}", c["schedule"], c["node_of"]))
                     path = os.path.join(out, f"timeline_{m}_{program}.png")
                     plot_serving_timelines(items, hardware, program, layers // 2, path,
-                                           scores_of(MODEL_CFGS[m], c["mesh"], program, batch, tokens))
+                                           scores_of(MODEL_CFGS[m], c["mesh"], program, batch, tokens), contention)
                     written.append(path)
                     break
             else:
@@ -316,6 +326,9 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=2048, help="decode: KV-cache length")
     ap.add_argument("--depth", default="auto", choices=("auto", "full", "cut"))
     ap.add_argument("--hardware", default="h200")
+    ap.add_argument("--contention", type=float, default=None,
+                    help="compute speed while a collective is in flight, fraction (0, 1] (default: the hardware's, "
+                         "cost_model.HARDWARE; 1.0 = no contention)")
     ap.add_argument("--scan-layers", choices=("config", "true", "false"), default="config",
                     help="stacked layers decoded as a scan (eval/decode_scan.py) or per-layer weights unrolled")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "inference"))
@@ -326,7 +339,13 @@ def main() -> int:
     a = ap.parse_args()
 
     from farskip_jax.config import load_config
+    from farskip_jax.errors import FarSkipError
 
+    try:
+        contention = _contention(a.hardware, a.contention)
+    except (FarSkipError, KeyError) as e:
+        print(f"error: --hardware {a.hardware!r} / --contention {a.contention}: {e}", file=sys.stderr)
+        return 2
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     os.makedirs(a.out, exist_ok=True)
     os.makedirs(a.cache, exist_ok=True)
@@ -356,7 +375,8 @@ def main() -> int:
                             try:
                                 e = compile_point(bases[m], m, g, a.gpus_per_node, program, batch, tokens, a.context,
                                                   layers, preset, a.hardware, a.cache, log, not a.retime_only,
-                                                  None if a.scan_layers == "config" else a.scan_layers == "true")
+                                                  None if a.scan_layers == "config" else a.scan_layers == "true",
+                                                  a.contention)
                                 if e is None:
                                     continue
                                 results[k] = e
@@ -372,7 +392,8 @@ def main() -> int:
     with open(os.path.join(a.out, "rows.json"), "w") as f:
         json.dump(rows, f, indent=1)
     md = ["# FarSkip at inference (modelled): TTFT and time per output token, standard vs farskip", "",
-          f"Two-stream {a.hardware} model re-timing deviceless compiles of the tp_ep serving programs "
+          f"Two-stream {a.hardware} model (contention {contention:.2f}: compute speed under an all-reduce in "
+          "flight) re-timing deviceless compiles of the tp_ep serving programs "
           "(docs/inference.md). Speedup = standard / farskip as XLA schedules both; 'vs sync AR' = standard "
           "with every all-reduce synchronous (a serving engine's standard model) / farskip; ceiling = standard "
           "/ (standard with every all-reduce hidden); AR share = all-reduce time / standard with synchronous "
@@ -385,7 +406,7 @@ def main() -> int:
         f.write("\n".join(md) + "\n")
     if rows:
         plot(rows, os.path.join(a.out, "speedup.png"), a.hardware)
-    for path in timelines(a.cache, a.hardware, a.out, a.context, full_layers):
+    for path in timelines(a.cache, a.hardware, a.out, a.context, full_layers, a.contention):
         log(f"[inference] wrote {path}")
     print("\n".join(md))
     return 0

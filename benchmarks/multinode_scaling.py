@@ -49,7 +49,8 @@ Levers (--lever, each alone on top of the defaults; docs/multinode.md):
   hierarchical  node-deduplicated dispatch (moe.dispatch=hierarchical, parallel/ep.HierarchicalCompute):
                 a token crosses to each destination node once (all-to-all among the same-local-rank
                 GPUs of the nodes), then an intra-node all-to-all forwards it to its experts' GPUs
-Cost-model levers re-time the cached compiles: --streams, --attention, --accum, --nic-gbps, --inter-eff.
+Cost-model levers re-time the cached compiles: --streams, --attention, --accum, --nic-gbps, --inter-eff,
+--contention (compute speed under a collective in flight; default the hardware's, cost_model.HARDWARE).
 """
 
 from __future__ import annotations
@@ -136,12 +137,14 @@ def compile_one(cfg, variant, program, batch, seq, n, gpus_per_node, nodes, flag
 
 
 def entry_of(c: dict, hardware: str, links_over: dict, streams: str, fused_attention: bool = True,
-             steady: bool = True, retime_gpus_per_node: Optional[int] = None, placement=None) -> dict:
+             steady: bool = True, retime_gpus_per_node: Optional[int] = None, placement=None,
+             contention: Optional[float] = None) -> dict:
     """The figures of one compiled variant: its schedule re-timed by the two-stream model on the
     multi-node topology, as XLA scheduled it and with every all-to-all synchronous (no overlap).
     placement: (device groups, "strided") re-times a contiguous FoE compile with the strided group
-    placement (logical device p on plain position foe_device_order(...).flat[p])."""
-    from farskip_jax.analysis.cost_model import HARDWARE, optimizer_step, simulate
+    placement (logical device p on plain position foe_device_order(...).flat[p]). contention: compute
+    speed while a collective is in flight (default the hardware's)."""
+    from farskip_jax.analysis.cost_model import HARDWARE, optimizer_step, simulate, with_contention
     from farskip_jax.analysis.report import ALL_TO_ALLS, analyze
     from farskip_jax.analysis.topology import LINKS, SUM_ALL_TO_ALL, Topology, resized
 
@@ -156,7 +159,7 @@ def entry_of(c: dict, hardware: str, links_over: dict, streams: str, fused_atten
         nodes = tuple(nodes[int(q)] for q in order)
     per = max(nodes.count(x) for x in set(nodes))
     topo = Topology(resized(LINKS[hardware], per, **links_over), nodes)
-    hw = HARDWARE[hardware]
+    hw = with_contention(HARDWARE[hardware], contention)
     own = ("all-reduce", "all-gather", "reduce-scatter", SUM_ALL_TO_ALL) if streams == "split" else ()
     sched = foe_sums_relabelled(c["schedule"])
     kw = dict(topology=topo, own_stream=own, fused_attention=fused_attention,
@@ -180,7 +183,8 @@ def entry_of(c: dict, hardware: str, links_over: dict, streams: str, fused_atten
         "foe_sum_us": sum(d for p, d in zip(sched.pairs, d_m) if _is_foe_sum(p)),
         "foe_sum_exposed_us": sum(max(p.done.end - p.done.start, 0.0) for p in s_m.pairs if _is_foe_sum(p)),
         "nodes": len(set(nodes)), "compile_s": c["compile_s"], "xla_step_us": c["xla_step_us"],
-        "peak_memory_gib": c["peak_memory"] / 2**30,
+        "peak_memory_gib": c["peak_memory"] / 2**30, "contention": hw.contention,
+        "contention_us": m.contention_time,
     }
 
 
@@ -403,8 +407,12 @@ def main() -> int:
                     help="split: gradient/FoE all-reduces on their own communication stream (NCCL/RCCL "
                          "communicators of Megatron's DP vs EP groups); one: every collective on one FIFO")
     ap.add_argument("--attention", default="fused", choices=("fused", "naive"),
-                    help="fused: price the attention core as a causal flash kernel (Megatron's TE/CK flash "
-                         "attention; cost_model.fused_attention_us); naive: as compiled ([s, s] scores in HBM)")
+                    help="fused: price each layer's attention core as one causal flash kernel per pass "
+                         "(Megatron's TE/CK flash attention; analysis/attention_cost.py); naive: as compiled "
+                         "([s, s] scores in HBM)")
+    ap.add_argument("--contention", type=float, default=None,
+                    help="compute speed while a collective is in flight, fraction (0, 1] (default: the hardware's, "
+                         "cost_model.HARDWARE; 1.0 = no contention)")
     ap.add_argument("--accum", default="inf", choices=("inf", "1"),
                     help="inf: time per micro-batch in the steady state of gradient accumulation (gradient "
                          "reductions and the parameter update, once per step, priced at zero); 1: one "
@@ -417,6 +425,10 @@ def main() -> int:
                     help="FoE group placement the FoE compiles are re-timed with (contiguous: a group per node)")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
+    if a.contention is not None and not 0.0 < a.contention <= 1.0:
+        print(f"error: --contention {a.contention} must be in (0, 1]: the fraction of its speed compute keeps while "
+              "a collective is in flight (1.0 = no contention)", file=sys.stderr)
+        return 2
 
     os.makedirs(a.out, exist_ok=True)
     res_path = os.path.join(a.out, "results.json")
@@ -439,7 +451,8 @@ def main() -> int:
             + (f"+eff{a.inter_eff:g}" if a.inter_eff else "") + ("+naive_attn" if a.attention == "naive" else "") \
             + ("+accum1" if a.accum == "1" else "") \
             + (f"+{a.retime_gpus_per_node}gpn" if a.retime_gpus_per_node else "") \
-            + ("+strided" if a.foe_groups == "strided" else "")
+            + ("+strided" if a.foe_groups == "strided" else "") \
+            + (f"+c{a.contention:g}" if a.contention is not None else "")
         flags = dict(preset_options("cuda_hopper"), **LHS_FLAGS, **lever_flags)
         for b in [int(x) for x in a.per_gpu_batch.split(",")]:
             for ep in [int(x) for x in a.ep.split(",")]:
@@ -487,7 +500,7 @@ def main() -> int:
                         gm = min(FOE_GROUPS.get(a.lever, nodes), ep)  # FoE device groups
                         place = (gm, a.data, "strided") if var.startswith("foe") and a.foe_groups == "strided" else None
                         results[rk] = entry_of(c, a.hardware, links_over, a.streams, a.attention == "fused",
-                                               a.accum == "inf", a.retime_gpus_per_node, place)
+                                               a.accum == "inf", a.retime_gpus_per_node, place, a.contention)
                         with open(res_path, "w") as f:
                             json.dump(results, f, indent=1, sort_keys=True)
                         e = results[rk]

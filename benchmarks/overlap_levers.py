@@ -1,7 +1,8 @@
 """Measure scheduling levers one at a time: how much all-to-all time XLA hides, standard vs farskip.
 
     python benchmarks/overlap_levers.py [--layers 4] [--seq 4096] [--levers no_lhs,lhs_only,preset,moe_first]
-                                        [--hardware mi300x] [extra config overrides ...]
+                                        [--hardware mi300x] [--contention 0.8] [--attention fused|naive]
+                                        [extra config overrides ...]
 
 DeepSeek-V2-Lite shapes (MLA, 64 routed experts top-6, 2 shared, first layer dense), EP=8, batch 8
 x seq 4096 (one sequence per GPU), all_to_all backend with capacity factor 1 (bytes = useful
@@ -16,7 +17,9 @@ bytes), compiled deviceless for 8 x H100 (the train step; its forward half is th
               skipped: a cheaper step, so a larger all-to-all share)
 
 Prints one row per (lever, connectivity): hidden fraction fwd / bwd, hidden / structural bound,
-modelled step time and farskip/standard speedup, under XLA's cost model and the two-stream model;
+modelled step time and farskip/standard speedup (and, two-stream model, its split into hiding
+communication x compute difference: analysis/speedup.py), under XLA's cost model and the two-stream
+model (contention and attention pricing as analysis/overlap.py);
 then per (lever, model) the ceiling (standard's step with every all-to-all hidden) and farskip vs
 standard WITHOUT overlap (all-to-alls synchronous: the paper's Megatron baseline, not XLA's standard).
 """
@@ -75,12 +78,25 @@ def main() -> int:
     ap.add_argument("--programs", default="train")
     ap.add_argument("--hardware", default="mi300x")
     ap.add_argument("--target", default="h100_sxm", help="XLA target spec (h100_sxm, h200)")
+    ap.add_argument("--contention", type=float, default=None,
+                    help="two-stream model: compute speed under a collective in flight (default: the hardware's)")
+    ap.add_argument("--attention", default="fused", choices=("fused", "naive"),
+                    help="two-stream model: attention_core as flash kernels (fused) or as compiled")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
 
     from farskip_jax.analysis.deviceless import LHS_FLAGS, preset_options
+    from farskip_jax.analysis.cost_model import HARDWARE, with_contention
     from farskip_jax.analysis.overlap import no_overlap_step, run_overlap
+    from farskip_jax.analysis.speedup import split_speedup
     from farskip_jax.config import load_config, replace
+    from farskip_jax.errors import FarSkipError
+
+    try:
+        with_contention(HARDWARE[a.hardware], a.contention)
+    except (FarSkipError, KeyError) as e:
+        print(f"error: --hardware {a.hardware!r} / --contention {a.contention}: {e}", file=sys.stderr)
+        return 2
 
     cfg = load_config(None, DSV2_LITE + [f"model.num_layers={a.layers}", f"model.max_seq_len={a.seq}",
                                          f"train.seq_len={a.seq}", f"train.batch_size={a.batch}"] + a.overrides)
@@ -99,7 +115,8 @@ def main() -> int:
         t0 = time.time()
         with ctx():
             res = run_overlap(lever_cfg.get(name, cfg), ("standard", "farskip"), a.programs.split(","), a.batch,
-                              a.seq, target=a.target, flags=flags, hardware=a.hardware, log=log)
+                              a.seq, target=a.target, flags=flags, hardware=a.hardware, log=log,
+                              contention=a.contention, fused_attention=a.attention == "fused")
         log(f"[levers] {name}: {time.time() - t0:.0f}s")
         for prog in a.programs.split(","):
             sel = {r.preset: r for r in res if r.program == prog}
@@ -108,8 +125,9 @@ def main() -> int:
                 base = reps["standard"].step_time
                 serial = sel["standard"].serial if model != "xla" else None
                 nov = no_overlap_step(reps["standard"], serial)
+                sp = split_speedup(reps["standard"], reps["farskip"])
                 extra.append((name, prog, model, reps["standard"].ceiling_speedup(), nov / 1e3,
-                              nov / reps["farskip"].step_time))
+                              nov / reps["farskip"].step_time, sp.hiding, sp.compute))
                 for p, rep in reps.items():
                     f, b = rep.totals("fwd"), rep.totals("bwd")
                     rows.append((name, prog, model, p, 100 * f["hidden_frac"], 100 * f["of_bound"],
@@ -118,10 +136,12 @@ def main() -> int:
                                  f["empty"] + b["empty"], rep.step_time / 1000, base / rep.step_time))
         print_rows(rows)
         print(f"\n{'lever':<10}{'program':<8}{'model':<8}{'ceiling':>9}{'no-ovl ms':>11}{'fs/no-ovl':>10}"
+              f"{'fs/std: hide':>13}{'x compute':>10}"
               "   (ceiling = standard / (standard - its exposed all-to-all); no-ovl = standard with "
-              "synchronous all-to-alls, XLA model: step + hidden)")
+              "synchronous all-to-alls, XLA model: step + hidden; fs/std split: analysis/speedup.py)")
         for e in extra:
-            print(f"{e[0]:<10}{e[1]:<8}{e[2]:<8}{e[3]:>8.3f}x{e[4]:>11.2f}{e[5]:>9.3f}x", flush=True)
+            print(f"{e[0]:<10}{e[1]:<8}{e[2]:<8}{e[3]:>8.3f}x{e[4]:>11.2f}{e[5]:>9.3f}x{e[6]:>12.3f}x{e[7]:>9.3f}x",
+                  flush=True)
     return 0
 
 

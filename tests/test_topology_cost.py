@@ -154,16 +154,19 @@ def test_fused_attention_pricing_by_hand():
 
     hw = Hardware("toy", peak_flops=1e12, hbm_bw=1e9, a2a_bw=1e9, coll_bw=1e9, launch_us=1.0, matmul_eff=1.0,
                   mem_eff=1.0, attn_eff=0.5)
-    fwd = _op(1, "qk", "compute", (), "jit(f)/layer_0/attention/attention_core/dot_general", flops=2e6)
-    bwd = _op(2, "dqk", "compute", (), "jit(f)/transpose(jvp(layer_0))/attention/attention_core/dot", flops=2e6)
+    # causal half of 2 MFLOP at 0.5 TFLOP/s = 2 us (+1 launch); backward x 1.25 recompute
+    assert fused_attention_us(2e6, 0.0, "fwd", hw) == pytest.approx(1.0 + 2.0)
+    assert fused_attention_us(2e6, 0.0, "bwd", hw) == pytest.approx(1.0 + 2.5)
+    # bytes-bound: 10 KB at 1 GB/s = 10 us > 2 us of FLOPs
+    assert fused_attention_us(2e6, 1e4, "fwd", hw) == pytest.approx(1.0 + 10.0)
+    fwd = _op(1, "qk", "compute", (), "jit(f)/layer_0/attention/attention_core/dot_general", flops=2e6, nbytes=0)
+    bwd = _op(2, "dqk", "compute", (), "jit(f)/transpose(jvp(layer_0))/attention/attention_core/dot", flops=2e6,
+              nbytes=0)
     sm = _op(3, "softmax", "compute", (), "jit(f)/layer_0/attention/attention_core/exp", nbytes=10**9)
-    # causal half of 2 MFLOP at 0.5 TFLOP/s = 2 us (+1 launch); backward x 1.25 recompute; softmax fused: 0
-    assert fused_attention_us(fwd, hw) == pytest.approx(1.0 + 2.0)
-    assert fused_attention_us(bwd, hw) == pytest.approx(1.0 + 2.5)
-    assert fused_attention_us(sm, hw) == 0.0
     sched = Schedule(ops=[fwd, bwd, sm], by_id={1: fwd, 2: bwd, 3: sm})
-    # as compiled (roofline): each dot max(2 MFLOP / 1 TFLOP/s, 2 KB / 1 GB/s) = 2 us + 1; the softmax 2 GB: 2 s
+    # as compiled (roofline): each dot 2 MFLOP / 1 TFLOP/s = 2 us + 1; the softmax 2 GB: 2 s
     assert simulate(sched, hw)[0].makespan == pytest.approx(3.0 + 3.0 + 1.0 + 2e6)
+    # flash kernels: one per pass; the softmax alone (no dot) is generated inside a kernel: free
     assert simulate(sched, hw, fused_attention=True)[0].makespan == pytest.approx(3.0 + 3.5)
 
 

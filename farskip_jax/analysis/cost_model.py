@@ -13,8 +13,11 @@ Model (assumptions, all parameters of `Hardware`):
   lasts latency + wire bytes / bandwidth, with wire bytes = payload * (n-1)/n for all-to-all,
   all-gather and reduce-scatter, 2 * payload * (n-1)/n for all-reduce (ring); payload = the
   operands' bytes, for an all-gather the gathered buffer (collective_payload);
-- a done blocks the compute stream until its collective has finished; communication kernels do not
-  slow the compute kernels down (no SM / HBM contention: an optimistic assumption, see docs);
+- a done blocks the compute stream until its collective has finished;
+- contention: while a collective is in flight (between its begin and end on a communication
+  stream) compute runs at `Hardware.contention` of its speed (RCCL/NCCL kernels occupy CUs/SMs and
+  HBM bandwidth); only the part of a compute op that overlaps a collective is stretched, the
+  collective's own time is unchanged. The stretch is recorded per op (HloOp.stretch);
 - ragged all-to-all moves the smaller of its send and receive buffers (the real rows at perfect
   balance: the dispatch's send buffer, the combine's receive buffer; data dependent otherwise);
 - `serialize=("all-to-all", ...)` runs those collectives synchronously instead (the compute stream
@@ -32,7 +35,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 from farskip_jax.analysis.hlo import Schedule
-from farskip_jax.analysis.scopes import direction_of, scope_of
 
 
 @dataclass(frozen=True)
@@ -47,30 +49,55 @@ class Hardware:
     matmul_eff: float = 0.7  # achieved / peak FLOP/s of large GEMMs
     mem_eff: float = 0.8  # achieved / peak HBM bandwidth
     attn_eff: float = 0.5  # achieved / peak FLOP/s of a fused (flash) attention kernel (fused_attention=True)
+    contention: float = 1.0  # compute speed while a collective is in flight / its speed alone (1 = none)
 
 
 # Vendor peak numbers; fabric numbers are 7 x 64 GB/s (MI300X/MI325X Infinity Fabric, one direction)
 # and 450 GB/s (H100 NVLink 4) derated to ~70% for what RCCL/NCCL all-to-all reach at MB sizes.
+# Contention 0.8 (compute at 80% of its speed under a collective):
+# - NVIDIA: Megatron-Core's "Combined 1F1B: Expert-Parallel All-to-All Overlap" guide (Megatron-LM
+#   docs/user-guide/features/moe_a2a_overlap.md, after arXiv 2603.07685 sec. 4.2.3): DeepEP's
+#   20 SMs per GPU reserved for communication cost about 20% GEMM efficiency (H100: 20 of 132 SMs).
+# - AMD: RCCL's collectives are kernels on the CUs as well; AMD's MI300X characterisation (Agrawal et
+#   al., arXiv 2412.14335) finds GEMM + RCCL collective overlap realising on average only 21% of the
+#   ideal speedup, from shared CUs, caches and HBM. No per-CU figure is published, so the NVIDIA
+#   figure is taken: likely optimistic for RCCL; docs/overlap.md sweeps 1.0-0.7.
 HARDWARE = {
-    "mi300x": Hardware("MI300X", peak_flops=1307.4e12, hbm_bw=5.3e12, a2a_bw=0.7 * 448e9, coll_bw=0.7 * 448e9),
-    "mi325x": Hardware("MI325X", peak_flops=1307.4e12, hbm_bw=6.0e12, a2a_bw=0.7 * 448e9, coll_bw=0.7 * 448e9),
-    "h100_sxm": Hardware("H100-SXM", peak_flops=989.4e12, hbm_bw=3.35e12, a2a_bw=0.7 * 450e9, coll_bw=0.7 * 450e9),
-    "h200": Hardware("H200", peak_flops=989.4e12, hbm_bw=4.8e12, a2a_bw=0.7 * 450e9, coll_bw=0.7 * 450e9),
+    "mi300x": Hardware("MI300X", peak_flops=1307.4e12, hbm_bw=5.3e12, a2a_bw=0.7 * 448e9, coll_bw=0.7 * 448e9,
+                       contention=0.8),
+    "mi325x": Hardware("MI325X", peak_flops=1307.4e12, hbm_bw=6.0e12, a2a_bw=0.7 * 448e9, coll_bw=0.7 * 448e9,
+                       contention=0.8),
+    "h100_sxm": Hardware("H100-SXM", peak_flops=989.4e12, hbm_bw=3.35e12, a2a_bw=0.7 * 450e9, coll_bw=0.7 * 450e9,
+                         contention=0.8),
+    "h200": Hardware("H200", peak_flops=989.4e12, hbm_bw=4.8e12, a2a_bw=0.7 * 450e9, coll_bw=0.7 * 450e9,
+                     contention=0.8),
 }
+
+
+def with_contention(hw: Hardware, contention: Optional[float]) -> Hardware:
+    """`hw` with its contention replaced (None: unchanged); ConfigError outside (0, 1]."""
+    import dataclasses
+
+    from farskip_jax.errors import ConfigError
+
+    if contention is None:
+        return hw
+    if not 0.0 < contention <= 1.0:
+        raise ConfigError(f"contention {contention} must be in (0, 1]: the fraction of its speed compute keeps "
+                          "while a collective is in flight (1.0 = no contention)")
+    return dataclasses.replace(hw, contention=float(contention))
 
 
 CAUSAL_FRACTION = 0.5  # share of the [s, s] score blocks a causal flash kernel computes
 FLASH_BWD_RECOMPUTE = 1.25  # flash backward: 5 GEMMs (QK^T recomputed, dV, dP, dQ, dK) vs the 4 of plain autodiff
 
 
-def fused_attention_us(o, hw: Hardware) -> float:
-    """An attention_core op priced as part of one fused causal flash kernel: its GEMM FLOPs x the
-    causal fraction (x the recompute factor backward) at attn_eff of peak; the elementwise ops of
-    the core (mask, softmax, scaling: no FLOPs) cost nothing, they live in the kernel's registers."""
-    if o.flops <= 0:
-        return 0.0
-    f = o.flops * CAUSAL_FRACTION * (FLASH_BWD_RECOMPUTE if direction_of(o.op_name) == "bwd" else 1.0)
-    return hw.launch_us + 1e6 * f / (hw.peak_flops * hw.attn_eff)
+def fused_attention_us(flops: float, nbytes: float, direction: str, hw: Hardware) -> float:
+    """One attention core priced as a causal flash kernel (analysis/attention_cost.py groups the
+    compiled ops into such kernels): its compiled dot FLOPs x the causal fraction (x the recompute
+    factor backward) at attn_eff of peak, or its bytes at the HBM bandwidth, whichever is longer."""
+    f = flops * CAUSAL_FRACTION * (FLASH_BWD_RECOMPUTE if direction == "bwd" else 1.0)
+    return hw.launch_us + 1e6 * max(f / (hw.peak_flops * hw.attn_eff), nbytes / (hw.hbm_bw * hw.mem_eff))
 
 
 def in_place_update(o) -> bool:
@@ -163,10 +190,42 @@ def collective_payload(schedule: Schedule, pair, group_size: int) -> float:
     return float(pair.bytes)
 
 
+def stretched_end(t: float, work: float, busy: list, speed: float) -> float:
+    """End of `work` us of compute begun at t that runs at `speed` of its pace inside the intervals
+    `busy` (sorted, disjoint (begin, end): a collective in flight) and at full pace outside them."""
+    if speed >= 1.0 or work <= 0.0:
+        return t + work
+    cur = t
+    for a, b in busy:
+        if b <= cur:
+            continue
+        if a > cur:
+            if work <= a - cur:
+                return cur + work
+            work -= a - cur
+            cur = a
+        if work <= (b - cur) * speed:
+            return cur + work / speed
+        work -= (b - cur) * speed
+        cur = b
+    return cur + work
+
+
+def _union(intervals) -> list:
+    out: list = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
 def simulate(schedule: Schedule, hw: Hardware, group_size: int = 8,
              serialize: tuple[str, ...] = (), topology=None,
              own_stream: tuple[str, ...] = (), fused_attention: bool = False,
-             free: Optional["OptimizerStep"] = None, in_place_updates: bool = False) -> tuple[Schedule, list[float]]:
+             free: Optional["OptimizerStep"] = None, in_place_updates: bool = False,
+             contention: Optional[float] = None) -> tuple[Schedule, list[float]]:
     """Re-time `schedule` on `hw` with the two-stream model; collectives whose kind is in `serialize`
     block the compute stream from their start to their end (no overlap). With `topology`
     (analysis/topology.Topology) a collective's time depends on which of its replica-group members
@@ -174,30 +233,41 @@ def simulate(schedule: Schedule, hw: Hardware, group_size: int = 8,
     whose kind is in `own_stream` (e.g. the gradient all-reduces) run on a second communication
     stream, FIFO among themselves, instead of queueing with the all-to-alls (Megatron's DP and EP
     groups are separate NCCL/RCCL communicators; the two streams do not share bandwidth here, an
-    optimistic assumption). `fused_attention` prices the `attention_core` scope as a causal flash
-    kernel (fused_attention_us) instead of the naive core's materialised [s, s] scores. `free`
-    (optimizer_step(schedule)) prices the gradient reductions and the parameter update at zero: the
-    steady state of gradient accumulation over many micro-batches, where they run once per step.
-    `in_place_updates` prices a dynamic-update-slice (a KV-cache write) at its update's bytes
-    (moved_bytes) instead of the whole buffer in and out.
+    optimistic assumption). `fused_attention` prices each layer's `attention_core` as one causal
+    flash kernel per pass (analysis/attention_cost.py) instead of the compiled kernels (the naive
+    core's materialised [s, s] scores). `free` (optimizer_step(schedule)) prices the gradient
+    reductions and the parameter update at zero: the steady state of gradient accumulation over many
+    micro-batches, where they run once per step. `in_place_updates` prices a dynamic-update-slice (a
+    KV-cache write) at its update's bytes (moved_bytes) instead of the whole buffer in and out.
+    `contention`: compute speed while a collective is in flight (default hw.contention; 1.0 = none).
 
     Returns (the re-timed copy, modelled duration of every entry of `.pairs`)."""
     sched = copy.deepcopy(schedule)
+    speed = with_contention(hw, contention).contention
     pair_of_start = {p.start.id: i for i, p in enumerate(sched.pairs)}
     pair_of_done = {p.done.id: i for i, p in enumerate(sched.pairs)}
     durations = [0.0] * len(sched.pairs)
     finish = [0.0] * len(sched.pairs)
     t, comm_free = 0.0, [0.0, 0.0]
+    flight: list = []  # (begin, end) of collectives not over at t
+    busy: list = []  # their union
     free_ops = free.ops if free is not None else frozenset()
     free_pairs = free.pairs if free is not None else frozenset()
+    attn = {}
+    if fused_attention:
+        from farskip_jax.analysis.attention_cost import flash_attention_times
+
+        attn = flash_attention_times(sched, hw, in_place_updates)
     for o in sched.ops:
         if o.kind == "compute" and o.id in free_ops:
             o.start = o.end = t
         elif o.kind == "compute":
-            if fused_attention and scope_of(o.op_name) == "attention_core":
-                o.start, o.end = t, t + fused_attention_us(o, hw)
-            else:
-                o.start, o.end = t, t + compute_time_us(o.flops, moved_bytes(o, in_place_updates), hw)
+            work = attn[o.id] if o.id in attn else compute_time_us(o.flops, moved_bytes(o, in_place_updates), hw)
+            if any(e <= t for _, e in flight):  # drop the collectives over by now
+                flight = [iv for iv in flight if iv[1] > t]
+                busy = _union(flight)
+            o.start, o.end = t, stretched_end(t, work, busy, speed)
+            o.stretch = o.end - o.start - work
             t = o.end
         elif o.kind == "start" and o.id in pair_of_start:
             i = pair_of_start[o.id]
@@ -213,6 +283,9 @@ def simulate(schedule: Schedule, hw: Hardware, group_size: int = 8,
             lane = 1 if p.collective in own_stream else 0
             begin = max(t, comm_free[lane])
             finish[i] = comm_free[lane] = begin + durations[i]
+            if finish[i] > begin and speed < 1.0:
+                flight.append((begin, finish[i]))
+                busy = _union(flight)
             o.start = o.end = t
             if p.collective in serialize:  # synchronous: nothing runs under it, its window is empty
                 o.start, o.end = t, finish[i]

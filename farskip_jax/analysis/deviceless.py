@@ -159,10 +159,12 @@ def probe_all_to_all_latency(element_type: str, dims: tuple, split_dim: int, gro
 def collective_durations(schedule: Schedule, devices: list, flags: Optional[dict] = None,
                          fallback_hardware: str = "h100_sxm") -> list[float]:
     """Modelled duration of every collective of `schedule.pairs`: XLA's latency for all-to-alls
-    (probed once per distinct shape); ragged all-to-alls, which XLA's estimator does not cover, get
-    the two-stream model's time on `fallback_hardware` (payload: cost_model.ragged_payload); anything else the
-    start-to-done window (exact whenever the done waits)."""
-    from farskip_jax.analysis.cost_model import HARDWARE, collective_time_us, ragged_payload
+    (probed once per distinct shape); anything else (ragged all-to-alls, which XLA's estimator does
+    not cover, all-reduces, all-gathers, ...) the two-stream model's transfer time on
+    `fallback_hardware` (cost_model.collective_time_us of cost_model.collective_payload; not the
+    start-to-done window, which holds whatever queued or waited in it); the window when an
+    all-to-all's probe fails."""
+    from farskip_jax.analysis.cost_model import HARDWARE, collective_payload, collective_time_us
 
     cache: dict = {}
     out = []
@@ -175,8 +177,8 @@ def collective_durations(schedule: Schedule, devices: list, flags: Optional[dict
             if key not in cache:
                 cache[key] = probe_all_to_all_latency(et, dims, p.dims[0], key[3], devices, flags)
             lat = cache[key]
-        elif p.collective == "ragged-all-to-all" and p.start.operands:
-            payload = ragged_payload(schedule, p)
+        elif p.collective != "all-to-all" and p.start.operands:
+            payload = collective_payload(schedule, p, len(devices))
             lat = collective_time_us(p.collective, payload, p.group_size or len(devices), HARDWARE[fallback_hardware])
         out.append(lat if lat is not None else window)
     return out

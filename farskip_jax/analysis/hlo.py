@@ -64,10 +64,16 @@ class HloOp:
     end: float = 0.0
     index: int = 0  # position in the schedule
     called: tuple[int, ...] = ()  # called computation ids
+    stretch: float = 0.0  # us of [start, end] lost to contention (cost_model.simulate: a collective in flight)
 
     @property
     def duration(self) -> float:
         return self.end - self.start
+
+    @property
+    def work(self) -> float:
+        """us the op takes alone: its duration less what contention added."""
+        return self.end - self.start - self.stretch
 
 
 @dataclass

@@ -16,8 +16,10 @@ per layer one attention all-reduce (scope attention_allreduce) and one routed al
 (routed_allreduce), payload batch x tokens x d_model x 2 bytes (bf16). The schedule XLA chose is
 re-timed by cost_model.simulate on analysis/topology.py's links (intra-node NVLink / Infinity Fabric;
 NICs between nodes, hierarchical all-reduce), prefill with the attention core priced as a causal
-flash kernel (a server's prefill attention), decode with the core as compiled (it reads the cache:
-memory bound), KV-cache writes at the bytes of the update (in place). Reported per program (ServingTiming):
+flash kernel per layer (a server's prefill attention; analysis/attention_cost.py), decode with the
+core as compiled (it reads the cache: memory bound), KV-cache writes at the bytes of the update (in
+place), compute under an all-reduce in flight at the hardware's contention (cost_model.HARDWARE,
+--contention). Reported per program (ServingTiming):
 
     time_us           modelled TTFT (prefill) / time per output token (decode)
     hidden_frac       all-reduce time hidden under compute / all-reduce time (the paper's "overlap");
@@ -281,7 +283,7 @@ def flash_scores(schedule, scores: int):
     """A copy of `schedule` whose attention ops that stream the [b, h, t, L] scores through HBM (no
     FLOPs, at least one bf16 score tensor of `scores` elements moved: the masked softmax XLA fuses
     under a reshape's name, outside the attention_core scope) count as part of the attention core,
-    which a flash kernel keeps on chip (cost_model.fused_attention_us prices them at zero)."""
+    which a flash kernel keeps on chip (analysis/attention_cost.py prices the core as one kernel)."""
     import copy
 
     from farskip_jax.analysis.scopes import scope_of
@@ -295,12 +297,13 @@ def flash_scores(schedule, scores: int):
 
 
 def time_serving(schedule, node_of_devices: Sequence[int], hardware: str = "h200", program: str = "prefill",
-                 scores: Optional[int] = None, **links_over) -> ServingTiming:
+                 scores: Optional[int] = None, contention: Optional[float] = None, **links_over) -> ServingTiming:
     """Re-time a compiled serving program with the two-stream model on `hardware` (cost_model.HARDWARE,
     topology.LINKS), its collectives priced by which devices share a node (`node_of_devices`).
     Prefill: the attention core as a causal flash kernel, `scores` (score_elements) marks the
-    materialised softmax of the naive core as part of it (flash_scores)."""
-    from farskip_jax.analysis.cost_model import HARDWARE, OptimizerStep, simulate
+    materialised softmax of the naive core as part of it (flash_scores). contention: compute speed
+    while a collective is in flight (default the hardware's)."""
+    from farskip_jax.analysis.cost_model import HARDWARE, OptimizerStep, simulate, with_contention
     from farskip_jax.analysis.hlo import COLLECTIVES
     from farskip_jax.analysis.loop_schedule import row_copy_ops
     from farskip_jax.analysis.report import analyze
@@ -309,7 +312,7 @@ def time_serving(schedule, node_of_devices: Sequence[int], hardware: str = "h200
     if program == "prefill" and scores:
         schedule = flash_scores(schedule, scores)
     topo = topology_for(node_of_devices, hardware, **links_over)
-    hw = HARDWARE[hardware]
+    hw = with_contention(HARDWARE[hardware], contention)
     kw = dict(topology=topo, fused_attention=program == "prefill", in_place_updates=True)
     sched, durs = simulate(schedule, hw, **kw)
     rep = analyze(sched, durs, kinds=("all-reduce",), with_bound=False)
@@ -384,10 +387,10 @@ def expected_ar_bytes(cfg, batch: int, tokens: int) -> int:
 
 
 def plot_serving_timelines(items, hardware: str, program: str, layer: int, path: Optional[str] = None,
-                           scores: Optional[int] = None):
+                           scores: Optional[int] = None, contention: Optional[float] = None):
     """Two-stream timelines of one layer (analysis/timeline.py), one panel per (label, schedule,
     node_of_devices), the all-reduces coloured attention / routed; `scores` as time_serving."""
-    from farskip_jax.analysis.cost_model import HARDWARE, simulate
+    from farskip_jax.analysis.cost_model import HARDWARE, simulate, with_contention
     from farskip_jax.analysis.report import analyze
     from farskip_jax.analysis.timeline import plot_layer_timelines
 
@@ -395,8 +398,9 @@ def plot_serving_timelines(items, hardware: str, program: str, layer: int, path:
     for label, schedule, nodes in items:
         if program == "prefill" and scores:
             schedule = flash_scores(schedule, scores)
-        sched, durs = simulate(schedule, HARDWARE[hardware], topology=topology_for(nodes, hardware),
-                               fused_attention=program == "prefill", in_place_updates=True)
+        sched, durs = simulate(schedule, with_contention(HARDWARE[hardware], contention),
+                               topology=topology_for(nodes, hardware), fused_attention=program == "prefill",
+                               in_place_updates=True)
         panels.append((label, sched, analyze(sched, durs, label=label, kinds=("all-reduce",), with_bound=False)))
         names.update({p.start.name: f"{role_of(p.start.op_name)} all-reduce" for p in schedule.pairs})
     return plot_layer_timelines(panels, layer, "fwd", path, role_of=lambda st: names.get(st.name, "other"),
@@ -435,6 +439,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--target", default="h200")
     ap.add_argument("--hardware", default="h200", help="two-stream model: h200, h100_sxm, mi300x, mi325x")
+    ap.add_argument("--contention", type=float, default=None,
+                    help="compute speed while a collective is in flight, fraction (0, 1] (default: the hardware's, "
+                         "cost_model.HARDWARE; 1.0 = no contention)")
     ap.add_argument("--layers", type=int, default=None, help="cut the model to this many layers")
     ap.add_argument("--scan-layers", choices=("config", "true", "false"), default="config",
                     help="stacked layers decoded as a scan (eval/decode_scan.py) or per-layer weights unrolled")
@@ -446,6 +453,11 @@ def main(argv=None) -> int:
     from farskip_jax.errors import FarSkipError
 
     try:
+        from farskip_jax.analysis.cost_model import HARDWARE, with_contention
+
+        if a.hardware not in HARDWARE:
+            raise FarSkipError(f"--hardware {a.hardware!r} is unknown; choose one of {sorted(HARDWARE)}")
+        hw = with_contention(HARDWARE[a.hardware], a.contention)
         base = load_config(a.config, a.overrides)
         devices = gpu_devices(a.target, a.devices, gpus_per_node=min(a.gpus_per_node, a.devices), memory_gb=1e4)
         tokens = a.tokens if a.program == "prefill" else 1
@@ -460,10 +472,12 @@ def main(argv=None) -> int:
                   "layers) ...", file=sys.stderr, flush=True)
             prog = compile_serving(cfg, mesh, a.program, a.batch, tokens, max_len)
             out[preset] = time_serving(prog.schedule, node_of(mesh), a.hardware, a.program,
-                                       score_elements(cfg, mesh, a.batch, tokens, max_len))
+                                       score_elements(cfg, mesh, a.batch, tokens, max_len), a.contention)
     except FarSkipError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    print(f"cost model: compute under an all-reduce in flight at {hw.contention:.2f} of its speed (contention; "
+          f"default {HARDWARE[a.hardware].contention:.2f} for {a.hardware}, --contention)")
     print(format_pair(out["standard"], out["farskip"], "TTFT" if a.program == "prefill" else "time per output token"))
     return 0
 

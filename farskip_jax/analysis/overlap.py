@@ -2,7 +2,8 @@
 
     python -m farskip_jax.analysis.overlap --config configs/deepseek_v2_lite.yaml \
         --batch 8 --seq 4096 --programs forward,train --target h100_sxm [--hardware mi300x|none] \
-        --out runs/overlap [--verbose] [key=value config overrides ...]
+        --out runs/overlap [--verbose] [--contention 0.8] [--contention-sweep 1,0.9,0.8,0.7]
+        [--attention fused|naive] [key=value config overrides ...]
 
 For each connectivity preset (default: standard, farskip) and program (forward, train step) it
 compiles the real model deviceless for an 8-GPU topology with the latency-hiding scheduler on, and
@@ -10,11 +11,14 @@ reports every all-to-all (layer, dispatch/combine, fwd/bwd,
 MB, modelled duration, hidden time, the named scopes that ran inside it, the compute independent
 of it), totals side by side (hidden fraction, structural bound, hidden/bound, modelled step time,
 speedup) under two cost models: the two-stream model (cost_model.py, --hardware, default mi300x),
-which prices kernels at roofline and gives the headline figures and the pictures, and XLA's own
+which prices kernels at roofline, each layer's attention core as one flash kernel per pass
+(--attention fused, analysis/attention_cost.py) and compute under a collective in flight at the
+hardware's contention (--contention), and gives the headline figures and the pictures, and XLA's own
 deviceless model (printed after it for reference: it rates the routed experts' ragged_dot and the
 naive attention scores tens of times too high; a WARNING says when the two disagree by more than
 2x on compute). Writes report.json and one timeline picture per program (standard above farskip,
-on the headline model's timeline) into --out.
+on the headline model's timeline) into --out. Every speedup is split into the part from hiding
+communication and the part from compute that differs between the programs (analysis/speedup.py).
 
 Scanned programs (model.scan_layers, the real configs' default) are analysed as compiled: their
 layers sit in while loops, which analysis/loop_schedule.py unrolls as executed (each body's schedule
@@ -42,7 +46,6 @@ from farskip_jax.analysis.deviceless import (LHS_FLAGS, collective_durations, co
                                              preset_options)
 from farskip_jax.analysis.report import (ALL_TO_ALLS, OverlapReport, analyze, format_collectives,
                                          format_side_by_side)
-from farskip_jax.analysis.scopes import scope_of
 from farskip_jax.model.gmm import resolve_backend
 
 PROGRAMS = ("forward", "train")
@@ -76,6 +79,8 @@ class ProgramResult:
     hardware: Optional[str] = None
     topology: object = None  # analysis/topology.Topology the two-stream model priced collectives with
     layer_loops: tuple = ()  # loop_schedule.LayerLoop of a scanned program (its while loops over layers); () = unrolled
+    contention: Optional[float] = None  # the two-stream model's compute speed under a collective in flight
+    fused_attention: bool = True  # the two-stream model priced attention_core as flash kernels
 
     @property
     def layout(self) -> str:
@@ -106,7 +111,8 @@ def run_overlap(cfg, presets: Sequence[str] = ("standard", "farskip"), programs:
                 num_devices: int = 8, flags: Optional[dict] = None, hardware: Optional[str] = None,
                 log=None, gpus_per_node: Optional[int] = None, memory_gb: Optional[float] = None,
                 links=None, grouped_gemm: bool = False, cfg_for=None, ep_options: Optional[dict] = None,
-                probe_latency: bool = True) -> list[ProgramResult]:
+                probe_latency: bool = True, contention: Optional[float] = None,
+                fused_attention: bool = True) -> list[ProgramResult]:
     """Compile and analyse every (preset, program); `log(msg)` receives progress lines.
 
     flags: compile options (default: the cuda_hopper preset + LHS_FLAGS).
@@ -118,13 +124,16 @@ def run_overlap(cfg, presets: Sequence[str] = ("standard", "farskip"), programs:
     cfg_for(preset, cfg) -> cfg: per-preset config (e.g. FoE's moe.num_groups); default sets the preset.
     ep_options: all_to_all backend fields, e.g. {"chunks": 2} (programs.abstract_model).
     probe_latency: XLA's all-to-all latencies by compiling each distinct shape alone (deviceless
-      .collective_durations); False takes the start-to-done windows (XLA's report only; faster)."""
-    from farskip_jax.analysis.cost_model import HARDWARE, simulate
+      .collective_durations); False takes the start-to-done windows (XLA's report only; faster).
+    contention: the two-stream model's compute speed while a collective is in flight (default: the
+      hardware's, cost_model.HARDWARE); fused_attention: attention_core as flash kernels (else as compiled)."""
+    from farskip_jax.analysis.cost_model import HARDWARE, simulate, with_contention
     from farskip_jax.analysis.programs import analysis_mesh, forward_program, grouped_gemm_proxy, train_program
     from farskip_jax.analysis.topology import LINKS, Topology
     from farskip_jax.config import replace
 
     log = log or (lambda m: None)
+    hw = with_contention(HARDWARE[hardware], contention) if hardware else None
     if flags is None:
         flags = dict(preset_options("cuda_hopper"), **LHS_FLAGS)
     batch = batch or cfg.train.batch_size
@@ -162,21 +171,23 @@ def run_overlap(cfg, presets: Sequence[str] = ("standard", "farskip"), programs:
             how = f"scanned, {len(loops)} layer loops unrolled: " if loops else ""
             log(f"[overlap]   compiled in {dt:.1f}s: {how}"
                 f"{len(sched.ops)} ops, {len(sched.pairs)} async collectives; analysing ...")
-            durs = collective_durations(sched, devices, flags) if probe_latency else None
+            durs = (collective_durations(sched, devices, flags, target if target in HARDWARE else "h100_sxm")
+                    if probe_latency else None)
             rep = analyze(sched, durs, label=preset)
             modelled = serial = sched_hw = None
             if hardware:
                 ep = mesh.shape.get("expert", 1)
                 # in_place_updates: a dynamic-update-slice moves its update (a scanned program writes each
                 # layer's residuals / weight gradients into stacked buffers in place; the unrolled has none)
-                sched_hw, durs_hw = simulate(sched, HARDWARE[hardware], ep, topology=topo, in_place_updates=True)
+                kw = dict(topology=topo, in_place_updates=True, fused_attention=fused_attention)
+                sched_hw, durs_hw = simulate(sched, hw, ep, **kw)
                 modelled = analyze(sched_hw, durs_hw, label=f"{preset}@{hardware}")
-                sched_s, durs_s = simulate(sched, HARDWARE[hardware], ep, serialize=ALL_TO_ALLS,
-                                           topology=topo, in_place_updates=True)
+                sched_s, durs_s = simulate(sched, hw, ep, serialize=ALL_TO_ALLS, **kw)
                 serial = analyze(sched_s, durs_s, label=f"{preset}-no-overlap@{hardware}")
             results.append(ProgramResult(preset, prog, rep, modelled, sched, dt, serial,
                                          hlo_text=compiled.hlo_text, mesh=mesh, modelled_schedule=sched_hw,
-                                         hardware=hardware, topology=topo, layer_loops=tuple(loops)))
+                                         hardware=hardware, topology=topo, layer_loops=tuple(loops),
+                                         contention=hw.contention if hw else None, fused_attention=fused_attention))
             log(f"[overlap]   done in {time.time() - t0:.1f}s")
     return results
 
@@ -219,7 +230,11 @@ def target_lines(reports: dict[str, OverlapReport], min_of_bound: float = 0.95, 
 
     Next to the measured speedup: the ceiling (standard's step with every all-to-all microsecond
     hidden) and, clearly apart, farskip vs standard with no overlap at all (the paper's comparator;
-    `serial` = standard re-timed with synchronous all-to-alls, else step + hidden time)."""
+    `serial` = standard re-timed with synchronous all-to-alls, else step + hidden time). Each speedup
+    is split into hiding communication x compute difference (analysis/speedup.py), with a NOTE when
+    the compute difference dominates."""
+    from farskip_jax.analysis.speedup import split_lines, split_speedup
+
     fs, std = reports.get("farskip"), reports.get("standard")
     if fs is None:
         return []
@@ -255,14 +270,20 @@ def target_lines(reports: dict[str, OverlapReport], min_of_bound: float = 0.95, 
                    f"{sp:.3f}x (target >= {min_speedup:.2f}x; ceiling if every all-to-all us of standard were "
                    f"hidden: {ceil:.3f}x = {std.step_time / 1e3:.2f} / ({std.step_time / 1e3:.2f} - "
                    f"{std.totals('all')['exposed'] / 1e3:.2f}) ms)")
+        out.extend(split_lines(split_speedup(std, fs), "farskip / standard"))
         base = no_overlap_step(std, serial)
         how = "all-to-alls synchronous" if serial is not None else "step + all-to-all time it hid"
         out.append(f"INFO vs standard WITHOUT overlap ({how}, the paper's Megatron baseline; not XLA's "
                    f"overlapped standard): {base / 1e3:.2f} ms -> farskip {base / fs.step_time:.3f}x")
+        if serial is not None:
+            out.extend(split_lines(split_speedup(serial, fs), "farskip / standard without overlap",
+                                   ref="standard without overlap"))
     return out
 
 
 def to_json(results: Sequence[ProgramResult]) -> dict:
+    from farskip_jax.analysis.speedup import split_speedup
+
     out = {}
     for r in results:
         entry = {"compile_s": r.compile_s, "step_time_us": r.report.step_time,
@@ -276,9 +297,15 @@ def to_json(results: Sequence[ProgramResult]) -> dict:
                                  "row_copy_us": r.modelled.row_copy_time,
                                  "other_collectives_us": r.modelled.other_collective_time,
                                  "other_collectives_waited_us": r.modelled.other_exposed,
+                                 "contention": r.contention, "contention_us": r.modelled.contention_time,
+                                 "attention": "fused" if r.fused_attention else "naive",
+                                 "compute_by_scope_us": r.modelled.compute_by_scope,
                                  "collectives": [dataclasses.asdict(s) for s in r.modelled.stats]}
-            if r.modelled_schedule is not None:  # us of compute per named scope (which part of the layer costs what)
-                entry["modelled"]["compute_by_scope_us"] = _compute_by_scope(r.modelled_schedule)
+        std = next((x for x in results if x.program == r.program and x.preset == "standard"), None)
+        if r.modelled is not None and std is not None and std is not r and std.modelled is not None:
+            entry["modelled"]["speedup_vs_standard"] = dataclasses.asdict(split_speedup(std.modelled, r.modelled))
+            if std.serial is not None:
+                entry["modelled"]["speedup_vs_no_overlap"] = dataclasses.asdict(split_speedup(std.serial, r.modelled))
         if r.serial is not None:
             entry["modelled_no_overlap"] = {"step_time_us": r.serial.step_time}
         entry["ceiling_step_us"] = r.report.ceiling_step()
@@ -304,15 +331,6 @@ def compute_disagreement(xla: OverlapReport, modelled: OverlapReport) -> float:
     return max(a / b, b / a)
 
 
-def _compute_by_scope(schedule) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for o in schedule.ops:
-        if o.kind == "compute" and o.duration > 0:
-            sc = scope_of(o.op_name)
-            out[sc] = out.get(sc, 0.0) + o.duration
-    return out
-
-
 def disagreement_lines(results: Sequence[ProgramResult], threshold: float = 2.0) -> list[str]:
     """A WARNING per program whose compute times under XLA's model and the two-stream model differ
     by more than `threshold`x, naming the scopes that differ most (e.g. expert_compute: ragged_dot's
@@ -324,7 +342,7 @@ def disagreement_lines(results: Sequence[ProgramResult], threshold: float = 2.0)
         ratio = compute_disagreement(r.report, r.modelled)
         if ratio <= threshold:
             continue
-        xs, ms = _compute_by_scope(r.schedule), _compute_by_scope(r.modelled_schedule)
+        xs, ms = r.report.compute_by_scope, r.modelled.compute_by_scope
         diff = sorted(((xs.get(k, 0.0) - ms.get(k, 0.0), k) for k in set(xs) | set(ms)), key=lambda t: -abs(t[0]))
         worst = ", ".join(f"{k} {xs.get(k, 0.0) / 1e3:.1f} vs {ms.get(k, 0.0) / 1e3:.1f} ms" for _, k in diff[:3])
         out.append(f"WARNING {r.program} ({r.preset}): XLA's deviceless cost model and the two-stream {r.hardware} "
@@ -335,7 +353,8 @@ def disagreement_lines(results: Sequence[ProgramResult], threshold: float = 2.0)
 
 
 def format_results(results: Sequence[ProgramResult], programs: Sequence[str], target: str = "h100_sxm",
-                   num_devices: int = 8, verbose: bool = False, sweep_bw: Optional[str] = None) -> str:
+                   num_devices: int = 8, verbose: bool = False, sweep_bw: Optional[str] = None,
+                   sweep_contention: Sequence[float] = ()) -> str:
     """The report's text: per program the headline model first (the two-stream model when it ran),
     then XLA's deviceless model, FoE summaries and the bandwidth sweep; warnings where the two
     models disagree by more than 2x on compute."""
@@ -356,6 +375,7 @@ def format_results(results: Sequence[ProgramResult], programs: Sequence[str], ta
         xla_block += target_lines({r.preset: r.report for r in sel})
         if hw:
             p(f"\n=== {prog}: two-stream cost model ({hw}) [headline] ===")
+            p(cost_model_line(sel[0]))
             if verbose:
                 lines.extend(format_collectives(r.modelled) + "\n" for r in sel)
             serial = next((r.serial for r in sel if r.preset == "standard"), None)
@@ -369,21 +389,58 @@ def format_results(results: Sequence[ProgramResult], programs: Sequence[str], ta
 
                 p(format_foe_summary(foe_summary(r.hlo_text, r.mesh), f"FoE {r.preset}"))
         if hw and sweep_bw:
-            from farskip_jax.analysis.cost_model import HARDWARE
+            from farskip_jax.analysis.cost_model import HARDWARE, with_contention
             from farskip_jax.analysis.sensitivity import bandwidth_sweep, format_sweep, implied_bandwidth
 
             std = next((r for r in sel if r.preset == "standard"), None)
             fs = next((r for r in sel if r.preset == "farskip"), None)
             if std is not None and fs is not None:
-                h = HARDWARE[hw]
-                paper = implied_bandwidth(std.schedule, fs.schedule, h, 1.11, num_devices)
+                h = with_contention(HARDWARE[hw], std.contention)
+                kw = dict(fused_attention=std.fused_attention)
+                paper = implied_bandwidth(std.schedule, fs.schedule, h, 1.11, num_devices, **kw)
                 bws = sorted({float(x) * 1e9 for x in sweep_bw.split(",")} | {h.a2a_bw} | set(paper))
-                sweep = bandwidth_sweep(std.schedule, fs.schedule, h, bws, num_devices)
+                sweep = bandwidth_sweep(std.schedule, fs.schedule, h, bws, num_devices, **kw)
                 marks = {h.a2a_bw / 1e9: f"<- {hw} default"}
                 marks.update({bw / 1e9: "<- paper's 1.11x (farskip vs no-overlap baseline)" for bw in paper})
                 p(f"\n=== {prog}: speedup vs all-to-all bandwidth (two-stream {hw}) ===")
                 p(format_sweep(sweep, marks))
+        if hw and sweep_contention:
+            lines.extend(contention_block(sel, sweep_contention, num_devices))
     return "\n".join(lines)
+
+
+def cost_model_line(r: ProgramResult) -> str:
+    """The two-stream model's settings a result was timed with, in words (printed with the headline)."""
+    from farskip_jax.analysis.cost_model import HARDWARE
+
+    hw = HARDWARE.get(r.hardware)
+    c = r.contention if r.contention is not None else (hw.contention if hw is not None else 1.0)
+    if hw is None:
+        how = f"{r.hardware} is not a cost_model.HARDWARE entry"
+    elif abs(c - hw.contention) < 1e-12:
+        how = f"the default for {r.hardware}: cost_model.HARDWARE, --contention"
+    else:
+        how = f"overridden by --contention; default {hw.contention:.2f} for {r.hardware}"
+    return (f"cost model: compute under a collective in flight at {c:.2f} of its speed (contention, {how}); "
+            "attention_core "
+            + ("priced as one flash kernel per layer and pass (analysis/attention_cost.py; --attention naive: as "
+               "compiled)" if r.fused_attention else "priced as compiled (--attention naive)"))
+
+
+def contention_block(sel: Sequence[ProgramResult], values: Sequence[float], num_devices: int) -> list[str]:
+    """The program's standard and farskip schedules re-timed at each contention (sensitivity.
+    contention_sweep), as text."""
+    from farskip_jax.analysis.cost_model import HARDWARE
+    from farskip_jax.analysis.sensitivity import contention_sweep, format_contention_sweep
+
+    std = next((r for r in sel if r.preset == "standard"), None)
+    fs = next((r for r in sel if r.preset == "farskip"), None)
+    if std is None or fs is None or std.hardware is None:
+        return []
+    rows = contention_sweep(std.schedule, fs.schedule, HARDWARE[std.hardware], values, num_devices,
+                            fused_attention=std.fused_attention, topology=std.topology)
+    return [f"\n=== {sel[0].program}: speedup vs contention (two-stream {std.hardware}) ===",
+            format_contention_sweep(rows, HARDWARE[std.hardware].contention)]
 
 
 def write_timelines(results: Sequence[ProgramResult], programs: Sequence[str], out: str) -> list[str]:
@@ -405,6 +462,24 @@ def write_timelines(results: Sequence[ProgramResult], programs: Sequence[str], o
             plot_layer_timelines(items, layer, d, path)
             paths.append(path)
     return paths
+
+
+def _contentions(text: Optional[str]) -> list[float]:
+    """--contention-sweep's values; ConfigError naming a bad one."""
+    from farskip_jax.errors import ConfigError
+
+    out = []
+    for x in (text or "").split(","):
+        if not x.strip():
+            continue
+        try:
+            v = float(x)
+        except ValueError:
+            raise ConfigError(f"--contention-sweep: {x!r} is not a number; give fractions in (0, 1], e.g. 1,0.9,0.8")
+        if not 0.0 < v <= 1.0:
+            raise ConfigError(f"--contention-sweep: {v} is outside (0, 1]; give fractions of compute speed, e.g. 1,0.8")
+        out.append(v)
+    return out
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -431,6 +506,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "mi325x, h100_sxm, h200; 'none' = XLA's deviceless model only")
     ap.add_argument("--sweep-bw", default=None, metavar="GBS,GBS,...",
                     help="with --hardware: speedups at these all-to-all bandwidths (GB/s per GPU), e.g. 25,50,100,200")
+    ap.add_argument("--contention", type=float, default=None,
+                    help="compute speed while a collective is in flight, as a fraction of its speed alone (0-1]; "
+                         "default: the hardware's (cost_model.HARDWARE: 0.8 for all four GPUs), 1.0 = no contention")
+    ap.add_argument("--contention-sweep", default=None, metavar="F,F,...",
+                    help="with --hardware: re-time the compiled programs at these contentions, e.g. 1,0.9,0.8,0.7")
+    ap.add_argument("--attention", default="fused", choices=("fused", "naive"),
+                    help="two-stream model: attention_core as one flash kernel per layer and pass (fused, default: "
+                         "analysis/attention_cost.py) or as compiled (naive: materialised [s, s] scores)")
     ap.add_argument("--out", default=None, help="folder for report.json and timeline pictures")
     ap.add_argument("--verbose", action="store_true", help="print every all-to-all")
     ap.add_argument("overrides", nargs="*", help="config overrides key=value")
@@ -447,7 +530,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             k, _, v = kv.partition("=")
             flags[k.lstrip("-")] = _parse_value(v)
         progs = [p.strip() for p in a.programs.split(",") if p.strip()]
-        from farskip_jax.analysis.cost_model import HARDWARE
+        from farskip_jax.analysis.cost_model import HARDWARE, with_contention
 
         if a.hardware and a.hardware.lower() == "none":
             a.hardware = None
@@ -458,14 +541,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         bad = [p for p in progs if p not in PROGRAMS]
         if bad:
             raise FarSkipError(f"--programs: unknown {bad}; choose from {list(PROGRAMS)}")
+        sweep_c = _contentions(a.contention_sweep)
+        if (a.contention is not None or sweep_c) and not a.hardware:
+            raise FarSkipError("--contention / --contention-sweep need --hardware (the two-stream model)")
+        if a.contention is not None:
+            with_contention(HARDWARE[a.hardware], a.contention)  # validates
         log = lambda m: print(m, file=sys.stderr, flush=True)
         results = run_overlap(cfg, [p.strip() for p in a.presets.split(",")], progs, a.batch, a.seq, a.target,
                               a.devices, flags, a.hardware, log, gpus_per_node=a.gpus_per_node,
-                              memory_gb=a.memory_gb, grouped_gemm=a.grouped_gemm)
+                              memory_gb=a.memory_gb, grouped_gemm=a.grouped_gemm, contention=a.contention,
+                              fused_attention=a.attention == "fused")
     except FarSkipError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(format_results(results, progs, a.target, a.devices, verbose=a.verbose, sweep_bw=a.sweep_bw))
+    print(format_results(results, progs, a.target, a.devices, verbose=a.verbose, sweep_bw=a.sweep_bw,
+                         sweep_contention=sweep_c))
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "report.json"), "w") as f:

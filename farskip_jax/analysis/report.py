@@ -52,11 +52,18 @@ class OverlapReport:
     stats: list[CollectiveStat]
     step_time: float  # us, end of the last op
     compute_time: float  # us, sum of compute op durations
-    other_collective_time: float  # us of non-all-to-all collectives (e.g. gradient all-reduce)
+    other_collective_time: float  # us the other collectives (gradient all-reduces, ...) take: modelled transfer time
     bound: dict[str, float]  # direction ("fwd", "bwd", "all") -> structural max hideable us
     peak_memory: int = 0  # bytes, LHS's estimate of the schedule's peak (memory pressure stops overlap)
     other_exposed: float = 0.0  # us the compute stream waits at dones of the other collectives
     row_copy_time: float = 0.0  # us of a scanned program's stacked-row copies (loop_schedule.ROW_COPY ops)
+    contention_time: float = 0.0  # us compute lost to collectives in flight (HloOp.stretch; not in compute_time)
+    compute_by_scope: dict[str, float] = field(default_factory=dict)  # scope -> us of compute (alone)
+
+    @property
+    def communication_cost(self) -> float:
+        """us of the step that are not compute at full speed: waits at collectives + contention."""
+        return self.step_time - self.compute_time
 
     def ceiling_step(self) -> float:
         """Step time if every all-to-all microsecond of this schedule were hidden (us)."""
@@ -87,9 +94,15 @@ def analyze(schedule: Schedule, durations: Optional[Sequence[float]] = None, lab
     """Overlap statistics of the collectives of `kinds` in a timed schedule.
 
     durations: modelled duration per entry of `schedule.pairs` (default: the window when the done
-    had to wait, which is XLA's latency whenever anything is exposed)."""
+    had to wait, which is XLA's latency whenever anything is exposed); `other_collective_time` sums
+    them over the collectives not of `kinds` (their transfer time, not their windows).
+    compute_time / compute_by_scope: the compute ops' time alone (HloOp.work), contention_time what
+    collectives in flight added to it (cost_model.simulate)."""
     pairs = list(schedule.pairs)
     compute = [o for o in schedule.ops if o.kind == "compute" and o.duration > 0]
+    by_scope: dict[str, float] = defaultdict(float)
+    for o in compute:
+        by_scope[scope_of(o.op_name)] += o.work
     sel = [i for i, p in enumerate(pairs) if p.collective in kinds]
     stats = []
     for i in sel:
@@ -122,12 +135,14 @@ def analyze(schedule: Schedule, durations: Optional[Sequence[float]] = None, lab
         vals = structural_bound(schedule, [pairs[i] for i in sel], [s.duration for s in stats], subsets.values(),
                                   indep=indep)
         bound = dict(zip(subsets.keys(), vals))
-    other = sum(max(p.done.start - p.start.end, 0.0) for i, p in enumerate(pairs) if p.collective not in kinds)
+    other = sum(durations[i] if durations is not None else max(p.done.start - p.start.end, 0.0)
+                for i, p in enumerate(pairs) if p.collective not in kinds)
     other_exposed = sum(max(p.done.end - p.done.start, 0.0) for p in pairs if p.collective not in kinds)
-    row_copy = sum(o.duration for o in compute if (o.op_name or "").endswith("/" + ROW_COPY))
+    row_copy = sum(o.work for o in compute if (o.op_name or "").endswith("/" + ROW_COPY))
     return OverlapReport(label=label, stats=stats, step_time=schedule.makespan,
-                         compute_time=sum(o.duration for o in compute), other_collective_time=other, bound=bound,
-                         peak_memory=schedule.peak_memory, other_exposed=other_exposed, row_copy_time=row_copy)
+                         compute_time=sum(o.work for o in compute), other_collective_time=other, bound=bound,
+                         peak_memory=schedule.peak_memory, other_exposed=other_exposed, row_copy_time=row_copy,
+                         contention_time=sum(o.stretch for o in compute), compute_by_scope=dict(by_scope))
 
 
 def _top_inside(s: CollectiveStat, n: int = 3) -> str:
@@ -150,10 +165,12 @@ def format_collectives(rep: OverlapReport) -> str:
 
 def format_side_by_side(reports: Sequence[OverlapReport]) -> str:
     """Totals of several reports (e.g. standard vs farskip) as one table, plus the step speedup."""
-    head = f"{'':<34}" + "".join(f"{r.label:>16}" for r in reports)
+    w = max([16] + [len(r.label) + 2 for r in reports])
+    head = f"{'':<34}" + "".join(f"{r.label:>{w}}" for r in reports)
     rows = [head]
 
     def row(name, fn, fmt="{:>16.1f}"):
+        fmt = fmt.replace("{:>15", "{:>" + str(w - 1)).replace("{:>16", "{:>" + str(w))
         rows.append(f"{name:<34}" + "".join(fmt.format(fn(r)) for r in reports))
 
     for d in ("fwd", "bwd", "all"):
@@ -170,12 +187,19 @@ def format_side_by_side(reports: Sequence[OverlapReport]) -> str:
     row("compute time (us)", lambda r: r.compute_time)
     if any(r.row_copy_time for r in reports):  # a scanned program: XLA copies layer rows out of the stacks
         row("  of which stacked-row copies (us)", lambda r: r.row_copy_time)
-    row("other collectives (us)", lambda r: r.other_collective_time)
+    if any(r.contention_time for r in reports):
+        row("compute slowed by collectives (us)", lambda r: r.contention_time)
+    row("other collectives: transfer (us)", lambda r: r.other_collective_time)
     row("other collectives: waited (us)", lambda r: r.other_exposed)
     row("scheduler peak memory (GiB)", lambda r: r.peak_memory / 2**30, "{:>16.2f}")
     row("modelled step time (us)", lambda r: r.step_time)
     base = reports[0].step_time
     row(f"speedup vs {reports[0].label}", lambda r: base / r.step_time if r.step_time else 0.0, "{:>15.3f}x")
+    if len(reports) > 1:
+        from farskip_jax.analysis.speedup import split_speedup
+
+        row("  of which hiding communication", lambda r: split_speedup(reports[0], r).hiding, "{:>15.3f}x")
+        row("  of which compute difference", lambda r: split_speedup(reports[0], r).compute, "{:>15.3f}x")
     row("step, every all-to-all hidden (us)", lambda r: r.ceiling_step())
     row(f"ceiling speedup vs {reports[0].label}", lambda r: base / r.ceiling_step() if r.ceiling_step() > 0 else 0.0,
         "{:>15.3f}x")
