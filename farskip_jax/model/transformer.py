@@ -84,7 +84,8 @@ class Transformer(nnx.Module):
     def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None, segment_ids: Optional[jax.Array] = None,
                  *, farskip: Optional[FarSkipConfig] = None, return_hidden: bool = False,
                  return_trace: bool = False, logits: bool = True, attention: Optional[Callable] = None,
-                 side: Optional[tuple] = None, scan: Optional[bool] = None, weights: str = "sliced") -> ModelOutput:
+                 side: Optional[tuple] = None, scan: Optional[bool] = None, weights: str = "sliced",
+                 layer_step: Optional[Callable] = None) -> ModelOutput:
         """tokens [b, s] -> ModelOutput (module docstring).
 
         attention: hook fn(block, site, side_q) -> (attention_fn, get_side) replacing each layer's
@@ -92,7 +93,9 @@ class Transformer(nnx.Module):
         group and block (layer_loop.run_layers), returned updated as out.side; with
         model.micro_batches m > 1 a list of m such states, one per micro-batch (split_rows order).
         scan: run stacks as scans (default: model.scan_layers and no return_trace); weights: "sliced" |
-        "indexed". return_trace runs without micro-batches (the same values)."""
+        "indexed". return_trace runs without micro-batches (the same values). layer_step: fn(positions
+        [b', s], segment_ids) -> a step of the layer-loop protocol (init, scan_carry, scannable,
+        __call__) replacing LayerStep / FoEStep, one per micro-batch (a layout's own layer)."""
         fs = farskip if farskip is not None else self.cfg.farskip
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
@@ -106,7 +109,9 @@ class Transformer(nnx.Module):
         h = self.embed(tokens)
         steps, carries = [], []
         for h_j, pos_j, seg_j in zip(split_rows(h, m), split_rows(positions, m), split_rows(segment_ids, m)):
-            if self.cfg.moe.num_groups > 1:
+            if layer_step is not None:
+                step = layer_step(pos_j, seg_j)
+            elif self.cfg.moe.num_groups > 1:
                 step = FoEStep(self, pos_j, seg_j, fs, remat=remat, attention=attention, trace=trace)
             else:
                 step = LayerStep(pos_j, seg_j, remat=remat, attention=attention, trace=trace)
