@@ -126,7 +126,7 @@ def test_scan_equals_loop(case):
 
 def test_hidden_and_views_under_scan():
     """return_hidden is stacked out of the scan; the per-layer views (what return_trace and the
-    attention_fns of decoding run unrolled) are the layers in order."""
+    FoE and the tp_ep layout run unrolled) are the layers in order."""
     extra = ["farskip.preset=farskip", "farskip.layers=last:2"]
     tokens = _tokens()
     loop = Transformer(_cfg(*extra, scan=False), rngs=nnx.Rngs(0))
@@ -141,7 +141,7 @@ def test_hidden_and_views_under_scan():
 
 
 def test_generate_under_scan():
-    """KV-cache greedy decoding of a scanned model (eval/generate.py -> eval/decode_scan.py: the decode
+    """KV-cache greedy decoding of a scanned model (eval/generate.py: the decode
     step is a scan over the stacked layers and cache) reproduces the scanned forward's logits of the generated sequence."""
     from farskip_jax.eval.generate import generate
 

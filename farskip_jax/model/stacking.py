@@ -34,7 +34,7 @@ LAYER_AXIS = "layers"  # logical name of the stacked layer axis (parallel/shardi
 
 def scan_scope(first: int, period: int) -> str:
     """Named scope of the scan of a run whose first layer is `first` (the training scan in
-    model/transformer.py and eval/decode_scan.py): inside it, block q of iteration k is layer
+    model/layer_loop.py, training and decoding): inside it, block q of iteration k is layer
     first + k * period + q, named `layer_q{q}` (analysis/loop_schedule.py renames it `layer_{i}`
     when it unrolls the loop)."""
     return f"scan_L{first}_P{period}"

@@ -15,7 +15,7 @@ The layers run through the one layer loop (model/layer_loop.py): unrolled, or un
 `model.scan_layers` as one `jax.lax.scan` per stack of alike layers and run of equal connectivity
 (model/stacking.py, docs/scan.md). The layer itself is a step: `LayerStep` for the ordinary model,
 `foe.FoEStep` for a Federation of Experts (moe.num_groups > 1). Callers that swap a layer's
-attention (KV-cache decoding, eval/decode_scan.py; the tp_ep layout, parallel/inference.py) pass an
+attention (KV-cache decoding, eval/generate.py; the tp_ep layout, parallel/inference.py) pass an
 `attention` hook and per-layer `side` state through the same call.
 
 Two-batch overlap (`model.micro_batches: 2`): the batch's rows are split into interleaved
