@@ -27,7 +27,7 @@ from flax import nnx
 
 from farskip_jax.config import Config
 from farskip_jax.convert.families import family_by_name, family_for, farskip_native, text_part
-from farskip_jax.convert.reader import TOKENIZER_FILES
+from farskip_jax.convert.reader import TOKENIZER_FILES, read_hf_config
 from farskip_jax.convert.safetensors_io import write_file
 from farskip_jax.errors import CheckpointError
 from farskip_jax.model.stacking import per_layer_values, plan_segments
@@ -78,8 +78,7 @@ def export_hf(model: Transformer, cfg: Config, out_dir: str, *, base_config: Opt
         raise CheckpointError(f"{out_dir} already exists; pass overwrite=True (CLI: --overwrite) or choose a new folder")
     src = cfg.init_from_hf
     if base_config is None and family is None and src and os.path.isfile(os.path.join(src, "config.json")):
-        with open(os.path.join(src, "config.json")) as f:  # the folder the model was imported from
-            base_config = json.load(f)
+        base_config = read_hf_config(src)  # the folder the model was imported from
         tokenizer_dir = tokenizer_dir or src
     if base_config is not None:
         base_config = text_part(base_config)[0]  # a multimodal source exports its language model

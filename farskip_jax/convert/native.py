@@ -25,6 +25,7 @@ from farskip_jax.config import Config, dump_config, load_config
 from farskip_jax.convert.connectivity import describe
 from farskip_jax.convert.families import family_for
 from farskip_jax.convert.loader import abstract_model, import_config, open_checkpoint, target_shardings, validate
+from farskip_jax.convert.reader import read_json
 from farskip_jax.convert.safetensors_io import read_header, MappedTensor, write_file
 from farskip_jax.errors import CheckpointError
 from farskip_jax.model.transformer import Transformer
@@ -118,6 +119,5 @@ def load_native(path: str, mesh=None, overrides=None, routed_compute=None) -> tu
         var.set_value(jax.make_array_from_callback(want, sharding_of(p), lambda idx, t=t, d=d: t[idx].astype(d)))
     hf = None
     if os.path.isfile(os.path.join(path, "hf_config.json")):
-        with open(os.path.join(path, "hf_config.json")) as f:
-            hf = json.load(f)
+        hf = read_json(os.path.join(path, "hf_config.json"), "hf_config.json (the source's config.json)")
     return cfg, nnx.merge(graphdef, state), hf
