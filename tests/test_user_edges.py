@@ -217,3 +217,88 @@ def test_documented_notebook_command_runs(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     out = nbformat.read(str(path), as_version=4).cells[0].outputs
     assert out and out[0].get("text", "").strip() == "42"
+
+
+# ------------------------------------------------------------------------------------------------
+# a finished run: eval, resume and export print no orbax warnings; eval --mode loss = training's val loss;
+# generation past the model's positions is refused
+# ------------------------------------------------------------------------------------------------
+
+ORBAX_WARNING = "could not be restored"
+
+
+@pytest.fixture(scope="module")
+def run_folder(tmp_path_factory):
+    """A 2-step pretraining run of the tiny config (qwen2_moe-shaped: gated shared expert), 2 val batches."""
+    run = str(tmp_path_factory.mktemp("runs") / "tiny")
+    r = cli(*train_args(run, "moe.shared_gate=true", "train.eval_batches=2", "train.eval_every=2",
+                        "model.max_seq_len=64"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return run
+
+
+def test_eval_loss_is_the_val_loss_training_printed_without_orbax_warnings(run_folder):
+    r = cli("eval.py", "--run", run_folder, "--mode", "loss")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert ORBAX_WARNING not in r.stderr + r.stdout
+    res = json.loads(r.stdout)
+    logged = [json.loads(ln) for ln in open(os.path.join(run_folder, "metrics.jsonl")) if '"val_loss"' in ln][-1]
+    assert res["val_batches"] == 2 and "train.eval_batches" in res["val_batches_from"]
+    np.testing.assert_allclose(res["val_loss"], logged["val_loss"], rtol=1e-6)
+
+
+def test_generation_past_the_models_positions_is_refused(run_folder):
+    refused(["eval.py", "--run", run_folder, "--mode", "generate", "--prompt", "def main(", "eval.max_new_tokens=60"],
+            r"eval\.max_new_tokens=60 after a 10-token prompt needs 70 positions, but the model has "
+            r"model\.max_seq_len=64: set eval\.max_new_tokens <= 54", run_folder)
+
+
+def test_resume_and_export_print_no_orbax_warnings(run_folder, tmp_path):
+    """Resumes the module's run (last of its users: it moves the run to step 3)."""
+    run = run_folder
+    r = cli(*train_args(run, "moe.shared_gate=true", "train.eval_batches=2", "train.eval_every=2",
+                        "model.max_seq_len=64", "train.steps=3"))
+    assert r.returncode == 0 and "resum" in r.stdout, r.stderr[-3000:]
+    assert ORBAX_WARNING not in r.stderr + r.stdout
+    out = tmp_path / "hf"
+    r = cli("-m", "farskip_jax.convert", "export", run, str(out), "--family", "qwen2_moe")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert ORBAX_WARNING not in r.stderr + r.stdout
+    info = json.loads((out / "farskip_export.json").read_text())
+    assert info["run"] == run and info["checkpoint"] == "latest" and info["step"] == 3  # a pretraining run: latest
+
+
+# ------------------------------------------------------------------------------------------------
+# an import folder (python -m farskip_jax.convert import) is named as such, and eval --hf reads it
+# ------------------------------------------------------------------------------------------------
+
+def _qwen3_hf(path):
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(vocab_size=320, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                      head_dim=8, intermediate_size=48, moe_intermediate_size=16, num_experts=4,
+                                      num_experts_per_tok=2, num_hidden_layers=2, initializer_range=0.1,
+                                      max_position_embeddings=128, tie_word_embeddings=False)
+    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(str(path))
+    return str(path)
+
+
+def test_an_import_folder_is_named_and_eval_reads_it(tmp_path):
+    hf = _qwen3_hf(tmp_path / "hf")
+    imp = str(tmp_path / "imported")
+    r = cli("-m", "farskip_jax.convert", "import", hf, imp)
+    assert r.returncode == 0, r.stderr[-3000:]
+    what = re.escape(imp) + r" is an import folder written by `python -m farskip_jax.convert import` .*imported from "
+    refused(["eval.py", "--run", imp, "--mode", "loss"], what + r".*not a run folder .*eval\.py --hf", imp)
+    run = str(tmp_path / "run")
+    refused(["train.py", "--config", "configs/distill_hf_small.yaml", f"train.run_dir={run}",
+             f"distill.init_from_run={imp}", "distill.export_hf=null"], what + r".*not a run folder", imp, run)
+    refused(train_args(run, f"init_from_hf={imp}"), what + r".*not an HF folder: pass the HF folder it was imported",
+            imp, run)
+    # eval --hf reads it as it is: the same val loss as the HF folder it came from
+    a, b = (cli("eval.py", "--hf", p, "--mode", "loss", "--batches", "1", "train.seq_len=32", "train.batch_size=4")
+            for p in (imp, hf))
+    assert a.returncode == 0 and b.returncode == 0, a.stderr[-2000:] + b.stderr[-2000:]
+    np.testing.assert_allclose(json.loads(a.stdout)["val_loss"], json.loads(b.stdout)["val_loss"], rtol=1e-6)
