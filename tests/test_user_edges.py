@@ -9,7 +9,6 @@ the documented notebook runner.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -18,47 +17,7 @@ import sys
 
 import numpy as np
 import pytest
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAST = ["model.num_layers=2", "train.steps=2", "train.batch_size=8", "train.seq_len=32", "train.eval_every=0",
-        "train.eval_batches=1", "train.tensorboard=false", "train.peak_flops=1e9", "train.log_every=1"]
-
-
-def cli(*args, timeout=300) -> subprocess.CompletedProcess:
-    """`python *args` from the repository root, this tree first on the path."""
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def snapshot(*roots) -> dict:
-    """{path: sha1} of every file under each root (absent roots give nothing)."""
-    out = {}
-    for root in roots:
-        for dirpath, _, files in os.walk(root):
-            for f in files:
-                p = os.path.join(dirpath, f)
-                with open(p, "rb") as fh:
-                    out[p] = hashlib.sha1(fh.read()).hexdigest()
-    return out
-
-
-def refused(args, match, *watched, timeout=300) -> str:
-    """The CLI exits 2 with one `error:` line matching `match`; `watched` folders are unchanged (absent
-    ones stay absent). Returns the line."""
-    before = snapshot(*watched)
-    existed = [os.path.exists(w) for w in watched]
-    r = cli(*args, timeout=timeout)
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert r.returncode == 2, (r.returncode, r.stdout[-2000:], r.stderr[-4000:])
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr[-4000:]
-    assert re.search(match, lines[0]), lines[0]
-    assert [os.path.exists(w) for w in watched] == existed, "a failing command created a folder"
-    assert snapshot(*watched) == before, "a failing command wrote or changed files"
-    return lines[0]
-
-
-def train_args(run, *extra):
-    return ["train.py", "--config", "configs/tiny.yaml", f"train.run_dir={run}", *FAST, *extra]
+from cli_helpers import REPO, cli, qwen3_hf, refused, train_args
 
 
 # ------------------------------------------------------------------------------------------------
@@ -253,6 +212,15 @@ def test_generation_past_the_models_positions_is_refused(run_folder):
             r"model\.max_seq_len=64: set eval\.max_new_tokens <= 54", run_folder)
 
 
+def test_export_refuses_a_family_that_cannot_hold_the_model(run_folder, tmp_path):
+    """A model with a shared expert and no q/k norm as qwen3_moe: transformers would drop the shared expert
+    and draw q_norm / k_norm at random. Refused before any weights are read, naming who can hold it."""
+    out = str(tmp_path / "hf")
+    refused(["-m", "farskip_jax.convert", "export", run_folder, out, "--family", "qwen3_moe"],
+            r"HF family 'qwen3_moe' cannot hold this model .*q/k norm False -> True; shared experts 1 -> 0\); "
+            r"families that can: qwen2_moe", out, run_folder)
+
+
 def test_resume_and_export_print_no_orbax_warnings(run_folder, tmp_path):
     """Resumes the module's run (last of its users: it moves the run to step 3)."""
     run = run_folder
@@ -272,21 +240,8 @@ def test_resume_and_export_print_no_orbax_warnings(run_folder, tmp_path):
 # an import folder (python -m farskip_jax.convert import) is named as such, and eval --hf reads it
 # ------------------------------------------------------------------------------------------------
 
-def _qwen3_hf(path):
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3MoeConfig(vocab_size=320, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                                      head_dim=8, intermediate_size=48, moe_intermediate_size=16, num_experts=4,
-                                      num_experts_per_tok=2, num_hidden_layers=2, initializer_range=0.1,
-                                      max_position_embeddings=128, tie_word_embeddings=False)
-    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(str(path))
-    return str(path)
-
-
 def test_an_import_folder_is_named_and_eval_reads_it(tmp_path):
-    hf = _qwen3_hf(tmp_path / "hf")
+    hf = qwen3_hf(tmp_path / "hf")
     imp = str(tmp_path / "imported")
     r = cli("-m", "farskip_jax.convert", "import", hf, imp)
     assert r.returncode == 0, r.stderr[-3000:]
