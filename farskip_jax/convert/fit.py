@@ -25,7 +25,7 @@ from typing import Optional
 
 from farskip_jax.config import Config, MoEConfig, ModelConfig, from_dict
 from farskip_jax.convert.families.common import hf_rope
-from farskip_jax.errors import CheckpointError
+from farskip_jax.errors import CheckpointError, FarSkipError
 
 NATIVE_ARCHITECTURE = "InstellaMoEForCausalLM"
 
@@ -76,7 +76,7 @@ def family_problems(cfg: Config, fam: ModuleType, hf_cfg: dict) -> list[str]:
         tree = fam.config_tree(hf_cfg)
         back_model = from_dict(ModelConfig, tree.get("model", {}))
         back_moe = from_dict(MoEConfig, tree.get("moe", {}))
-    except Exception as e:  # noqa: BLE001 -- any refusal of the family's reader is a misfit
+    except (FarSkipError, KeyError, TypeError, ValueError) as e:  # the family's reader refuses the config
         return [f"its config reader refuses the model ({str(e).splitlines()[0][:200]})"]
     have, back = _arch(cfg.model, cfg.moe), _arch(back_model, back_moe)
     # keys on one side only follow from a difference listed anyway (q/k norm, shared experts, attention)
