@@ -40,10 +40,9 @@ def _size(text: str) -> int:
 def _load_ckpt(path: str, which: Optional[str], family: Optional[str]):
     """(cfg, model, source config.json or None, farskip_export.json source dict) of a folder to export;
     the export target (family) is checked against the folder's config before any weights are read."""
+    from farskip_jax.convert.export import export_target
     from farskip_jax.convert.native import is_native, load_native, native_config
     from farskip_jax.convert.reader import read_json
-
-    from farskip_jax.convert.export import export_target
 
     path = os.path.abspath(path)
     if is_native(path):

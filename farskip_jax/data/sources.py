@@ -97,7 +97,9 @@ def binary_reason(path: str) -> Optional[str]:
     if not text:
         return None
     bad = sum(c == "\ufffd" or (c < " " and c not in _TEXT_CONTROLS) or c == "\x7f" for c in text)
-    return f"{100 * bad / len(text):.0f}% invalid UTF-8 / control characters" if bad > BINARY_FRACTION * len(text) else None
+    if bad > BINARY_FRACTION * len(text):
+        return f"{100 * bad / len(text):.0f}% invalid UTF-8 / control characters"
+    return None
 
 
 def check_text_files(files: Sequence[str]) -> None:
@@ -302,5 +304,6 @@ def build_source(cfg: DataConfig, split: str, tokenizer):
         raise DataError(f"unknown data.source {cfg.source!r}")
     if len(src) == 0:
         raise DataError(f"data.source={cfg.source!r} has no documents in the {split!r} split ({src!r}); "
-                        "add data or change data.val_fraction" + (" (the text is too short to split)" if cfg.source == "text" else ""))
+                        "add data or change data.val_fraction"
+                        + (" (the text is too short to split)" if cfg.source == "text" else ""))
     return src
