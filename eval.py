@@ -12,7 +12,11 @@ generation, the first-N/last-N conversion sweep, or lm-eval-harness tasks.
     python eval.py --hf path/to/hf_folder --mode lm_eval --lm-eval-tasks hellaswag --limit 100
 
 Source: --run (a pretraining or distillation run folder; --which latest|best|STEP) or --hf (an HF
-folder, imported). Dotted overrides change the loaded config (farskip.*, data.*, eval.*, train.*).
+folder, imported, or an import folder of `python -m farskip_jax.convert import`). Dotted overrides
+change the loaded config (farskip.*, data.*, eval.*, train.*). Validation batches (loss, compare,
+sweep): --batches N, else an eval.batches override, else a run's own train.eval_batches (the val loss
+training printed), else eval.batches; the result names the count and its source. Generation refuses
+a prompt + eval.max_new_tokens longer than model.max_seq_len.
 Prints one JSON object with the results (also written to --out/results.json when --out is given).
 Exit codes: 0 ok, 2 configuration / data / checkpoint error.
 """
@@ -41,12 +45,38 @@ def _overrides(items) -> dict:
     return out
 
 
+def val_batch_count(a, ov: dict, cfg) -> tuple[int, str]:
+    """(validation batches, where the count comes from): --batches, an eval.batches override, the run's
+    train.eval_batches (what its training evaluated), else eval.batches."""
+    if a.batches:
+        return a.batches, "--batches"
+    if "eval.batches" in ov:
+        return cfg.eval.batches, "eval.batches override"
+    if a.run:
+        return cfg.train.eval_batches, "the run's train.eval_batches (as its training evaluated)"
+    return cfg.eval.batches, "eval.batches"
+
+
+def check_positions(prompt_len: int, new_tokens: int, max_seq_len: int) -> None:
+    """ConfigError when the longest prompt plus eval.max_new_tokens does not fit model.max_seq_len."""
+    from farskip_jax.errors import ConfigError
+
+    if prompt_len + new_tokens > max_seq_len:
+        room = max_seq_len - prompt_len
+        raise ConfigError(
+            f"eval.max_new_tokens={new_tokens} after a {prompt_len}-token prompt needs {prompt_len + new_tokens} "
+            f"positions, but the model has model.max_seq_len={max_seq_len}: "
+            + (f"set eval.max_new_tokens <= {room}" if room > 0 else "shorten the prompt")
+            + " (or raise model.max_seq_len only for a model trained or scaled for longer contexts)")
+
+
 def run(a) -> dict:
     import dataclasses
 
     from farskip_jax.data.tokenizer import check_vocab, load_tokenizer
+    from farskip_jax.convert.native import is_native
     from farskip_jax.errors import ConfigError
-    from farskip_jax.eval.loading import load_hf, load_run
+    from farskip_jax.eval.loading import load_hf, load_import, load_run
     from farskip_jax.eval.metrics import (STANDARD, evaluate_loss, evaluate_pair, make_compare_fn, make_loss_fn,
                                           val_batches)
 
@@ -62,12 +92,16 @@ def run(a) -> dict:
 
             mesh = restore_mesh()
         cfg, graphdef, st = load_run(a.run, which, mesh=mesh, config_overrides=ov or None)
+    elif is_native(a.hf):  # an import folder: its config.yaml and params.safetensors
+        cfg, graphdef, st = load_import(a.hf, overrides=ov or None)
     else:
         cfg, graphdef, st = load_hf(a.hf, overrides=ov or None)  # an exported connectivity, then the overrides
     tok = load_tokenizer(a.tokenizer or cfg.data.tokenizer)
     check_vocab(tok, cfg.model.vocab_size, f"the model of {a.run or a.hf}")
     res: dict = {"mode": a.mode, "source": a.run or a.hf, "farskip": dataclasses.asdict(cfg.farskip)}
-    n_batches = a.batches or cfg.eval.batches
+    n_batches, batches_from = val_batch_count(a, ov, cfg)
+    if a.mode in ("loss", "compare", "sweep"):
+        res.update(val_batches=n_batches, val_batches_from=batches_from)
     if a.mode == "loss":
         r = evaluate_loss(make_loss_fn(graphdef, cfg.farskip), st, val_batches(cfg, n_batches, tokenizer=tok))
         import math
@@ -95,6 +129,7 @@ def run(a) -> dict:
         head = [tok.bos_id] if getattr(tok, "bos_id", None) is not None else []
         prompts = a.prompt or [""]
         ids = [head + [int(t) for t in tok.encode(p)] for p in prompts]  # ragged: left-padded by generate
+        check_positions(max(len(i) for i in ids), cfg.eval.max_new_tokens, cfg.model.max_seq_len)
         g = generate(model, ids, cfg.eval.max_new_tokens, farskip=cfg.farskip, temperature=cfg.eval.temperature,
                      top_p=cfg.eval.top_p, seed=a.seed, eos_id=getattr(tok, "eos_id", None), layout=layout)
         done = [tok.decode(g.completion(i)) for i in range(len(ids))]
@@ -124,14 +159,15 @@ def run(a) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", help="run folder (train.run_dir of a pretraining or distillation run)")
-    p.add_argument("--hf", help="HF checkpoint folder (imported with convert.import_hf)")
+    p.add_argument("--hf", help="HF checkpoint folder (imported with convert.import_hf) or an import folder")
     p.add_argument("--which", default="latest", help="latest | best (distillation runs) | a step number")
     p.add_argument("--mode", choices=MODES, default="loss")
     p.add_argument("--teacher-run", help="compare: teacher weights from this run (default: the same weights)")
     p.add_argument("--tasks", nargs="*", help="tasks: JSONL files {context, choices, label}")
     p.add_argument("--prompt", action="append", help="generate: a prompt (repeat for a batch of requests)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batches", type=int, default=0, help="validation batches (default eval.batches)")
+    p.add_argument("--batches", type=int, default=0,
+                   help="validation batches (default: a run's train.eval_batches, else eval.batches)")
     p.add_argument("--tokenizer", help="tokenizer (default data.tokenizer of the config)")
     p.add_argument("--out", help="folder for results.json (and the sweep's CSV/PNG)")
     p.add_argument("--lm-eval-tasks", nargs="*", default=[], help="lm_eval: task names")

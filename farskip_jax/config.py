@@ -239,7 +239,8 @@ class FarSkipConfig:
 
     preset: standard | farskip | attn_only | mlp_only; `attn_input` / `moe_input` override the
     preset's choice on converted layers. `layers` selects the converted layers: "all", "none",
-    "first:N", "last:N", "range:A:B" (A inclusive, B exclusive) or a list of layer indices.
+    "first:N", "last:N", "range:A:B" (A inclusive, B exclusive) or a list of layer indices, within
+    the model's layers (Config refuses a set outside them, and an empty one unless preset is standard).
     `skip_distance: d` makes partial/outdated attention inputs lack the MoE outputs of the last d
     layers (d = 1 is the paper's FarSkip).
 
@@ -268,7 +269,7 @@ class FarSkipConfig:
         _check(self.skip_distance >= 1, f"farskip.skip_distance must be >= 1, got {self.skip_distance}")
         auto = self.layers == "auto"
         if isinstance(self.layers, str) and not auto:
-            parse_layer_spec(self.layers, 10**6)  # syntax check; range checked against num_layers later
+            parse_layer_spec(self.layers, None)  # syntax check; range checked against num_layers by Config
         for key in ("auto_budget", "auto_retention") + (("auto_search",) if self.auto_search != "ends" else ()):
             _check(auto or getattr(self, key) in (None, "ends"),
                    f"farskip.{key} only applies to farskip.layers: auto (got layers={self.layers!r}); set "
@@ -299,36 +300,78 @@ class FarSkipConfig:
         return (self.attn_input or attn, self.moe_input or moe)
 
 
-def parse_layer_spec(spec: str, num_layers: int) -> frozenset[int]:
+def check_converted_layers(fs: FarSkipConfig, num_layers: int) -> frozenset[int]:
+    """The converted layers of `fs` on a num_layers model; ConfigError when a spec or list leaves the
+    model's layers, or when the set is empty while the preset (or attn_input / moe_input) converts:
+    such a run would be the standard model under a FarSkip banner. An empty set ('none', []) is
+    meaningful only with farskip.preset: standard, which converts nothing anyway."""
+    if isinstance(fs.layers, str):
+        conv = parse_layer_spec(fs.layers, num_layers)
+    else:
+        conv = frozenset(fs.layers)
+        bad = sorted(i for i in conv if not 0 <= i < num_layers)
+        _check(not bad, f"farskip.layers lists layers outside [0, {num_layers}): {bad} (model.num_layers={num_layers}); "
+                        "valid forms: " + layer_spec_forms(num_layers))
+    converting = fs.preset != "standard" or fs.attn_input not in (None, "full") or fs.moe_input not in (None, "full")
+    _check(conv or not converting,
+           f"farskip.layers={fs.layers if isinstance(fs.layers, str) else list(fs.layers)!r} converts none of the "
+           f"{num_layers} layers, so farskip.preset={fs.preset!r} would run the standard model; set farskip.layers to "
+           f"the layers to convert (valid forms: {layer_spec_forms(num_layers)}) or farskip.preset: standard")
+    return conv
+
+
+def layer_spec_forms(num_layers: Optional[int] = None) -> str:
+    """The valid forms of farskip.layers (for error messages), with the bounds of a num_layers model."""
+    n = "L" if num_layers is None else str(num_layers)
+    return (f"'all', 'first:N' or 'last:N' with 1 <= N <= {n}, 'range:A:B' with 0 <= A < B <= {n} (B exclusive), "
+            f"a list of layer indices in [0, {n}), or 'none' (no converted layer: only with farskip.preset: standard)")
+
+
+def parse_layer_spec(spec: str, num_layers: Optional[int]) -> frozenset[int]:
     """'all' | 'none' | 'first:N' | 'last:N' | 'range:A:B' -> set of layer indices ('auto' is not a
-    set: it is resolved to one before any model sees it, eval/budget.resolve_auto_layers)."""
+    set: it is resolved to one before any model sees it, eval/budget.resolve_auto_layers).
+
+    Nothing is clamped: N must be in [0, num_layers], A <= B within [0, num_layers], else ConfigError
+    naming the spec, the layer count and the valid forms. first:0, last:0 and range:A:A are exact
+    empty sets (a sweep's zero point); Config refuses an empty set under a converting preset.
+    num_layers=None checks the syntax only (FarSkipConfig; Config checks the bounds against the model)."""
     s = spec.strip()
     if s == "auto":
         raise ConfigError(
             "farskip.layers=auto has not been resolved to a layer set: FCSD (train.mode: distill) chooses it at the "
             "start of the run, and `python -m farskip_jax.eval.budget` plans it without training; elsewhere set an "
             "explicit set (a run's choice is in <run_dir>/farskip_auto.json and its config.yaml)")
+    bounds = None
     try:
         if s == "all":
-            return frozenset(range(num_layers))
+            return frozenset(range(num_layers or 0))
         if s == "none":
             return frozenset()
         kind, _, rest = s.partition(":")
-        if kind == "first":
+        if kind in ("first", "last"):
             n = int(rest)
-            return frozenset(range(min(n, num_layers)))
-        if kind == "last":
-            n = int(rest)
-            return frozenset(range(max(num_layers - n, 0), num_layers))
-        if kind == "range":
+            if num_layers is None:
+                return frozenset()  # syntax only: bounds need the model
+            if not 0 <= n <= num_layers:
+                bounds = f"N={n} is outside [0, {num_layers}]"
+            else:
+                return frozenset(range(n)) if kind == "first" else frozenset(range(num_layers - n, num_layers))
+        elif kind == "range":
             a, b = (int(v) for v in rest.split(":"))
-            return frozenset(range(max(a, 0), min(b, num_layers)))
+            if num_layers is None:
+                return frozenset()
+            if not 0 <= a <= b <= num_layers:
+                bounds = f"A={a}, B={b} do not satisfy 0 <= A <= B <= {num_layers}"
+            else:
+                return frozenset(range(a, b))
     except ValueError:
         pass
-    raise ConfigError(
-        f"farskip.layers={spec!r} is not a layer set; use 'all', 'none', 'first:N', 'last:N', "
-        "'range:A:B' or a list of layer indices like [1, 2, 5]"
-    )
+    if bounds is not None:
+        raise ConfigError(f"farskip.layers={spec!r} does not fit the model's {num_layers} layers (model.num_layers="
+                          f"{num_layers}): {bounds}; valid forms: "
+                          + layer_spec_forms(num_layers))
+    raise ConfigError(f"farskip.layers={spec!r} is not a layer set; use 'all', 'none', 'first:N', 'last:N', "
+                      "'range:A:B' or a list of layer indices like [1, 2, 5]")
 
 
 @dataclass(frozen=True)
@@ -605,9 +648,7 @@ class Config:
                    f"farskip.layers: auto is chosen at the start of FCSD (train.mode: distill), not in train.mode="
                    f"{self.train.mode}; set an explicit farskip.layers (plan one with python -m farskip_jax.eval.budget)")
         else:
-            conv = self.farskip.converted_layers(m.num_layers) if isinstance(self.farskip.layers, str) else self.farskip.layers
-            bad = [i for i in conv if not 0 <= i < m.num_layers]
-            _check(not bad, f"farskip.layers lists layers outside [0, {m.num_layers}): {sorted(bad)}")
+            check_converted_layers(self.farskip, m.num_layers)
         _check(self.train.seq_len <= m.max_seq_len, f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
         rows = self.train.batch_size // self.train.grad_accum
         _check(rows % m.micro_batches == 0,

@@ -1,5 +1,7 @@
 """The FarSkip-native (Instella-MoE style) DeepSeek-V3 layout: `"farskip": true` + start/end layer
-indices + gated MLA output in config.json.
+indices + gated MLA output in config.json; imported, and exported (`family="instella_moe"`: the
+layout Instella-MoE ships, `architectures: [InstellaMoEForCausalLM]`, model_type deepseek_v3), with
+a warning where the native keys cannot express a student's connectivity.
 
 Oracle: the HF DeepSeek-V3 modules of transformers, driven layer by layer in the dataflow of the
 public Instella-MoE decoder layer (a (residual, residual_no_routed) pair between layers; attention
@@ -39,8 +41,8 @@ class GatedOut(torch.nn.Module):
         return self.o(a * torch.sigmoid(self.gate(self.x)))
 
 
-def oracle(model, tokens, farskip: bool, flags: dict, gated: bool) -> np.ndarray:
-    """Instella-MoE FarSkipDecoderLayer dataflow over HF DeepSeek-V3 modules."""
+def oracle(model, tokens, farskip: bool, flags: dict, gated: bool, start: int = START, end: int = END) -> np.ndarray:
+    """Instella-MoE FarSkipDecoderLayer dataflow over HF DeepSeek-V3 modules (FarSkip on layers start..end)."""
     m = model.model
     ids = torch.tensor(tokens)
     pos = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
@@ -48,7 +50,7 @@ def oracle(model, tokens, farskip: bool, flags: dict, gated: bool) -> np.ndarray
         h = m.embed_tokens(ids)
         pe = m.rotary_emb(h, pos)
         for i, layer in enumerate(m.layers):
-            fs = farskip and START <= i <= END
+            fs = farskip and start <= i <= end
             if fs:
                 if isinstance(h, tuple):
                     residual, x_attn, x_mlp = h[0], h[1], h[0]
@@ -171,3 +173,144 @@ def test_standard_family_exported_with_farskip_reimports_with_it(native, tmp_pat
     out = export_hf(model, cfg, str(tmp_path / "out"))
     cfg2, _ = import_hf(out)
     assert sorted(cfg2.farskip.converted_layers(LAYERS)) == [2, 3]
+
+
+# ------------------------------------------------------------------------------------------------
+# export in the native layout
+# ------------------------------------------------------------------------------------------------
+
+def _config(folder) -> dict:
+    with open(os.path.join(folder, "config.json")) as f:
+        return json.load(f)
+
+
+def test_native_export_reimports_to_the_same_logits_and_runs_as_instella(native, tmp_path):
+    """Layers 2-3 converted (layer 1, an unconverted MoE layer, feeds the first converted one its
+    no-routed stream): the exported keys alone give the connectivity back, and the Instella dataflow
+    over the HF modules computes the same function."""
+    hf, path, tokens = native
+    cfg, model = import_hf(path, overrides=["farskip.layers=range:2:4"])
+    notes: list = []
+    out = export_hf(model, cfg, str(tmp_path / "native"), family="instella_moe", report=notes.append)
+    c = _config(out)
+    assert c["architectures"] == ["InstellaMoEForCausalLM"] and c["model_type"] == "deepseek_v3"
+    assert (c["farskip"], c["farskip_start_idx"], c["farskip_end_idx"]) == (True, 2, 3)
+    assert not c["attn_only_farskip"] and not c["mlp_only_farskip"] and c["gated_attention"] is True
+    assert notes == []  # expressible: nothing to warn about
+    want = _logits(model, tokens)
+    cfg2, model2 = import_hf(out)
+    assert cfg2.farskip.preset == "farskip" and sorted(cfg2.farskip.converted_layers(LAYERS)) == [2, 3]
+    np.testing.assert_allclose(_logits(model2, tokens), want, rtol=1e-5, atol=1e-5)
+    # without our "farskip_jax" section the native keys alone carry the connectivity
+    c.pop("farskip_jax")
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(c, f)
+    cfg3, model3 = import_hf(out)
+    assert cfg3.farskip.preset == "farskip" and sorted(cfg3.farskip.converted_layers(LAYERS)) == [2, 3]
+    np.testing.assert_allclose(_logits(model3, tokens), want, rtol=1e-5, atol=1e-5)
+    ref = oracle(hf, tokens, farskip=True, flags={}, gated=True, start=2, end=3)
+    assert np.abs(want - ref).max() <= 1e-4
+
+
+@pytest.mark.parametrize("overrides,flag", [(["farskip.preset=attn_only"], "attn_only_farskip"),
+                                            (["farskip.preset=mlp_only"], "mlp_only_farskip")])
+def test_native_export_of_single_subblock_presets(native, tmp_path, overrides, flag):
+    _, path, tokens = native
+    cfg, model = import_hf(path, overrides=overrides)
+    notes: list = []
+    c = _config(export_hf(model, cfg, str(tmp_path / "out"), family="instella_moe", report=notes.append))
+    assert c["farskip"] is True and c[flag] is True and notes == []
+
+
+@pytest.mark.parametrize("overrides,why", [
+    (["farskip.layers=[1, 3]"], r"converted layers \[1, 3\] are not one contiguous range"),
+    (["farskip.attn_input=outdated"], r"attn/moe inputs \[\('outdated', 'outdated'\)\]"),
+    (["farskip.skip_distance=2"], r"farskip\.skip_distance=2"),
+])
+def test_native_export_warns_what_the_native_keys_cannot_express(native, tmp_path, overrides, why):
+    import re
+
+    _, path, tokens = native
+    cfg, model = import_hf(path, overrides=overrides)
+    notes: list = []
+    out = export_hf(model, cfg, str(tmp_path / "out"), family="instella_moe", report=notes.append)
+    assert len(notes) == 1 and re.search("cannot express .*" + why, notes[0]) and "farskip=false" in notes[0], notes
+    assert _config(out)["farskip"] is False  # engines reading the native keys run the standard model, not a wrong one
+    cfg2, model2 = import_hf(out)  # farskip_jax restores the exact connectivity from "farskip_jax"
+    assert cfg2.farskip == cfg.farskip
+    np.testing.assert_allclose(_logits(model2, tokens), _logits(model, tokens), rtol=1e-5, atol=1e-5)
+
+
+def _v3_student(**farskip):
+    """A plain DeepSeek-V3-shaped model (no gated attention) under the given farskip section."""
+    from flax import nnx
+
+    from farskip_jax.config import Config, from_dict
+    from farskip_jax.convert.families import family_by_name
+    from farskip_jax.model import Transformer
+
+    v3 = dict(model_type="deepseek_v3", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+              intermediate_size=48, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+              n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4,
+              qk_nope_head_dim=8, v_head_dim=8)
+    cfg = from_dict(Config, dict(family_by_name("deepseek_v3").config_tree(v3), farskip=farskip))
+    return cfg, nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+
+
+def test_stock_export_of_a_farskip_student_says_it_runs_standard(tmp_path):
+    from flax import nnx
+
+    cfg, model = _v3_student(preset="farskip")
+    for _, v in nnx.to_flat_state(nnx.state(model)):  # values for the abstract model: nothing compiled
+        v.set_value(np.zeros(v.get_value().shape, v.get_value().dtype))
+    notes: list = []
+    c = _config(export_hf(model, cfg, str(tmp_path / "out"), family="deepseek_v3", report=notes.append))
+    assert c["architectures"] == ["DeepseekV3ForCausalLM"] and c["farskip"] is True  # the native keys ride along
+    assert len(notes) == 1 and "DeepseekV3ForCausalLM (HF transformers, serving engines) runs this folder with " \
+                               "standard connectivity" in notes[0] and "--family instella_moe" in notes[0]
+
+
+def test_a_gated_model_cannot_be_a_stock_deepseek_v3(native):
+    from farskip_jax.convert.export import hf_config_for
+    from farskip_jax.errors import CheckpointError
+
+    _, path, _ = native
+    cfg, _ = import_hf(path)
+    with pytest.raises(CheckpointError, match=r"'deepseek_v3' cannot hold .*gated attention True -> False.*"
+                                              r"families that can: instella_moe"):
+        hf_config_for(cfg, family="deepseek_v3")
+
+
+def test_native_layout_refuses_a_model_it_cannot_hold():
+    from farskip_jax.config import Config, from_dict
+    from farskip_jax.convert.export import hf_config_for
+    from farskip_jax.convert.families import family_by_name
+    from farskip_jax.errors import CheckpointError
+
+    v2 = dict(model_type="deepseek_v2", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+              intermediate_size=48, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+              n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4,
+              qk_nope_head_dim=8, v_head_dim=8)
+    cfg = from_dict(Config, family_by_name("deepseek_v2").config_tree(v2))
+    with pytest.raises(CheckpointError, match=r"'instella_moe' cannot hold .*scoring 'softmax' -> 'sigmoid'"
+                                              r".*families that can: deepseek_v2"):
+        hf_config_for(cfg, family="instella_moe")
+
+
+def test_cli_exports_an_import_folder_in_the_native_layout(native, tmp_path):
+    import subprocess
+    import sys
+
+    from farskip_jax.convert.native import write_native_from_hf
+
+    _, path, _ = native
+    imp = str(tmp_path / "imported")
+    write_native_from_hf(path, imp)
+    out = str(tmp_path / "native")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", "farskip_jax.convert", "export", imp, out, "--family", "instella_moe"],
+                       cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stderr[-3000:]
+    c = _config(out)
+    assert c["architectures"] == ["InstellaMoEForCausalLM"] and (c["farskip_start_idx"], c["farskip_end_idx"]) == (START, END)

@@ -5,9 +5,15 @@
         streamed tensor by tensor; key=value overrides the imported config (farskip.preset=farskip).
         The connectivity is the one an export saved in config.json ("farskip_jax"), else the family's
         (standard; FarSkip-native keys), overrides win; one line names it and its source.
-    export CKPT_DIR HF_DIR [--dtype bfloat16] [--family MODEL_TYPE] [--max-shard-size 5GB] [--overwrite]
-        our import folder, or a training run folder (its latest checkpoint), -> an HF folder that
-        transformers loads, with our FarSkip settings in config.json.
+    export CKPT_DIR HF_DIR [--which best|latest|STEP] [--dtype bfloat16] [--family MODEL_TYPE]
+                           [--max-shard-size 5GB] [--overwrite]
+        our import folder, or a run folder, -> an HF folder that transformers loads, with our FarSkip
+        settings in config.json and what it holds (source, checkpoint, step) in farskip_export.json.
+        --which (run folders): default best for an FCSD run (it keeps best/), latest otherwise.
+        --family: the HF model_type to write (default: the source's); refused when it cannot hold
+        the model (naming what does not fit and the families that can); instella_moe writes the
+        FarSkip-native layout of a DeepSeek-V3-family model. A warning names connectivity the
+        target's readers will not run.
 Errors of the project (bad folder, missing tensor, shape mismatch, ...) print one line and exit 2.
 """
 
@@ -17,8 +23,9 @@ import argparse
 import os
 import sys
 import time
+from typing import Optional
 
-from farskip_jax.errors import FarSkipError
+from farskip_jax.errors import CheckpointError, FarSkipError
 
 
 def _size(text: str) -> int:
@@ -30,17 +37,33 @@ def _size(text: str) -> int:
     return int(t)
 
 
-def _load_ckpt(path: str):
-    from farskip_jax.convert.native import is_native, load_native
+def _load_ckpt(path: str, which: Optional[str], family: Optional[str]):
+    """(cfg, model, source config.json or None, farskip_export.json source dict) of a folder to export;
+    the export target (family) is checked against the folder's config before any weights are read."""
+    from farskip_jax.convert.export import export_target
+    from farskip_jax.convert.native import is_native, load_native, native_config
+    from farskip_jax.convert.reader import read_json
 
+    path = os.path.abspath(path)
     if is_native(path):
-        return load_native(path)
+        if which is not None:
+            raise CheckpointError(f"{path} is an import folder: it holds one set of weights; drop --which {which}")
+        export_target(native_config(path), read_json(os.path.join(path, "hf_config.json")), family)  # before the weights
+        cfg, model, hf = load_native(path)
+        return cfg, model, hf, {"import": path}
     from flax import nnx
 
-    from farskip_jax.eval.loading import load_run
+    from farskip_jax.eval.loading import checkpoint_step, default_which, load_run, read_run_config
 
-    cfg, graphdef, st = load_run(path, "latest", None)
-    return cfg, nnx.merge(graphdef, st["params"], st["bias"], st["rest"]), None
+    which = which or default_which(path)
+    sel = int(which) if which.isdigit() else which
+    if sel not in ("best", "latest") and not isinstance(sel, int):
+        raise CheckpointError(f"--which {which!r}: choose best, latest or a step number")
+    export_target(read_run_config(path), None, family)  # a family that cannot hold the model: before the weights
+    cfg, graphdef, st = load_run(path, sel, None)
+    step = checkpoint_step(path, sel)
+    return cfg, nnx.merge(graphdef, st["params"], st["bias"], st["rest"]), None, {"run": path, "checkpoint": which,
+                                                                                    "step": step}
 
 
 def main(argv=None) -> int:
@@ -56,7 +79,12 @@ def main(argv=None) -> int:
     pe.add_argument("ckpt_dir")
     pe.add_argument("hf_dir")
     pe.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    pe.add_argument("--family", default=None, help="HF model_type when the checkpoint has no source config.json")
+    pe.add_argument("--which", default=None,
+                    help="run folders: best | latest | a step number (default: best for an FCSD run, which keeps "
+                         "best/; latest otherwise)")
+    pe.add_argument("--family", default=None,
+                    help="HF model_type to write (default: the source's config.json); instella_moe: the FarSkip-native "
+                         "layout of a DeepSeek-V3-family model")
     pe.add_argument("--max-shard-size", type=_size, default=None)
     pe.add_argument("--overwrite", action="store_true")
     a = ap.parse_args(argv)
@@ -76,7 +104,12 @@ def main(argv=None) -> int:
         else:
             from farskip_jax.convert.export import export_hf
 
-            cfg, model, hf = _load_ckpt(a.ckpt_dir)
+            if os.path.exists(a.hf_dir) and not a.overwrite:  # before any checkpoint is read
+                raise CheckpointError(f"{os.path.abspath(a.hf_dir)} already exists; pass --overwrite or choose a new folder")
+            cfg, model, hf, source = _load_ckpt(a.ckpt_dir, a.which, a.family)
+            what = (f"checkpoint {source['checkpoint']} (step {source['step']}) of the run" if "run" in source
+                    else "the import folder")
+            print(f"exporting {what} {a.ckpt_dir}", flush=True)
             n = {"i": 0}
 
             def show(name):
@@ -85,7 +118,8 @@ def main(argv=None) -> int:
 
             tok = a.ckpt_dir if os.path.isfile(os.path.join(a.ckpt_dir, "tokenizer.json")) else None
             export_hf(model, cfg, a.hf_dir, base_config=hf, family=a.family, dtype=a.dtype, tokenizer_dir=tok,
-                      max_shard_bytes=a.max_shard_size, overwrite=a.overwrite, progress=show)
+                      max_shard_bytes=a.max_shard_size, overwrite=a.overwrite, progress=show, source=source,
+                      report=lambda line: print(f"warning: {line}", file=sys.stderr, flush=True))
             print(f"exported {a.ckpt_dir} -> {a.hf_dir} in {time.time() - t0:.1f}s")
     except FarSkipError as e:
         print(f"error: {e}", file=sys.stderr)

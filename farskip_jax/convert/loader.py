@@ -50,7 +50,14 @@ ALWAYS_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
 def open_checkpoint(path: str) -> HFCheckpoint:
-    """HFCheckpoint of `path`; for a multimodal checkpoint, the view of its language model."""
+    """HFCheckpoint of `path`; for a multimodal checkpoint, the view of its language model.
+    CheckpointError for an import folder of ours (convert/native.py), naming what it is and what reads it."""
+    from farskip_jax.convert.native import describe_import_folder, is_native
+
+    if is_native(path):
+        raise CheckpointError(f"{describe_import_folder(path)}, not an HF folder: pass the HF folder it was imported "
+                              f"from, or use it as it is with `eval.py --hf {path}` or `python -m "
+                              f"farskip_jax.convert export {path} HF_DIR` (an HF folder for init_from_hf)")
     ckpt = HFCheckpoint(path)
     hf, prefix = text_part(ckpt.config)
     return ckpt.view(prefix, hf) if prefix else ckpt
@@ -69,16 +76,22 @@ def import_config(hf: dict, overrides: Overrides = None, *, source: Optional[str
     tree["farskip"] = section
     if source:
         tree["init_from_hf"] = source
+    return from_dict(Config, override_tree(tree, overrides)), origin
+
+
+def override_tree(tree: dict, overrides: Overrides) -> dict:
+    """`tree` with dotted overrides applied: ["a.b=v", ...] (values parsed as YAML) or {"a.b": v}."""
     if isinstance(overrides, dict):
+        tree = dict(tree)
         for key, value in overrides.items():
             node = tree
             parts = key.split(".")
             for p in parts[:-1]:
-                node = node.setdefault(p, {})
+                node[p] = dict(node.get(p) or {})
+                node = node[p]
             node[parts[-1]] = value
-    elif overrides:
-        tree = apply_overrides(tree, list(overrides))
-    return from_dict(Config, tree), origin
+        return tree
+    return apply_overrides(tree, list(overrides)) if overrides else tree
 
 
 def hf_to_config(hf: dict, overrides: Overrides = None, *, source: Optional[str] = None) -> Config:

@@ -1,12 +1,15 @@
 """The folder `python -m farskip_jax.convert import` writes: our config + parameters, streamable.
 
-    OUT_DIR/config.yaml          the resolved Config (load_config reads it; init_from_hf = the source)
+    OUT_DIR/config.yaml          the resolved Config (native_config reads it; init_from_hf = the source)
     OUT_DIR/params.safetensors   one tensor per parameter, named by its NNX path ("layers.0.attn.q_proj.w")
     OUT_DIR/hf_config.json       the source config.json (export uses it as the base)
     OUT_DIR/tokenizer.json ...   copied from the HF folder when present
 
 `write_native_from_hf` converts tensor by tensor straight from the HF memory map (no JAX arrays);
-`load_native` streams it back onto devices/a mesh like import_hf does.
+`load_native` streams it back onto devices/a mesh like import_hf does, its overrides applied with
+import_hf's connectivity rules (convert/connectivity.py: the folder's farskip section stands for an
+exported one). It is read by `python -m farskip_jax.convert export` and `eval.py --hf`; a run folder
+reader or init_from_hf given one names it (describe_import_folder) and what to do instead.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ import jax
 import numpy as np
 from flax import nnx
 
-from farskip_jax.config import Config, dump_config, load_config
-from farskip_jax.convert.connectivity import describe
+from farskip_jax.config import Config, apply_overrides, dump_config, from_dict, kernels_env_overrides, load_yaml_tree
+from farskip_jax.convert.connectivity import EXPORT_KEY, describe, import_connectivity
 from farskip_jax.convert.families import family_for
-from farskip_jax.convert.loader import abstract_model, import_config, open_checkpoint, target_shardings, validate
+from farskip_jax.convert.loader import (abstract_model, import_config, open_checkpoint, override_tree, target_shardings,
+                                        validate)
+from farskip_jax.convert.reader import read_json
 from farskip_jax.convert.safetensors_io import read_header, MappedTensor, write_file
 from farskip_jax.errors import CheckpointError
 from farskip_jax.model.transformer import Transformer
@@ -96,11 +101,31 @@ def is_native(path: str) -> bool:
     return os.path.isfile(os.path.join(path, PARAMS)) and os.path.isfile(os.path.join(path, "config.yaml"))
 
 
+def describe_import_folder(path: str) -> str:
+    """"PATH is an import folder written by ... (imported from SOURCE)" for error messages."""
+    src = None
+    try:
+        src = (load_yaml_tree(os.path.join(path, "config.yaml")) or {}).get("init_from_hf")
+    except Exception:  # noqa: BLE001 -- a description only: an unreadable config.yaml names no source
+        pass
+    return (f"{path} is an import folder written by `python -m farskip_jax.convert import` (config.yaml + {PARAMS}"
+            + (f", imported from {src}" if src else "") + ")")
+
+
+def native_config(path: str, overrides=None) -> Config:
+    """The Config of an import folder with `overrides` (["a.b=v"] or {"a.b": v}) applied as import_hf
+    applies them: a farskip.preset override drops the folder's attn_input / moe_input refinements."""
+    tree = apply_overrides(load_yaml_tree(os.path.join(path, "config.yaml")), kernels_env_overrides())
+    section, _ = import_connectivity({EXPORT_KEY: tree.get("farskip") or {}}, None, overrides)
+    tree["farskip"] = section
+    return from_dict(Config, override_tree(tree, overrides))
+
+
 def load_native(path: str, mesh=None, overrides=None, routed_compute=None) -> tuple[Config, Transformer, Optional[dict]]:
     """(Config, Transformer, source HF config or None) of a folder written by write_native_from_hf."""
     if not is_native(path):
         raise CheckpointError(f"{path} is not a farskip_jax import folder (needs config.yaml and {PARAMS})")
-    cfg = load_config(os.path.join(path, "config.yaml"), list(overrides or []))
+    cfg = native_config(path, overrides)
     infos = read_header(os.path.join(path, PARAMS))
     model = abstract_model(cfg, routed_compute)
     graphdef, state = nnx.split(model)
@@ -118,6 +143,5 @@ def load_native(path: str, mesh=None, overrides=None, routed_compute=None) -> tu
         var.set_value(jax.make_array_from_callback(want, sharding_of(p), lambda idx, t=t, d=d: t[idx].astype(d)))
     hf = None
     if os.path.isfile(os.path.join(path, "hf_config.json")):
-        with open(os.path.join(path, "hf_config.json")) as f:
-            hf = json.load(f)
+        hf = read_json(os.path.join(path, "hf_config.json"), "hf_config.json (the source's config.json)")
     return cfg, nnx.merge(graphdef, state), hf

@@ -7,7 +7,9 @@
     ckpt.read(name, idx)   a numpy slice of it, memory-mapped (idx: tuple of slices)
 
 Sharded checkpoints are found through `model.safetensors.index.json` (its weight_map); a shard the
-index names but the folder lacks raises CheckpointError naming the file.
+index names but the folder lacks raises CheckpointError naming the file. Every JSON file of a folder
+(config.json, the index, an import folder's hf_config.json) is read by `read_json`: a file that is
+not a JSON object raises CheckpointError naming it and the parser's line / column.
 """
 
 from __future__ import annotations
@@ -24,6 +26,33 @@ from farskip_jax.errors import CheckpointError
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
+def read_json(path: str, what: str = "config.json") -> dict:
+    """The JSON object in `path`; CheckpointError naming the file and the error position otherwise."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path} is not a JSON text file (invalid UTF-8 at byte {e.start}); it should be the "
+                              f"{what} of the checkpoint: restore it (re-download or re-export the folder)") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno} (char {e.pos}); "
+                              f"fix the file or restore the checkpoint's {what} (re-download or re-export the "
+                              "folder)") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(obj).__name__}, not the object a {what} is; restore the "
+                              "checkpoint's file (re-download or re-export the folder)")
+    return obj
+
+
+def read_hf_config(folder: str) -> dict:
+    """The parsed config.json of an HF checkpoint folder (read_json's errors)."""
+    return read_json(os.path.join(folder, "config.json"), "config.json")
+
+
 class HFCheckpoint:
     def __init__(self, path: str):
         self.path = os.path.abspath(path)
@@ -32,13 +61,14 @@ class HFCheckpoint:
         cfg_path = os.path.join(self.path, "config.json")
         if not os.path.isfile(cfg_path):
             raise CheckpointError(f"{self.path} has no config.json; point at a HuggingFace model folder")
-        with open(cfg_path) as f:
-            self.config: dict = json.load(f)
+        self.config: dict = read_hf_config(self.path)
         self._infos: dict[str, TensorInfo] = {}
         index = os.path.join(self.path, "model.safetensors.index.json")
         if os.path.isfile(index):
-            with open(index) as f:
-                weight_map: dict[str, str] = json.load(f)["weight_map"]
+            weight_map = read_json(index, "model.safetensors.index.json").get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index} has no \"weight_map\" object (tensor name -> shard file); restore the "
+                                      "checkpoint's index (re-download the folder)")
             shards = sorted(set(weight_map.values()))
             missing = [s for s in shards if not os.path.isfile(os.path.join(self.path, s))]
             if missing:

@@ -2,22 +2,31 @@
 
     stdlib       the running interpreter's own standard-library `.py` files (no download); one file =
                  one document; train/val split BY FILE from a hash of the file's relative path
-    text         plain text files / folders / globs in `data.paths`; one file = one document, split by file
+    text         UTF-8 text files / folders / globs in `data.paths`; one file = one document, split by
+                 file. When the files are too few for that (the split by file leaves train or val
+                 empty, e.g. one book), every file is split inside instead: its last `val_fraction`
+                 of bytes (from the first line end at or after that point) is validation, the rest
+                 training, and each part is cut at line ends into documents of about PIECE_BYTES
+                 (so training shuffles them). Binary files (a NUL byte, or more than
+                 BINARY_FRACTION of invalid UTF-8 / control characters in their first SNIFF_BYTES)
+                 are refused, naming them
     jsonl        JSON-lines files; one line = one document (its `data.text_field`); split by record
     arrayrecord  ArrayRecord files written by `python -m farskip_jax.data.prepare` (already tokenized)
 
-The split is deterministic (SHA-1 of a stable key, not Python's salted hash) and independent of the
-shuffle seed, so validation text never leaks into training. Empty or unreadable input raises DataError.
+The split is deterministic (SHA-1 of a stable key, not Python's salted hash; byte offsets for a split
+inside files) and independent of the shuffle seed, so validation text never leaks into training.
+Empty or unreadable input raises DataError.
 """
 
 from __future__ import annotations
 
+import codecs
 import glob
 import hashlib
 import json
 import os
 import sysconfig
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -66,29 +75,111 @@ def expand_paths(patterns: Sequence[str], what: str) -> list[str]:
     return files
 
 
-def _read_text(path: str) -> str:
+PIECE_BYTES = 1 << 16  # documents of a file split inside: about this many bytes, cut at line ends
+SNIFF_BYTES = 8192  # how much of each text file is inspected for binary content
+BINARY_FRACTION = 0.3  # more than this share of invalid UTF-8 / control characters: not text
+_TEXT_CONTROLS = set("\t\n\r\f\v\b\x1b")
+
+
+def binary_reason(path: str) -> Optional[str]:
+    """Why `path` is not UTF-8 text ("NUL bytes", "N% invalid UTF-8 / control characters"), or None.
+
+    Reads the first SNIFF_BYTES only (as git and grep do)."""
     try:
         with open(path, "rb") as f:
-            return f.read().decode("utf-8", errors="replace")
+            head = f.read(SNIFF_BYTES)
+            more = bool(f.read(1))
+    except OSError as e:
+        raise DataError(f"cannot read data file {path!r}: {e.strerror or e}") from None
+    if b"\0" in head:
+        return "NUL bytes"
+    text = codecs.getincrementaldecoder("utf-8")(errors="replace").decode(head, final=not more)
+    if not text:
+        return None
+    bad = sum(c == "\ufffd" or (c < " " and c not in _TEXT_CONTROLS) or c == "\x7f" for c in text)
+    if bad > BINARY_FRACTION * len(text):
+        return f"{100 * bad / len(text):.0f}% invalid UTF-8 / control characters"
+    return None
+
+
+def check_text_files(files: Sequence[str]) -> None:
+    """DataError naming the files of `files` that are not text (binary_reason)."""
+    bad = [(f, r) for f in files if (r := binary_reason(f)) is not None]
+    if bad:
+        shown = ", ".join(f"{f} ({r})" for f, r in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise DataError(f"data.source='text' reads UTF-8 text, but {len(bad)} of the {len(files)} file(s) of "
+                        f"data.paths are binary: {shown}; remove them or narrow data.paths to the text files (e.g. "
+                        "'corpus/**/*.txt'); already tokenized data goes through data.source=arrayrecord")
+
+
+def _cut_near(f, pos: int, end: int) -> int:
+    """A cut position near byte `pos` of open file `f` (< end): just after the first line end in the
+    SNIFF_BYTES from `pos` on, else `pos` moved back to the start of its UTF-8 character."""
+    f.seek(pos)
+    block = f.read(min(SNIFF_BYTES, end - pos))
+    nl = block.find(b"\n")
+    if nl >= 0:
+        return pos + nl + 1
+    while 0 < pos and block[:1] and 0x80 <= block[0] < 0xC0:  # a UTF-8 continuation byte
+        pos -= 1
+        f.seek(pos)
+        block = f.read(1)
+    return pos
+
+
+def _pieces(f, path: str, start: int, end: int) -> list[tuple[str, int, int]]:
+    """(path, start, end) byte ranges of about PIECE_BYTES covering [start, end), cut at line ends."""
+    out, a = [], start
+    while a < end:
+        b = end if end - a <= PIECE_BYTES else _cut_near(f, a + PIECE_BYTES, end)
+        b = end if b <= a else b
+        out.append((path, a, b))
+        a = b
+    return out
+
+
+def split_inside(path: str, val_fraction: float) -> dict[str, list[tuple[str, int, int]]]:
+    """{"train": ranges, "val": ranges} of one file split inside (module docstring): validation is its
+    tail from the first line end at or after (1 - val_fraction) of its bytes."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            cut = _cut_near(f, int(size * (1.0 - val_fraction)), size) if size else 0
+            return {"train": _pieces(f, path, 0, cut), "val": _pieces(f, path, cut, size)}
+    except OSError as e:
+        raise DataError(f"cannot read data file {path!r}: {e.strerror or e}") from None
+
+
+def _read_text(path: str, start: int = 0, end: Optional[int] = None) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            raw = f.read() if end is None else f.read(end - start)
+        return raw.decode("utf-8", errors="replace")
     except OSError as e:
         raise DataError(f"cannot read data file {path!r}: {e.strerror or e}") from None
 
 
 class TextFileSource:
-    """One document per file. __getitem__(i) -> int32 token ids [n]."""
+    """One document per file, or per (file, start, end) byte range of a file split inside.
+    __getitem__(i) -> int32 token ids [n]."""
 
-    def __init__(self, files: Sequence[str], tokenizer):
-        self.files = list(files)
+    def __init__(self, files: Sequence, tokenizer):
+        self.items = [(f, 0, None) if isinstance(f, str) else tuple(f) for f in files]
+        self.files = [f for f, _, _ in self.items]
         self.tokenizer = tokenizer
 
     def __len__(self) -> int:
-        return len(self.files)
+        return len(self.items)
 
     def __getitem__(self, i: int) -> np.ndarray:
-        return self.tokenizer.encode_document(_read_text(self.files[int(i)]))
+        return self.tokenizer.encode_document(_read_text(*self.items[int(i)]))
 
     def __repr__(self) -> str:
-        return f"TextFileSource({len(self.files)} files)"
+        ranges = sum(e is not None for _, _, e in self.items)
+        if ranges:
+            return f"TextFileSource({len(self.items)} pieces of {len(set(self.files))} files split inside)"
+        return f"TextFileSource({len(self.items)} files)"
 
 
 class JsonlSource:
@@ -179,9 +270,14 @@ def build_source(cfg: DataConfig, split: str, tokenizer):
             keyed = stdlib_files()
         else:
             files = expand_paths(cfg.paths, "text")
+            check_text_files(files)
             common = os.path.commonpath(files) if len(files) > 1 else os.path.dirname(files[0])
             keyed = [(os.path.relpath(f, common), f) for f in files]
-        chosen = [f for k, f in keyed if split_of(k, vf) == split]
+        by_file = {s: [f for k, f in keyed if split_of(k, vf) == s] for s in ("train", "val")}
+        if cfg.source == "text" and not (by_file["train"] and by_file["val"]):
+            chosen = [r for _, f in keyed for r in split_inside(f, vf)[split]]  # too few files: split inside
+        else:
+            chosen = by_file[split]
         if cfg.max_docs is not None:
             chosen = chosen[: cfg.max_docs]
         src = TextFileSource(chosen, tokenizer)
@@ -208,5 +304,6 @@ def build_source(cfg: DataConfig, split: str, tokenizer):
         raise DataError(f"unknown data.source {cfg.source!r}")
     if len(src) == 0:
         raise DataError(f"data.source={cfg.source!r} has no documents in the {split!r} split ({src!r}); "
-                        "add data or change data.val_fraction")
+                        "add data or change data.val_fraction"
+                        + (" (the text is too short to split)" if cfg.source == "text" else ""))
     return src

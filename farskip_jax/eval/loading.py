@@ -1,15 +1,19 @@
-"""Load a model for evaluation / distillation from an orbax run folder or an HF checkpoint folder.
+"""Load a model for evaluation / distillation from an orbax run folder, an HF checkpoint folder or
+an import folder.
 
     cfg, graphdef, st = load_run("runs/tiny", which="latest")   # or "best" (distill runs) or a step
     cfg, graphdef, st = load_hf("path/to/hf", mesh=mesh)
+    cfg, graphdef, st = load_import("runs/dsv2_import")          # python -m farskip_jax.convert import
     st: {params, bias, rest} (see eval/metrics.py)
 
 A run folder is read with the pieces of the trainer: its config.yaml rebuilds the model
 (parallel.build.create_model) and the optimizer (train.optimizer), whose fresh train state is the
 template that train.checkpoint.Checkpointer restores into. Distillation runs keep their best
-checkpoint in `<run>/best/checkpoints` (same format). An HF folder is imported by convert.import_hf,
-which places the model on a given mesh as create_model does (the FoE mesh for FoE with expert
-parallelism).
+checkpoint in `<run>/best/checkpoints` (same format); `default_which` is "best" for such a run and
+"latest" otherwise. An HF folder is imported by convert.import_hf, which places the model on a given
+mesh as create_model does (the FoE mesh for FoE with expert parallelism). An import folder (config.yaml
++ params.safetensors, no checkpoints/) is not a run folder: read_run_config names it and says what
+reads it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,13 @@ from farskip_jax.eval.metrics import model_state
 
 
 def read_run_config(run_dir: str) -> Config:
+    from farskip_jax.convert.native import describe_import_folder, is_native
+
+    if is_native(run_dir):
+        raise ConfigError(f"{describe_import_folder(run_dir)}, not a run folder (it has no checkpoints/): evaluate it "
+                          f"with `eval.py --hf {run_dir}`, export it with `python -m farskip_jax.convert export "
+                          f"{run_dir} HF_DIR`, and train from its weights with init_from_hf=<the HF folder it was "
+                          "imported from>")
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(path):
         raise ConfigError(f"{run_dir!r} is not a farskip_jax run folder (no config.yaml); pass the train.run_dir of a run")
@@ -37,6 +48,27 @@ def build_model(cfg: Config, mesh=None, seed: int = 0):
     from farskip_jax.parallel.build import create_model
 
     return create_model(cfg, mesh, seed=seed)
+
+
+def committed_steps(ckpt_root: str) -> list[int]:
+    """Steps under `<ckpt_root>/checkpoints` that orbax committed (read from the folder, nothing created)."""
+    d = os.path.join(ckpt_root, "checkpoints")
+    if not os.path.isdir(d):
+        return []
+    return sorted(int(x) for x in os.listdir(d) if x.isdigit() and os.path.isfile(os.path.join(d, x, "commit_success.txt")))
+
+
+def default_which(run_dir: str) -> str:
+    """"best" for a run that keeps a best checkpoint (FCSD: `<run>/best`), else "latest"."""
+    return "best" if committed_steps(os.path.join(run_dir, "best")) else "latest"
+
+
+def checkpoint_step(run_dir: str, which: Union[str, int]) -> Optional[int]:
+    """The step `which` names in a run folder ("latest" / "best": the newest committed one), or None."""
+    steps = committed_steps(os.path.join(run_dir, "best") if which == "best" else run_dir)
+    if which in ("latest", "best"):
+        return steps[-1] if steps else None
+    return int(which) if int(which) in steps else None
 
 
 def restore_train_state(cfg: Config, ckpt_root: str, which: Union[str, int] = "latest", mesh=None):
@@ -75,8 +107,24 @@ def load_run(run_dir: str, which: Union[str, int] = "latest", mesh=None,
     if config_overrides:
         cfg = replace(cfg, **config_overrides)
     root = os.path.join(run_dir, "best") if which == "best" else run_dir
+    if which == "best" and not os.path.isdir(os.path.join(root, "checkpoints")):
+        have = committed_steps(run_dir)
+        raise CheckpointError(f"{run_dir} has no best checkpoint: only FCSD runs (train.mode: distill) keep one, in "
+                              f"best/, from their first evaluation; choose latest or a step number"
+                              + (f" (it has steps {have})" if have else ""))
     graphdef, state = restore_train_state(cfg, root, which, mesh)
     return cfg, graphdef, model_state(state)
+
+
+def load_import(path: str, mesh=None, overrides=None) -> tuple[Config, object, dict]:
+    """(cfg, graphdef, {params, bias, rest}) of an import folder (convert.native.load_native; overrides
+    as import_hf applies them)."""
+    from farskip_jax.convert.native import load_native
+    from farskip_jax.train.step import split_model
+
+    cfg, model, _ = load_native(path, mesh=mesh, overrides=overrides)
+    graphdef, params, bias, rest = split_model(model)
+    return cfg, graphdef, dict(params=params, bias=bias, rest=rest)
 
 
 def load_hf(hf_dir: str, mesh=None, overrides=None) -> tuple[Config, object, dict]:

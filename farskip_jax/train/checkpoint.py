@@ -85,7 +85,10 @@ class Checkpointer:
         self.data_dir = os.path.join(self.dir, "data_state")
         self.process = jax.process_index()
         opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=async_save)
-        self.mngr = ocp.CheckpointManager(self.dir, options=opts)
+        # the handler of the one item is named up front: a manager that only learns it from a save
+        # warns twice ("Item 'state' ... could not be restored") when it reads a step's metadata first
+        self.mngr = ocp.CheckpointManager(self.dir, options=opts,
+                                          item_handlers={"state": ocp.StandardCheckpointHandler()})
 
     def _data_path(self, step: int) -> str:
         return os.path.join(self.data_dir, str(step), f"process_{self.process}.json")

@@ -215,7 +215,7 @@ def load_source(cfg: Config, mesh) -> tuple[Config, object, dict]:
     return out, graphdef, st
 
 
-def export_student(cfg: Config, graphdef, st: dict, out_dir: str) -> str:
+def export_student(cfg: Config, graphdef, st: dict, out_dir: str, step: Optional[int] = None) -> str:
     """Write the student as an HF folder with its FarSkip settings (convert/export.py `export_hf`).
 
     The HF family comes from the config.json of `init_from_hf`, else from `distill.export_family`."""
@@ -227,7 +227,8 @@ def export_student(cfg: Config, graphdef, st: dict, out_dir: str) -> str:
         raise ConfigError("distill.export_hf needs distill.export_family (an HF model_type such as qwen2_moe) "
                           "when the weights did not come from init_from_hf; the distilled checkpoint is kept in "
                           "<run_dir>/best")
-    return export_hf(model, cfg, out_dir, family=family, overwrite=True)
+    return export_hf(model, cfg, out_dir, family=family, overwrite=True,
+                     source=dict(run=os.path.abspath(cfg.train.run_dir), checkpoint="best", step=step))
 
 
 def resolve_auto_layers(cfg: Config, graphdef, src: dict, val: list, stream=None) -> tuple[Config, object, bool]:
@@ -273,6 +274,8 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     if d.export_hf and not cfg.init_from_hf and not d.export_family:
         raise ConfigError("distill.export_hf needs distill.export_family (an HF model_type such as qwen2_moe) when "
                           "the weights do not come from init_from_hf")
+    from farskip_jax.convert.export import run_export_dir  # relative: inside the run folder; never another's export
+    export_dir = run_export_dir(d.export_hf, t.run_dir) if d.export_hf else None
     mesh = model_mesh(cfg)  # the FoE group x expert mesh when num_groups > 1 with EP
     cfg, graphdef, src = load_source(cfg, mesh)
     tokens_per_step = t.batch_size * t.seq_len
@@ -478,7 +481,8 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
         from farskip_jax.eval.loading import restore_train_state
 
         _, best_state = restore_train_state(cfg, os.path.join(run_dir, "best"), "best", mesh)
-        log.print(f"exported the best student (step {es.best_step}) to {export_student(cfg, graphdef, best_state, d.export_hf)}")
+        log.print(f"exported the best student (step {es.best_step}) to "
+                  f"{export_student(cfg, graphdef, best_state, export_dir, es.best_step)}")
     log.write("event", step, dict(status=status, best_step=es.best_step, best_metric=es.best))
     log.close()
     return DistillResult(status=status, step=step, best_step=es.best_step, best_metric=es.best,

@@ -1,7 +1,9 @@
 """FarSkip-native DeepSeek-V3-style layout (AMD Instella-MoE): config.json carries `"farskip": true`,
 `farskip_start_idx` / `farskip_end_idx` (inclusive), optional `attn_only_farskip` / `mlp_only_farskip`,
 and `gated_attention` (MLA output * sigmoid(self_attn.gate_proj(x)) before o_proj). Imports with
-FarSkip connectivity on those layers as the default `farskip` section."""
+FarSkip connectivity on those layers as the default `farskip` section. Exported by
+`export_hf(..., family="instella_moe")` as Instella-MoE ships it: model_type deepseek_v3,
+architectures [InstellaMoEForCausalLM]."""
 
 from __future__ import annotations
 
@@ -14,7 +16,10 @@ ARCHITECTURE = "InstellaMoEForCausalLM"
 
 
 def is_farskip_native(hf: dict) -> bool:
-    return bool(hf.get("farskip")) or hf.get("model_type") in MODEL_TYPES
+    """`"farskip": true`, model_type instella_moe, or Instella-MoE's architecture (its shipped config.json
+    says model_type deepseek_v3)."""
+    return (bool(hf.get("farskip")) or hf.get("model_type") in MODEL_TYPES
+            or ARCHITECTURE in (hf.get("architectures") or []))
 
 
 def farskip_tree(hf: dict) -> dict:
