@@ -74,7 +74,7 @@ def run(a) -> dict:
     import dataclasses
 
     from farskip_jax.data.tokenizer import check_vocab, load_tokenizer
-    from farskip_jax.convert.native import is_native
+    from farskip_jax.convert.import_folder import is_native
     from farskip_jax.errors import ConfigError
     from farskip_jax.eval.loading import load_hf, load_import, load_run
     from farskip_jax.eval.metrics import (STANDARD, evaluate_loss, evaluate_pair, make_compare_fn, make_loss_fn,

@@ -37,8 +37,8 @@ def main(argv=None) -> int:
         if cfg.mesh.xla_preset in ("none", "cpu"):  # CPU runs: reuse freed buffers (farskip_jax/kernels/host_memory.py)
             from farskip_jax.kernels.host_memory import keep_freed_memory
             keep_freed_memory(cfg.kernels.host_malloc)
-        if cfg.train.mode == "distill":  # FCSD self-distillation (farskip_jax/train/distill.py)
-            from farskip_jax.train.distill import distill as train
+        if cfg.train.mode == "distill":  # FCSD self-distillation (farskip_jax/fcsd/distill.py)
+            from farskip_jax.fcsd.distill import distill as train
         else:
             from farskip_jax.train.trainer import train
 

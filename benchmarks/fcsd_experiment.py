@@ -67,17 +67,6 @@ def parse(argv):
                    help="conversion sweep over N = 0, k, 2k, ..., num_layers (k > 1: fewer compiles for deep models)")
     p.add_argument("--reuse-sweep", action="store_true",
                    help="read the conversion sweep from --out/sweep.csv when it exists (recipe variants of one teacher)")
-    p.add_argument("--anneal", default="none", choices=["none", "linear", "cosine"],
-                   help="connectivity annealing (distill.anneal): alpha 0 -> 1 over --anneal-tokens / --anneal-frac")
-    p.add_argument("--anneal-tokens", type=int, default=None, help="distill.anneal_tokens (training tokens of the ramp)")
-    p.add_argument("--anneal-frac", type=float, default=None,
-                   help="the ramp as a fraction of the FCSD budget (instead of --anneal-tokens)")
-    p.add_argument("--progressive", action="store_true",
-                   help="distill.progressive: convert the layers one at a time, last first (docs/fcsd.md)")
-    p.add_argument("--stage-tokens", type=int, default=None, help="distill.stage_tokens (cap of one progressive stage)")
-    p.add_argument("--stage-frac", type=float, default=None,
-                   help="the stage cap as a fraction of the FCSD budget (instead of --stage-tokens)")
-    p.add_argument("--settle-rel", type=float, default=None, help="distill.settle_rel (default of the config: 0.01)")
     p.add_argument("overrides", nargs="*", help="extra overrides for every run, e.g. model.num_layers=6")
     return p.parse_args(argv)
 
@@ -93,24 +82,6 @@ def teacher_config(a, out: str, seed: int):
         f"train.checkpoint_every={max(1, a.teacher_steps // 20)}", "train.keep_checkpoints=2", "train.log_every=50"])
 
 
-def conversion_overrides(a, budget: int) -> list[str]:
-    """distill.anneal / progressive overrides of the --anneal* / --progressive / --stage* flags."""
-    out = []
-    if a.anneal != "none":
-        tokens = a.anneal_tokens if a.anneal_frac is None else max(1, int(a.anneal_frac * budget))
-        if tokens is None:
-            raise SystemExit("--anneal needs --anneal-tokens N or --anneal-frac F (a fraction of the FCSD budget)")
-        out += [f"distill.anneal={a.anneal}", f"distill.anneal_tokens={tokens}"]
-    if a.progressive:
-        out.append("distill.progressive=true")
-        stage = a.stage_tokens if a.stage_frac is None else max(1, int(a.stage_frac * budget))
-        if stage is not None:
-            out.append(f"distill.stage_tokens={stage}")
-    if a.settle_rel is not None:
-        out.append(f"distill.settle_rel={a.settle_rel}")
-    return out
-
-
 def fcsd_config(a, out: str, teacher_dir: str, steps: int, budget: int):
     from farskip_jax.config import load_config
 
@@ -123,7 +94,7 @@ def fcsd_config(a, out: str, teacher_dir: str, steps: int, budget: int):
         f"distill.kl={a.kl}", f"distill.temperature={a.temperature}", f"distill.ce_weight={a.ce_weight}",
         f"distill.hidden_weight={a.hidden_weight}",
         f"distill.top_k_logits={a.top_k}", f"distill.eval_every={a.eval_every}", "distill.patience=1000",
-        "train.log_every=25", *conversion_overrides(a, budget)])
+        "train.log_every=25"])
 
 
 def main(argv=None) -> int:
@@ -131,7 +102,7 @@ def main(argv=None) -> int:
     from farskip_jax.eval.loading import load_run
     from farskip_jax.eval.metrics import STANDARD, evaluate_pair, make_compare_fn, val_batches
     from farskip_jax.eval.sweep import conversion_sweep, plot_sweep, read_csv, write_csv
-    from farskip_jax.train.distill import distill
+    from farskip_jax.fcsd.distill import distill
     from farskip_jax.train.logger import read_metrics
     from farskip_jax.train.trainer import train
 
@@ -212,10 +183,7 @@ def main(argv=None) -> int:
     recipe = (f"{a.kl} KL, T={a.temperature:g}, ce_weight {a.ce_weight:g}, hidden_weight {a.hidden_weight:g}, "
               f"top-k {a.top_k or 'all'}, lr {a.distill_lr:g} "
               f"(warmup {max(1, steps // 20)}, cosine to x{a.min_lr_ratio:g}), batch {a.distill_batch_size} x {a.seq_len}, "
-              f"data-order seed {a.distill_seed}"
-              + (f", anneal {dcfg.distill.anneal} over {dcfg.distill.anneal_tokens:,} tokens" if dcfg.distill.anneal != "none" else "")
-              + (f", progressive (stage cap {dcfg.distill.stage_tokens}, settle_rel {dcfg.distill.settle_rel:g})"
-                 if dcfg.distill.progressive else ""))
+              f"data-order seed {a.distill_seed}")
     L = [f"# FCSD experiment ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
          f"teacher: {cfg.model.num_layers} layers, d_model {cfg.model.d_model}, {cfg.moe.num_experts} experts "
          f"top-{cfg.moe.top_k} + {cfg.moe.num_shared_experts} shared, byte-level; pretrained {teacher_tokens:,} tokens "

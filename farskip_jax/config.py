@@ -246,7 +246,7 @@ class FarSkipConfig:
 
     `layers: auto` (budgeted conversion, FCSD only): the set is chosen at the start of the
     distillation from an untrained sweep on the teacher so that the predicted val-loss gap after FCSD
-    stays within `auto_budget` (eval/budget.py, docs/fcsd.md "Budgeted conversion"); the run folder
+    stays within `auto_budget` (fcsd/planner.py, docs/fcsd.md "Budgeted conversion"); the run folder
     keeps the chosen set and the resolved config. An unresolved `auto` never reaches a model:
     `converted_layers` refuses it."""
 
@@ -255,7 +255,7 @@ class FarSkipConfig:
     moe_input: Optional[Literal["full", "outdated"]] = None
     layers: Union[str, tuple[int, ...]] = "all"
     skip_distance: int = 1
-    # --- farskip.layers: auto (eval/budget.py); each only with layers: auto ---
+    # --- farskip.layers: auto (fcsd/planner.py); each only with layers: auto ---
     auto_budget: Optional[float] = None  # allowed relative val-loss gap to the teacher after FCSD (0.01 = 1%)
     auto_retention: Optional[float] = None  # predicted gap after FCSD / untrained gap (default budget.DEFAULT_RETENTION)
     auto_search: Literal["ends", "greedy"] = "ends"  # candidate sets: first/last N; greedy: + one layer at a time
@@ -339,7 +339,7 @@ def parse_layer_spec(spec: str, num_layers: Optional[int]) -> frozenset[int]:
     if s == "auto":
         raise ConfigError(
             "farskip.layers=auto has not been resolved to a layer set: FCSD (train.mode: distill) chooses it at the "
-            "start of the run, and `python -m farskip_jax.eval.budget` plans it without training; elsewhere set an "
+            "start of the run, and `python -m farskip_jax.fcsd.planner` plans it without training; elsewhere set an "
             "explicit set (a run's choice is in <run_dir>/farskip_auto.json and its config.yaml)")
     bounds = None
     try:
@@ -422,7 +422,6 @@ class TrainConfig:
     max_nonfinite: int = 5
     peak_flops: Optional[float] = None  # per device, for MFU
     tensorboard: bool = True
-    inject_nan_at: tuple[int, ...] = ()  # fault injection for tests: the loss of these (1-based) steps becomes NaN
     time_limit_s: Optional[float] = None  # stop (with a checkpoint) after this many seconds of training
 
     def __post_init__(self):
@@ -462,54 +461,24 @@ class DistillConfig:
     kl_weight: float = 1.0
     ce_weight: float = 0.0
     hidden_weight: float = 0.0
-    # teacher-forced sub-block reconstruction (train/local_distill.py): each student layer on the FarSkip
-    # inputs built from the teacher's outputs, its outputs against the teacher's (relative squared error)
-    local_weight: float = 0.0
     top_k_logits: int = 0  # 0 = full distribution; k > 0: forward KL over the teacher's top-k tokens + one tail bucket
     teacher_dtype: DType = "bfloat16"
     metric: Literal["val_kl", "val_loss", "task"] = "val_kl"  # "task": mean accuracy over eval.tasks
     patience: int = 20
     max_drop: float = 0.02  # stop when the metric is this much (relative) worse than the best; <= 0: off
     eval_every: int = 1000
-    # --- added for train/distill.py; defaults keep the behaviour above ---
+    # --- added for fcsd/distill.py; defaults keep the behaviour above ---
     init_from_run: Optional[str] = None  # run folder (pretrain or distill) whose newest checkpoint = teacher + student
     export_hf: Optional[str] = None  # folder to write the best student to in HF format (convert/export.py)
     export_family: Optional[str] = None  # HF model_type for export when the weights did not come from an HF folder
     max_tokens: Optional[int] = None  # stop after this many training tokens (e.g. 5% of the teacher's pretraining)
-    # --- conversion methods (train/annealing.py, docs/fcsd.md "Conversion methods") ---
-    anneal: Literal["none", "linear", "cosine"] = "none"  # alpha 0 -> 1 ramp of the converted layers' connectivity
-    anneal_tokens: Optional[int] = None  # training tokens of that ramp (per stage under progressive)
-    progressive: bool = False  # convert the layers of farskip.layers one at a time, last to first
-    settle_rel: float = 0.01  # a stage has settled when its val KL improved by less than this (relative); 0: off
-    stage_tokens: Optional[int] = None  # cap of a stage's training tokens (the next stage starts at the latest then)
 
     def __post_init__(self):
         _check(self.temperature > 0, f"distill.temperature must be > 0, got {self.temperature}")
-        _check(self.anneal_tokens is None or self.anneal_tokens >= 1,
-               f"distill.anneal_tokens must be >= 1 (training tokens over which alpha goes 0 -> 1), got {self.anneal_tokens}")
-        _check(self.anneal == "none" or self.anneal_tokens is not None,
-               f"distill.anneal={self.anneal} needs distill.anneal_tokens: N (training tokens over which alpha goes "
-               "0 -> 1, e.g. a quarter of distill.max_tokens)")
-        _check(self.anneal != "none" or self.anneal_tokens is None,
-               f"distill.anneal_tokens={self.anneal_tokens} has no effect with distill.anneal: none; set distill.anneal: "
-               "linear or cosine, or drop distill.anneal_tokens")
-        _check(self.stage_tokens is None or self.stage_tokens >= 1,
-               f"distill.stage_tokens must be >= 1 (the most training tokens of one progressive stage), got {self.stage_tokens}")
-        _check(self.stage_tokens is None or self.progressive,
-               "distill.stage_tokens is the stage length of progressive conversion; set distill.progressive: true "
-               "or drop distill.stage_tokens")
-        _check(self.settle_rel >= 0, f"distill.settle_rel must be >= 0 (0: stages end only by distill.stage_tokens), "
-                                     f"got {self.settle_rel}")
-        _check(not self.progressive or self.settle_rel > 0 or self.stage_tokens is not None,
-               "distill.progressive: true needs a rule that ends a stage: distill.settle_rel > 0 and/or distill.stage_tokens")
-        _check(not (self.progressive and self.stage_tokens is not None and self.anneal_tokens is not None
-                    and self.stage_tokens < self.anneal_tokens),
-               f"distill.stage_tokens={self.stage_tokens} is shorter than a stage's ramp distill.anneal_tokens="
-               f"{self.anneal_tokens}; raise stage_tokens or lower anneal_tokens")
         _check(self.top_k_logits >= 0, f"distill.top_k_logits must be >= 0 (0 = full distribution), got {self.top_k_logits}")
         _check(self.patience >= 1 and self.eval_every >= 1, "distill.patience and distill.eval_every must be >= 1")
-        _check(min(self.kl_weight, self.ce_weight, self.hidden_weight, self.local_weight) >= 0,
-               "distill weights (kl_weight, ce_weight, hidden_weight, local_weight) must be >= 0")
+        _check(min(self.kl_weight, self.ce_weight, self.hidden_weight) >= 0,
+               "distill weights (kl_weight, ce_weight, hidden_weight) must be >= 0")
         _check(self.max_tokens is None or self.max_tokens >= 1, "distill.max_tokens must be >= 1 or null")
 
 
@@ -629,9 +598,6 @@ class Config:
                 self.mesh.expert % g == 0 or g % self.mesh.expert == 0,
                 f"moe.num_groups={g} and mesh.expert={self.mesh.expert} must divide one another",
             )
-            _check(self.distill.local_weight == 0,
-                   f"distill.local_weight={self.distill.local_weight} (teacher-forced layers) is not implemented for "
-                   f"Federation of Experts (moe.num_groups={g}); set distill.local_weight: 0 or moe.num_groups: 1")
         if e.num_experts and self.mesh.expert > 1:
             _check(
                 e.num_experts % self.mesh.expert == 0,
@@ -643,10 +609,10 @@ class Config:
                 e.dispatch != "local",
                 f"mesh.expert={self.mesh.expert} needs moe.dispatch: all_to_all or ragged (got 'local')",
             )
-        if self.farskip.layers == "auto":  # resolved by FCSD before any model is built (eval/budget.py)
+        if self.farskip.layers == "auto":  # resolved by FCSD before any model is built (fcsd/planner.py)
             _check(self.train.mode == "distill",
                    f"farskip.layers: auto is chosen at the start of FCSD (train.mode: distill), not in train.mode="
-                   f"{self.train.mode}; set an explicit farskip.layers (plan one with python -m farskip_jax.eval.budget)")
+                   f"{self.train.mode}; set an explicit farskip.layers (plan one with python -m farskip_jax.fcsd.planner)")
         else:
             check_converted_layers(self.farskip, m.num_layers)
         _check(self.train.seq_len <= m.max_seq_len, f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
@@ -730,6 +696,17 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     return value
 
 
+# keys that existed once -> why they are gone (the error names it; results stay in the docs)
+_NO_GAIN = "measured no gain over plain FCSD (docs/fcsd.md, 'Conversion methods'); drop the key"
+REMOVED_KEYS = {
+    "distill.anneal": f"connectivity annealing {_NO_GAIN}", "distill.anneal_tokens": f"connectivity annealing {_NO_GAIN}",
+    "distill.progressive": f"progressive conversion {_NO_GAIN}", "distill.settle_rel": f"progressive conversion {_NO_GAIN}",
+    "distill.stage_tokens": f"progressive conversion {_NO_GAIN}",
+    "distill.local_weight": f"the teacher-forced local term {_NO_GAIN}",
+    "train.inject_nan_at": "fault injection is a test hook now (train/step.py NAN_AT_STEPS); drop the key",
+}
+
+
 def from_dict(cls: type, data: dict, path: str = "") -> Any:
     """Build dataclass `cls` from a (nested) dict, rejecting unknown keys with suggestions."""
     hints = typing.get_type_hints(cls)
@@ -737,6 +714,8 @@ def from_dict(cls: type, data: dict, path: str = "") -> Any:
     kwargs = {}
     for key, value in data.items():
         full = f"{path}.{key}" if path else key
+        if full in REMOVED_KEYS:
+            raise ConfigError(f"config key {full!r} was removed: {REMOVED_KEYS[full]}")
         if key not in hints or key not in names:
             raise ConfigError(f"unknown config key {full!r}" + (_suggest(key, names) or f"; valid keys: {names}"))
         kwargs[key] = _coerce(value, hints[key], full)

@@ -3,7 +3,8 @@ whose attention differs only in how XLA fused it are priced the same, by hand.""
 
 import pytest
 
-from farskip_jax.analysis.attention_cost import attention_kernels, flash_attention_times
+from farskip_jax.analysis.attention_cost import attention_kernels
+from farskip_jax.analysis.cost_model import flash_attention_times
 from farskip_jax.analysis.cost_model import Hardware, simulate
 from farskip_jax.analysis.hlo import HloOp, Schedule
 from farskip_jax.analysis.scopes import scope_of

@@ -96,3 +96,10 @@ def test_yaml_on_off_strings():
     cfg = load_config(None, ["mesh.distributed=on"])
     assert cfg.mesh.distributed == "on"
     assert load_config(None, ["mesh.distributed=off"]).mesh.distributed == "off"
+
+
+@pytest.mark.parametrize("key", ["distill.anneal=linear", "distill.progressive=true", "distill.local_weight=1",
+                                 "train.inject_nan_at=[2]"])
+def test_a_removed_key_says_it_was_removed_and_why(key):
+    with pytest.raises(ConfigError, match=rf"config key '{key.split('=')[0]}' was removed: .*drop the key"):
+        load_config(None, [key])

@@ -12,8 +12,8 @@ from farskip_jax.config import Config, DistillConfig, FarSkipConfig, ModelConfig
 from farskip_jax.eval.divergence import forward_kl, reverse_kl, token_divergence, topk_forward_kl
 from farskip_jax.eval.metrics import cast_state
 from farskip_jax.model.transformer import Transformer
-from farskip_jax.train.distill import make_distill_loss_fn, make_distill_step
-from farskip_jax.train.early_stopping import EarlyStopper
+from farskip_jax.fcsd.distill import make_distill_loss_fn, make_distill_step
+from farskip_jax.fcsd.early_stopping import EarlyStopper
 from farskip_jax.train.optimizer import make_optimizer
 from farskip_jax.train.step import init_state
 
@@ -263,7 +263,7 @@ def test_distill_refuses_a_teacher_of_another_tokenizer(tmp_path):
 
     from farskip_jax.config import load_config, to_dict
     from farskip_jax.errors import ConfigError
-    from farskip_jax.train.distill import load_source
+    from farskip_jax.fcsd.distill import load_source
 
     tok = tmp_path / "tokenizer.json"
     tok.write_text("{}")

@@ -89,7 +89,7 @@ def test_distill_sigterm_checkpoints_and_resumes_exactly(teacher_run, tmp_path):
 
     from farskip_jax.config import load_config
     from farskip_jax.train.checkpoint import Checkpointer
-    from farskip_jax.train.distill import distill
+    from farskip_jax.fcsd.distill import distill
 
     def cfg(run):
         return load_config("configs/distill_tiny.yaml", [*TINY, f"distill.init_from_run={teacher_run}",

@@ -143,7 +143,7 @@ def test_serving_programs_lower_for_gpu_deviceless():
 
 def test_eval_generate_on_a_mesh_from_an_hf_folder(tmp_path, capsys):
     """eval.py --hf DIR --mode generate with two prompts on the tp_ep mesh, the layers imported stacked
-    (model.scan_layers=true: the scanned decode of eval/decode_scan.py) = one-device generation of the
+    (model.scan_layers=true: the scanned decode of eval/generate.py) = one-device generation of the
     same folder imported per layer (the unrolled decode)."""
     import eval as eval_entry
     from farskip_jax.convert import export_hf, import_hf

@@ -1,4 +1,4 @@
-"""farskip.layers: auto (budgeted conversion, eval/budget.py).
+"""farskip.layers: auto (budgeted conversion, fcsd/planner.py).
 
 The choice rule against hand-computed sweep rows; the freed-all-to-all count against DESIGN.md
 section 1 by hand; config errors name the key; an unresolved `auto` never reaches a model; the
@@ -9,6 +9,7 @@ preempted run resumes with its stored choice (no new sweep) bit for bit.
 
 import io
 import json
+import importlib.util
 import os
 
 import pytest
@@ -17,7 +18,7 @@ from run_helpers import SigtermAt, write_scaled_teacher
 
 from farskip_jax.config import FarSkipConfig, ModelConfig, load_config
 from farskip_jax.errors import ConfigError
-from farskip_jax.eval.budget import (DEFAULT_RETENTION, Candidate, apply_choice, choose, measured_pairs,
+from farskip_jax.fcsd.planner import (DEFAULT_RETENTION, Candidate, apply_choice, choose,
                                      overlap_estimate)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,6 +81,10 @@ def test_freed_all_to_alls_by_hand():
 
 
 def test_default_retention_covers_every_recorded_5pct_run():
+    spec = importlib.util.spec_from_file_location("fcsd_evidence", os.path.join(ROOT, "benchmarks", "fcsd_evidence.py"))
+    ev = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ev)
+    measured_pairs = ev.measured_pairs
     pairs = [p for p in measured_pairs(os.path.join(ROOT, "benchmarks/results/fcsd")) if p["budget"] == 0.05]
     assert len(pairs) >= 10 and any(p["layers"] == "partial" for p in pairs)  # hard/auto's chosen sets count
     assert max(p["retention"] for p in pairs) <= DEFAULT_RETENTION < max(p["retention"] for p in pairs) + 0.01
@@ -138,7 +143,7 @@ def _cfg(teacher, run, *extra):
 
 
 def test_loop_nothing_fits_fails_before_the_run_folder(teacher_run, tmp_path):
-    from farskip_jax.train.distill import distill
+    from farskip_jax.fcsd.distill import distill
 
     run = tmp_path / "none_fits"
     with pytest.raises(ConfigError, match="no candidate set fits"):
@@ -147,12 +152,12 @@ def test_loop_nothing_fits_fails_before_the_run_folder(teacher_run, tmp_path):
 
 
 def test_loop_auto_equals_the_explicit_list_and_resumes_with_its_choice(teacher_run, tmp_path):
-    from farskip_jax.eval.budget import plan_conversion
+    from farskip_jax.fcsd.planner import plan_conversion
     from farskip_jax.eval.loading import read_run_config
     from farskip_jax.eval.metrics import cast_state, val_batches
     from farskip_jax.model.layers import dtype_of
     from farskip_jax.parallel.build import model_mesh
-    from farskip_jax.train.distill import distill, load_source
+    from farskip_jax.fcsd.distill import distill, load_source
     from farskip_jax.train.logger import read_metrics
 
     # the sweep, then a budget (retention 1) between the candidates' gaps, and the expected choice by hand

@@ -10,6 +10,7 @@ from flax import nnx
 from farskip_jax.config import Config, DataConfig, ModelConfig, MoEConfig, TrainConfig, replace
 from farskip_jax.model.transformer import Transformer
 from farskip_jax.train.optimizer import make_optimizer
+from farskip_jax.train import step as step_module
 from farskip_jax.train.step import init_state, make_loss_fn, make_train_step, token_ce
 from farskip_jax.train.trainer import train
 
@@ -38,8 +39,9 @@ def _setup(cfg):
     return g, st, tx, sched
 
 
-def test_nonfinite_step_is_skipped_and_counted():
-    cfg = _cfg(inject_nan_at=(2,))
+def test_nonfinite_step_is_skipped_and_counted(monkeypatch):
+    monkeypatch.setattr(step_module, "NAN_AT_STEPS", (2,))
+    cfg = _cfg()
     g, st, tx, sched = _setup(cfg)
     step = jax.jit(make_train_step(g, cfg, tx, sched))
     st1, m1 = step(st, _batch(0))
@@ -98,11 +100,12 @@ def test_schedule_warmup_cosine():
     assert float(sched(50)) < float(sched(20))
 
 
-def test_consecutive_nonfinite_stops_cleanly_with_last_good_checkpoint(tmp_path):
+def test_consecutive_nonfinite_stops_cleanly_with_last_good_checkpoint(tmp_path, monkeypatch):
     from farskip_jax.train.checkpoint import Checkpointer
     from farskip_jax.train.logger import read_metrics
 
-    cfg = replace(_cfg(batch_size=8, inject_nan_at=(3, 6, 7, 8), max_nonfinite=3, checkpoint_every=2, log_every=5,
+    monkeypatch.setattr(step_module, "NAN_AT_STEPS", (3, 6, 7, 8))
+    cfg = replace(_cfg(batch_size=8, max_nonfinite=3, checkpoint_every=2, log_every=5,
                        eval_every=0, tensorboard=False, run_dir=str(tmp_path / "run")),
                   data=DataConfig(tokenizer="byte", max_docs=50))
     cfg = replace(cfg, **{"model.vocab_size": 259})

@@ -2,7 +2,7 @@
 compiled attention core's FLOPs and bytes, whatever XLA's fusion made of it.
 
     kernels = attention_kernels(schedule)           # [AttentionKernel]
-    times = flash_attention_times(schedule, hw)     # {op id: us} for every attention_core compute op
+    (cost_model.flash_attention_times prices each kernel and spreads its time over its ops)
 
 Why: a compiled naive attention core is a chain of kernels that write and read the [b, h, t, s]
 scores in HBM, and how many depends on XLA's fusion decisions, which differ between two programs
@@ -137,20 +137,3 @@ def attention_kernels(schedule: Schedule) -> list[AttentionKernel]:
                                        ops=tuple(o.id for o in ops), flops=float(sum(o.flops for o in ops)),
                                        bytes=float(sum(inputs.values()) + sum(outputs.values()))))
     return kernels
-
-
-def flash_attention_times(schedule: Schedule, hw, in_place_updates: bool = False) -> dict[int, float]:
-    """{op id: modelled us} of every attention_core compute op: its kernel's time (cost_model.
-    fused_attention_us; 0 for a kernel without dots) spread over its ops in proportion to their
-    compiled roofline times (cost_model.compute_time_us; `in_place_updates` as cost_model.moved_bytes)."""
-    from farskip_jax.analysis.cost_model import compute_time_us, fused_attention_us, moved_bytes
-
-    out: dict[int, float] = {}
-    for k in attention_kernels(schedule):
-        t = fused_attention_us(k.flops, k.bytes, k.direction, hw) if k.flops > 0 else 0.0
-        naive = {i: compute_time_us(schedule.by_id[i].flops, moved_bytes(schedule.by_id[i], in_place_updates), hw)
-                 for i in k.ops}
-        total = sum(naive.values())
-        for i in k.ops:
-            out[i] = t * naive[i] / total if total > 0 else 0.0
-    return out

@@ -34,6 +34,7 @@ import copy
 from dataclasses import dataclass
 from typing import Optional
 
+from farskip_jax.analysis.attention_cost import attention_kernels
 from farskip_jax.analysis.hlo import Schedule
 
 
@@ -117,6 +118,21 @@ def moved_bytes(o, in_place_updates: bool = False) -> float:
 
 def compute_time_us(flops: float, bytes_moved: float, hw: Hardware) -> float:
     return hw.launch_us + 1e6 * max(flops / (hw.peak_flops * hw.matmul_eff), bytes_moved / (hw.hbm_bw * hw.mem_eff))
+
+
+def flash_attention_times(schedule: Schedule, hw, in_place_updates: bool = False) -> dict[int, float]:
+    """{op id: modelled us} of every attention_core compute op: its kernel's time (
+    fused_attention_us; 0 for a kernel without dots) spread over its ops in proportion to their
+    compiled roofline times (cost_model.compute_time_us; `in_place_updates` as cost_model.moved_bytes)."""
+    out: dict[int, float] = {}
+    for k in attention_kernels(schedule):
+        t = fused_attention_us(k.flops, k.bytes, k.direction, hw) if k.flops > 0 else 0.0
+        naive = {i: compute_time_us(schedule.by_id[i].flops, moved_bytes(schedule.by_id[i], in_place_updates), hw)
+                 for i in k.ops}
+        total = sum(naive.values())
+        for i in k.ops:
+            out[i] = t * naive[i] / total if total > 0 else 0.0
+    return out
 
 
 def collective_time_us(kind: str, payload: float, group: int, hw: Hardware) -> float:
@@ -255,7 +271,6 @@ def simulate(schedule: Schedule, hw: Hardware, group_size: int = 8,
     free_pairs = free.pairs if free is not None else frozenset()
     attn = {}
     if fused_attention:
-        from farskip_jax.analysis.attention_cost import flash_attention_times
 
         attn = flash_attention_times(sched, hw, in_place_updates)
     for o in sched.ops:

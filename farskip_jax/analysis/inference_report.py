@@ -27,7 +27,7 @@ place), compute under an all-reduce in flight at the hardware's contention (cost
     serial_us         the same schedule with every all-reduce synchronous (vLLM / SGLang's standard
                       model: nothing runs under an all-reduce)
     ceiling_us        time_us minus every exposed all-reduce microsecond (all of them hidden)
-    row_copy_us       scanned programs (model.scan_layers, eval/decode_scan.py): the copies XLA makes
+    row_copy_us       scanned programs (model.scan_layers, eval/generate.py): the copies XLA makes
                       of each layer's row of a stacked weight / cache ahead of a GEMM in every iteration
     inplace_us        time_us with those copies free: the GEMMs reading the rows in place (XLA's
                       dynamic-slice fusion; 0 = a program without such copies)
@@ -103,7 +103,7 @@ def serving_config(cfg, preset: str, num_devices: int, gpus_per_node: Optional[i
                    layers: Optional[int] = None, scan_layers: Optional[bool] = None):
     """cfg on the tp_ep layout of num_devices GPUs (serving_shape), connectivity `preset`, bf16, no
     remat; `layers` cuts the depth (model.num_layers); scan_layers: the stacked, scanned program
-    (eval/decode_scan.py) or per-layer weights unrolled (default: the config's model.scan_layers)."""
+    (eval/generate.py) or per-layer weights unrolled (default: the config's model.scan_layers)."""
     from farskip_jax.config import replace
 
     expert, tensor = serving_shape(cfg, num_devices, gpus_per_node)
@@ -444,7 +444,7 @@ def main(argv=None) -> int:
                          "cost_model.HARDWARE; 1.0 = no contention)")
     ap.add_argument("--layers", type=int, default=None, help="cut the model to this many layers")
     ap.add_argument("--scan-layers", choices=("config", "true", "false"), default="config",
-                    help="stacked layers decoded as a scan (eval/decode_scan.py) or per-layer weights unrolled")
+                    help="stacked layers decoded as a scan (eval/generate.py) or per-layer weights unrolled")
     ap.add_argument("overrides", nargs="*", help="config overrides key=value")
     a = ap.parse_args(argv)
 

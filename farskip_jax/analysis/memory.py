@@ -5,7 +5,7 @@
 
 For every (mode, remat policy, FSDP size) it compiles the REAL step deviceless for 8 x fsdp GPUs
 (nodes of 8, experts over `mesh.expert`, FSDP = one more node per step): train/step.py's
-make_train_step with AdamW, or train/distill.py's make_distill_step with a frozen teacher in
+make_train_step with AdamW, or fcsd/distill.py's make_distill_step with a frozen teacher in
 `distill.teacher_dtype` + the student + AdamW, jitted as the trainer jits it (donated state, output
 shardings = input shardings). `compiled.memory_analysis()` gives per device: arguments (parameters
 + optimizer state + teacher + batch), outputs, temporaries, aliased bytes (donated state reused for
@@ -150,7 +150,7 @@ def abstract_program(cfg, mode: str, mesh, batch_per_device: int, seq: int):
     if mode == "pretrain":
         fn = jax.jit(make_train_step(graphdef, cfg, tx, schedule), donate_argnums=0, out_shardings=out_sh)
         return fn, (state, batch), parts
-    from farskip_jax.train.distill import make_distill_step
+    from farskip_jax.fcsd.distill import make_distill_step
 
     td = dtype_of(cfg.distill.teacher_dtype)
 
@@ -159,7 +159,7 @@ def abstract_program(cfg, mode: str, mesh, batch_per_device: int, seq: int):
         return jax.ShapeDtypeStruct(x.shape, dt, sharding=x.sharding)
 
     # the teacher as a State of plain (abstract) arrays: nnx.merge then makes its Variables inside the
-    # loss's trace. With Variables made outside it (what train/distill.py passes today) any model.remat
+    # loss's trace. With Variables made outside it (what fcsd/distill.py passes today) any model.remat
     # other than none fails with flax's TraceContextError; the bytes are the same either way.
     pure = lambda tree, f=lambda x: x: jax.tree.map(lambda v: f(v.get_value()), tree,  # noqa: E731
                                                     is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -38,6 +38,7 @@ from jax.sharding import SingleDeviceSharding
 from farskip_jax.config import Config, apply_overrides, from_dict
 from farskip_jax.convert.connectivity import describe, import_connectivity
 from farskip_jax.convert.families import family_for, text_part
+from farskip_jax.convert.import_folder import describe_import_folder, is_native
 from farskip_jax.convert.reader import HFCheckpoint
 from farskip_jax.convert.spec import TensorSpec
 from farskip_jax.errors import CheckpointError
@@ -52,8 +53,6 @@ ALWAYS_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 def open_checkpoint(path: str) -> HFCheckpoint:
     """HFCheckpoint of `path`; for a multimodal checkpoint, the view of its language model.
     CheckpointError for an import folder of ours (convert/native.py), naming what it is and what reads it."""
-    from farskip_jax.convert.native import describe_import_folder, is_native
-
     if is_native(path):
         raise CheckpointError(f"{describe_import_folder(path)}, not an HF folder: pass the HF folder it was imported "
                               f"from, or use it as it is with `eval.py --hf {path}` or `python -m "

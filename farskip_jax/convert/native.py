@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from farskip_jax.config import Config, apply_overrides, dump_config, from_dict, kernels_env_overrides, load_yaml_tree
+from farskip_jax.convert.import_folder import PARAMS, is_native
 from farskip_jax.convert.connectivity import EXPORT_KEY, describe, import_connectivity
 from farskip_jax.convert.families import family_for
 from farskip_jax.convert.loader import (abstract_model, import_config, open_checkpoint, override_tree, target_shardings,
@@ -34,7 +35,6 @@ from farskip_jax.convert.safetensors_io import read_header, MappedTensor, write_
 from farskip_jax.errors import CheckpointError
 from farskip_jax.model.transformer import Transformer
 
-PARAMS = "params.safetensors"
 
 
 def _key(path) -> str:
@@ -95,21 +95,6 @@ def write_native_from_hf(hf_dir: str, out_dir: str, overrides=None, *, dtype: Op
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return cfg
-
-
-def is_native(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, PARAMS)) and os.path.isfile(os.path.join(path, "config.yaml"))
-
-
-def describe_import_folder(path: str) -> str:
-    """"PATH is an import folder written by ... (imported from SOURCE)" for error messages."""
-    src = None
-    try:
-        src = (load_yaml_tree(os.path.join(path, "config.yaml")) or {}).get("init_from_hf")
-    except Exception:  # noqa: BLE001 -- a description only: an unreadable config.yaml names no source
-        pass
-    return (f"{path} is an import folder written by `python -m farskip_jax.convert import` (config.yaml + {PARAMS}"
-            + (f", imported from {src}" if src else "") + ")")
 
 
 def native_config(path: str, overrides=None) -> Config:

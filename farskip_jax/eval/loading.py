@@ -29,7 +29,7 @@ from farskip_jax.eval.metrics import model_state
 
 
 def read_run_config(run_dir: str) -> Config:
-    from farskip_jax.convert.native import describe_import_folder, is_native
+    from farskip_jax.convert.import_folder import describe_import_folder, is_native
 
     if is_native(run_dir):
         raise ConfigError(f"{describe_import_folder(run_dir)}, not a run folder (it has no checkpoints/): evaluate it "

@@ -1,4 +1,4 @@
-"""Conversion experiments on a trained standard teacher: FCSD (train/distill.py) for several
+"""Conversion experiments on a trained standard teacher: FCSD (fcsd/distill.py) for several
 connectivity variants, recovery curves collected from each distillation run.
 
     recs = run_fcsd(distill_cfg, [Variant("farskip_all", {"farskip.preset": "farskip"}), ...],
@@ -45,7 +45,7 @@ def run_fcsd(distill_cfg: Config, variants: Sequence[Variant], teacher_run: str,
     distill_cfg: a train.mode=distill config (e.g. configs/distill_tiny.yaml with the budget set);
     each variant's overrides (farskip.preset / attn_input / layers ...) are applied on top and the run
     goes to `<out_dir>/fcsd_<variant>` (overwritten: FCSD runs are short)."""
-    from farskip_jax.train.distill import distill
+    from farskip_jax.fcsd.distill import distill
 
     out_dir = os.path.abspath(out_dir)
     recs = []

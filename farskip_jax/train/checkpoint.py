@@ -94,16 +94,42 @@ class Checkpointer:
         return os.path.join(self.data_dir, str(step), f"process_{self.process}.json")
 
     def save(self, step: int, state: Any, data_state: dict, *, force: bool = True) -> None:
+        """Save `step` (async unless async_save=False). A save that fails (full disk, I/O error) leaves
+        no partial step behind and raises CheckpointError naming the folder and the step to resume from."""
         if step in self.mngr.all_steps():  # saved already, or still being written by the async save
             return
         path = self._data_path(step)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(data_state, f)
-        os.replace(tmp, path)
-        self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(flatten_state(state))), force=force)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(data_state, f)
+            os.replace(tmp, path)
+            self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(flatten_state(state))),
+                           force=force)
+        except Exception as e:  # noqa: BLE001 -- orbax and the OS raise many types; all mean "not written"
+            raise self._write_failed(step, e) from None
         self._prune_data_states()
+
+    def _write_failed(self, step: Optional[int], e: Exception) -> CheckpointError:
+        """Remove what a failed save left (orbax temporary folders, data states without a committed
+        step) and the error to raise."""
+        if os.path.isdir(self.dir):
+            for d in os.listdir(self.dir):
+                if ".orbax-checkpoint-tmp" in d:
+                    shutil.rmtree(os.path.join(self.dir, d), ignore_errors=True)
+        done = set(self.complete_steps())
+        if os.path.isdir(self.data_dir):
+            for d in os.listdir(self.data_dir):
+                if d.isdigit() and not os.path.isfile(self._commit_path(int(d))):
+                    shutil.rmtree(os.path.join(self.data_dir, d), ignore_errors=True)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        latest = max(done) if done else None
+        return CheckpointError(
+            f"checkpoint{'' if step is None else f' step {step}'} could not be written to {self.dir} "
+            f"({type(e).__name__}: {first}); nothing partial was kept. Free disk space (or choose a train.run_dir "
+            "on a disk with room) and re-run the same command: it resumes from "
+            + (f"step {latest}" if latest is not None else "the start"))
 
     def _prune_data_states(self) -> None:
         """Delete the data states of steps orbax has dropped AND already deleted from disk (it deletes
@@ -211,7 +237,10 @@ class Checkpointer:
                 "train.overwrite=true to start the run over")
 
     def wait(self) -> None:
-        self.mngr.wait_until_finished()
+        try:
+            self.mngr.wait_until_finished()  # an async save's error surfaces here
+        except Exception as e:  # noqa: BLE001
+            raise self._write_failed(None, e) from None
         self._prune_data_states()
 
     def close(self) -> None:

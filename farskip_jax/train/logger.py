@@ -21,6 +21,43 @@ def format_eta(seconds: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
+def config_summary(cfg, run_dir: str) -> str:
+    """Three lines on what runs (the whole resolved config is <run_dir>/config.yaml)."""
+    m, e, f, t = cfg.model, cfg.moe, cfg.farskip, cfg.train
+    moe = (f"{e.num_experts} experts top-{e.top_k}" + (f" + {e.num_shared_experts} shared" if e.num_shared_experts else "")
+           + f", dispatch {e.dispatch}") if e.num_experts else "dense"
+    conn = f.preset + ("" if f.preset == "standard" else f" on layers {f.layers}")
+    return (f"config: {m.num_layers} layers, d_model {m.d_model}, vocab {m.vocab_size}, {m.attention} attention, {moe}; "
+            f"connectivity {conn}; compute {m.compute_dtype}, remat {m.remat}\n"
+            f"        {t.mode}: {t.steps} steps of {t.batch_size} x {t.seq_len} tokens, lr {t.lr:g}, data {cfg.data.source}; "
+            f"mesh data {cfg.mesh.data} x expert {cfg.mesh.expert}\n"
+            f"        the whole resolved config: {os.path.join(run_dir, 'config.yaml')}")
+
+
+def drop_records_after(run_dir: str, step: int) -> int:
+    """Remove the metrics.jsonl records of steps after `step` (a resumed run logs them again); returns
+    how many were dropped. Lines that do not parse are kept."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return 0
+    keep, dropped = [], 0
+    with open(path, errors="replace") as f:
+        for line in f:
+            try:
+                late = int(json.loads(line).get("step", -1)) > step
+            except (ValueError, AttributeError, TypeError):
+                late = False
+            if late:
+                dropped += 1
+            else:
+                keep.append(line)
+    if dropped:
+        with open(path + ".tmp", "w") as f:
+            f.writelines(keep)
+        os.replace(path + ".tmp", path)
+    return dropped
+
+
 class RunLogger:
     def __init__(self, run_dir: str, *, tensorboard: bool = True, enabled: bool = True, stream=None):
         self.enabled = enabled

@@ -7,21 +7,30 @@ Anything else raises ConfigError unless `train.overwrite=true`, which deletes th
 the folder was left by a run that never finished a step (reclaimed). `check_run_dir` only reads, so
 the entry points validate everything else before `claim_run_dir` writes: a run that fails on bad
 input leaves no trace.
+
+A running run holds its folder: `claim_run_dir` takes an exclusive flock on the folder itself (the
+kernel drops it when the process ends, so a crashed run leaves nothing stale) and `check_run_dir`
+refuses a folder another process holds. A folder that cannot be written (read-only file system, no
+permission) is refused before anything starts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import fcntl
 import os
 import shutil
 from typing import Optional
+
+import jax
 
 from farskip_jax.config import Config, KernelsConfig, config_from_dict, dump_config, to_dict
 from farskip_jax.errors import ConfigError, FarSkipError
 
 RESUMABLE_KEYS = {"train.steps", "train.time_limit_s", "train.log_every", "train.eval_every", "train.tensorboard",
                   "train.checkpoint_every", "train.keep_checkpoints", "train.max_nonfinite", "train.overwrite",
-                  "train.inject_nan_at", "train.peak_flops",
+                  "train.peak_flops",
                   # how the same math is computed (kernels, blocking, rematerialisation): a run started
                   # with one may resume with another, e.g. a run from before model.attention_impl=auto
                   "model.attention_impl", "model.attention_block", "model.remat", "moe.gmm", "moe.gmm_tile",
@@ -47,6 +56,68 @@ def _flat(d: dict, prefix: str = "") -> dict:
 def config_diff(a: Config, b: Config) -> list[str]:
     fa, fb = _flat(to_dict(a)), _flat(to_dict(b))
     return sorted(k for k in set(fa) | set(fb) if fa.get(k) != fb.get(k))
+
+
+# folder -> fd of the flock this process holds on it (released by release_run_dir or at exit)
+_HELD: dict = {}
+
+
+def _try_lock(path: str) -> Optional[int]:
+    """An fd holding an exclusive flock on folder `path`, or None when another process holds one."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return None
+        raise
+    return fd
+
+
+def _holder(path: str) -> str:
+    try:
+        with open(os.path.join(path, ".owner")) as f:
+            return f" (process {f.read().strip()})"
+    except OSError:
+        return ""
+
+
+def _busy(path: str) -> ConfigError:
+    return ConfigError(f"train.run_dir={path} is in use by another run{_holder(path)}; wait for it to finish, stop "
+                       "it, or choose another train.run_dir")
+
+
+def _check_held(path: str) -> None:
+    """ConfigError when another process holds `path` (an existing folder); takes nothing."""
+    if path in _HELD:
+        return
+    fd = _try_lock(path)
+    if fd is None:
+        raise _busy(path)
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+
+
+def _check_writable(path: str) -> None:
+    """ConfigError when `path`, or the nearest existing folder above it, cannot be written."""
+    probe = path
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.access(probe, os.W_OK | os.X_OK):
+        why = "a read-only file system" if _read_only_fs(probe) else "no write permission"
+        raise ConfigError(f"train.run_dir={path} cannot be written ({probe}: {why}); choose a train.run_dir on a "
+                          "writable disk")
+
+
+def _read_only_fs(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def _finished_a_step(run_dir: str) -> bool:
@@ -85,6 +156,9 @@ def check_run_dir(cfg: Config) -> RunFolder:
     run_dir = os.path.abspath(cfg.train.run_dir)
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise ConfigError(f"train.run_dir={run_dir} is a file, not a folder; choose another train.run_dir")
+    _check_writable(run_dir)
+    if os.path.isdir(run_dir) and jax.process_index() == 0:  # the process that claims it
+        _check_held(run_dir)
     if not (os.path.isdir(run_dir) and os.listdir(run_dir)):
         return RunFolder(run_dir, resume=False, wipe=False)
     cfg_path = os.path.join(run_dir, "config.yaml")
@@ -113,11 +187,29 @@ def check_run_dir(cfg: Config) -> RunFolder:
 
 
 def claim_run_dir(cfg: Config, folder: RunFolder) -> None:
-    """Make `folder` this run's: wipe it if check_run_dir said so, create it, write config.yaml."""
-    if folder.wipe and os.path.isdir(folder.path):
-        shutil.rmtree(folder.path)
+    """Make `folder` this run's: create it, hold its lock (ConfigError when another process took it
+    since check_run_dir), wipe its contents if check_run_dir said so, write config.yaml."""
     os.makedirs(folder.path, exist_ok=True)
+    if folder.path not in _HELD:
+        fd = _try_lock(folder.path)
+        if fd is None:
+            raise _busy(folder.path)
+        _HELD[folder.path] = fd
+    if folder.wipe:  # the contents only: the lock is on the folder itself
+        for name in os.listdir(folder.path):
+            p = os.path.join(folder.path, name)
+            shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
     path = os.path.join(folder.path, "config.yaml")
     with open(path + ".tmp", "w") as f:
         f.write(dump_config(cfg))
     os.replace(path + ".tmp", path)
+    with open(os.path.join(folder.path, ".owner"), "w") as f:
+        f.write(f"{os.getpid()} on {os.uname().nodename}")
+
+
+def release_run_dir(path: str) -> None:
+    """Give up this process's lock on run folder `path` (no-op when it holds none)."""
+    fd = _HELD.pop(os.path.abspath(path), None)
+    if fd is not None:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from farskip_jax.config import Config, dump_config, merge_checkpoint_shape, runtime_overrides
+from farskip_jax.config import Config, merge_checkpoint_shape, runtime_overrides
 from farskip_jax.data.pipeline import close_iterator, first_batches, make_dataset
 from farskip_jax.data.tokenizer import check_vocab, load_tokenizer
 from farskip_jax.errors import ConfigError
@@ -28,10 +28,10 @@ from farskip_jax.parallel.distributed import maybe_initialize
 from farskip_jax.parallel.sharding import place_state, shard_batch
 from farskip_jax.train.checkpoint import Checkpointer
 from farskip_jax.train.flops import measure_matmul_peak, total_params, train_flops_per_token
-from farskip_jax.train.logger import RunLogger
+from farskip_jax.train.logger import RunLogger, config_summary, drop_records_after
 from farskip_jax.train.preemption import StopFlag
 from farskip_jax.train.optimizer import make_optimizer, schedule_change_warning
-from farskip_jax.train.rundir import check_run_dir, claim_run_dir
+from farskip_jax.train.rundir import check_run_dir, claim_run_dir, release_run_dir
 from farskip_jax.train.step import init_state, make_eval_step, make_train_step
 
 
@@ -128,10 +128,12 @@ def train(cfg: Config, *, stream=None) -> TrainResult:
         multihost_utils.sync_global_devices("farskip_jax run_dir ready")
     if not folder.resume:
         ckpt = Checkpointer(run_dir, keep=t.keep_checkpoints)
+    if primary and folder.resume:  # steps after the restored one are logged again
+        drop_records_after(run_dir, int(start or 0))
     log = RunLogger(run_dir, tensorboard=t.tensorboard, enabled=primary, stream=stream)
     if folder.note:
         log.print(folder.note)
-    log.print("resolved config:\n" + dump_config(cfg))
+    log.print(config_summary(cfg, run_dir))
     shardings = jax.tree.map(lambda x: x.sharding, state)
     step_fn = jax.jit(make_train_step(graphdef, cfg, tx, schedule), donate_argnums=0,
                       out_shardings=(shardings, None) if mesh is not None else None)
@@ -233,6 +235,7 @@ def train(cfg: Config, *, stream=None) -> TrainResult:
         f"no steps left to run (train.steps={t.steps}; raise it to train further)"
     log.print(f"{status} at step {step}: {speed}" + (f", val loss {val_loss:.4f}" if val_loss is not None else ""))
     log.close()
+    release_run_dir(run_dir)
     return TrainResult(status=status, step=step, final_loss=float(last.get("loss", math.nan)), val_loss=val_loss,
                        run_dir=run_dir, tokens_per_s=tps, mfu=mfu,
                        nonfinite_total=int(state["nonfinite_total"]), losses=losses)

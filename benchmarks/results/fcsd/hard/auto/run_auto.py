@@ -41,10 +41,10 @@ def main(argv=None) -> int:
     os.chdir(ROOT)
     from fcsd_methods import run_config
 
-    from farskip_jax.eval.budget import read_plan
+    from farskip_jax.fcsd.planner import read_plan
     from farskip_jax.eval.loading import load_run
     from farskip_jax.eval.metrics import evaluate_pair, make_compare_fn, val_batches
-    from farskip_jax.train.distill import distill
+    from farskip_jax.fcsd.distill import distill
 
     ns = argparse.Namespace(batch_size=8, lr=1e-3, min_lr_ratio=0.1, evals=8, select_batches=8,
                             overrides=list(a.overrides))
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
             ovr = ["farskip.layers=auto", f"farskip.auto_budget={budget}", f"farskip.auto_search={a.search}"]
             cfg = run_config(ns, tcfg, rd, int(a.tokens * pre), ovr)
             if done:  # the candidates do not depend on the budget: choose from the first run's sweep
-                from farskip_jax.eval.budget import Plan, choose
+                from farskip_jax.fcsd.planner import Plan, choose
 
                 first = read_plan(next(iter(done.values()))["run_dir"])
                 plan = Plan.from_json(first)

@@ -8,7 +8,7 @@ The prediction (docs/fcsd.md "Budgeted conversion", with its evidence and limits
 
 `retention` defaults to DEFAULT_RETENTION, the largest ratio (gap after FCSD / untrained gap) measured
 at a 5% FCSD token budget on the project's teachers, all-layer and partial conversions
-(`measured_pairs` reads them from benchmarks/results/fcsd); larger FCSD budgets measured lower
+(`benchmarks/fcsd_evidence.py` reads them from benchmarks/results/fcsd); larger FCSD budgets measured lower
 ratios, so the default is conservative there. Candidate sets (`farskip.auto_search`): `ends` = first N and last N for N = 1..L; `greedy`
 adds, one layer at a time, the layer whose addition costs least (untrained), stopping when even the
 cheapest addition is over the budget. The rule: among candidates whose prediction is within the
@@ -18,13 +18,12 @@ anything is written).
 
     plan = plan_conversion(graphdef, src, cfg, batches, teacher=teacher)     # sweep + choice
     cfg = apply_choice(cfg, plan.layers)                                     # an explicit layer list
-    python -m farskip_jax.eval.budget --config configs/distill_tiny.yaml --budget 0.01   # plan only
+    python -m farskip_jax.fcsd.planner --config configs/distill_tiny.yaml --budget 0.01   # plan only
 """
 
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import os
 import sys
@@ -34,7 +33,7 @@ from farskip_jax.config import (Config, FarSkipConfig, ModelConfig, apply_overri
                                 to_dict)
 from farskip_jax.errors import ConfigError
 
-# gap after FCSD / untrained gap: the largest measured at a 5% FCSD budget (measured_pairs; checked by
+# gap after FCSD / untrained gap: the largest measured at a 5% FCSD budget (benchmarks/fcsd_evidence.py; checked by
 # tests/test_layers_auto.py): the set auto chose on the DeepSeek-V2-style hard teacher at lr 1e-4,
 # +2.70% -> +2.11% (report slice). Over all-layer conversions alone the largest is 0.41 (16-layer d64, lr 3e-3)
 DEFAULT_RETENTION = 0.78
@@ -180,7 +179,7 @@ def choose(candidates: Sequence[Candidate], budget: float, retention: float) -> 
             f"farskip.auto_budget={budget:g}: no candidate set fits; the cheapest, {cheap.name} (layers "
             f"{list(cheap.layers)}), is predicted at {100 * need:+.2f}% after FCSD (untrained {100 * cheap.gap:+.2f}% x "
             f"farskip.auto_retention {retention:g}). Raise farskip.auto_budget to at least {need:.4g}, set "
-            "farskip.auto_retention lower if FCSD runs on this model measured less (python -m farskip_jax.eval.budget "
+            "farskip.auto_retention lower if FCSD runs on this model measured less (python -m farskip_jax.fcsd.planner "
             "--retention-from RUN), or set farskip.layers explicitly")
     order = {id(c): k for k, c in enumerate(candidates)}
     return min(fits, key=lambda c: (-c.freed, c.gap, len(c.layers), order[id(c)]))
@@ -317,57 +316,6 @@ def compiled_overlap(cfg: Config, layers, *, preset: str = "farskip", batch: Opt
 # --------------------------------------------------------------------------------------------------
 
 
-def _nominal(frac: float) -> float:
-    """A run's FCSD token share rounded up to the budgets the experiments used."""
-    for b in (0.05, 0.1, 0.2, 0.4):
-        if frac <= b + 1e-6:
-            return b
-    return round(frac, 2)
-
-
-def measured_pairs(root: str = "benchmarks/results/fcsd") -> list[dict]:
-    """(untrained gap, gap after FCSD, FCSD token share) of every plain-FCSD run recorded under `root`
-    (benchmarks/fcsd_experiment.py's results*.json, benchmarks/fcsd_methods.py's results.json: all
-    layers converted; hard/auto/run_auto.py's auto_runs*.json: the sets farskip.layers=auto chose).
-    Left out: conversion methods (anneal, progressive) and top-k logits, which are not the default
-    recipe. Each pair: dict(source, budget, untrained, after, retention, layers: "all" | "partial")."""
-    out = []
-    for path in sorted(glob.glob(os.path.join(root, "**", "auto_runs*.json"), recursive=True)):
-        with open(path) as f:
-            rows = json.load(f)
-        seen = set()
-        for r in rows:  # a budget whose choice repeats an earlier budget's reuses its run: one pair
-            key = (r["teacher"], tuple(r["layers"]), r.get("tag", ""))
-            if key in seen:
-                continue
-            seen.add(key)
-            out.append(dict(source=f"{os.path.relpath(path, root)}:{r['teacher']}:{r['choice']}", budget=r["token_share"],
-                            untrained=r["untrained_gap"], after=r["gap"], layers="partial"))
-    for path in sorted(glob.glob(os.path.join(root, "**", "results*.json"), recursive=True)):
-        try:
-            with open(path) as f:
-                d = json.load(f)
-        except (OSError, ValueError):
-            continue
-        rel = os.path.relpath(path, root)
-        if isinstance(d, dict) and "table" in d and "teacher_tokens" in d:  # fcsd_experiment.py
-            if "top-k all" not in d.get("recipe", "top-k all"):
-                continue
-            t, conv, after = (row[1] for row in d["table"][:3])
-            out.append(dict(source=rel, budget=_nominal(d["fcsd_tokens"] / d["teacher_tokens"]),
-                            untrained=conv / t - 1, after=after / t - 1, layers="all"))
-        elif isinstance(d, dict) and "rows" in d and "converted" in d:  # fcsd_methods.py
-            c = d["converted"]
-            for r in d["rows"]:
-                if any(k in o for o in r.get("overrides", []) for k in ("anneal", "progressive", "top_k")):
-                    continue
-                out.append(dict(source=f"{rel}:{r['method']}", budget=r["budget"],
-                                untrained=c["val_loss"] / c["teacher_loss"] - 1, after=r["gap"], layers="all"))
-    for p in out:
-        p["retention"] = p["after"] / p["untrained"] if p["untrained"] > 0 else float("nan")
-    return out
-
-
 def run_retention(run_dir: str) -> dict:
     """Retention measured by a finished FCSD run: its step-0 (converted, untrained) gap and its best
     evaluation's gap on the early-stopping batches (metrics.jsonl, early_stopping.json)."""
@@ -400,7 +348,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(
-        prog="python -m farskip_jax.eval.budget",
+        prog="python -m farskip_jax.fcsd.planner",
         description="Plan farskip.layers: auto without training: the untrained sweep on the teacher (the "
                     "weights of init_from_hf / distill.init_from_run, read as train.py's distillation reads them), "
                     "the choice for a val-loss budget and the overlap it buys. The same plan FCSD makes at its start.")
@@ -414,29 +362,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="also compile the forward program deviceless for 8 GPUs (analysis/overlap.py, jax-cuda12 "
                         "plugin) for standard, the choice and every layer; OVERRIDES: comma list of config overrides "
                         "for that compile (mesh.expert=8,mesh.data=1,moe.dispatch=all_to_all are always set)")
-    p.add_argument("--evidence", metavar="ROOT", nargs="?", const="benchmarks/results/fcsd",
-                   help="print the measured (untrained, after FCSD) pairs under ROOT and exit")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. init_from_hf=/models/x data.tokenizer=/models/x")
     a = p.parse_args(argv)
-    if a.evidence:
-        pairs = measured_pairs(a.evidence)
-        print("| source | converted | FCSD budget | untrained gap | after FCSD | retention |\n|---|---|---|---|---|---|")
-        for q in pairs:
-            print(f"| {q['source']} | {q['layers']} | {100 * q['budget']:g}% | {100 * q['untrained']:+.2f}% | "
-                  f"{100 * q['after']:+.2f}% | {q['retention']:.3f} |")
-        for b in sorted({q["budget"] for q in pairs}):
-            for kind in ("all", "partial", None):
-                rs = [q["retention"] for q in pairs if q["budget"] == b and kind in (None, q["layers"])]
-                if rs:
-                    print(f"budget {100 * b:g}%, {kind or 'every'} set(s): {len(rs)} runs, retention min {min(rs):.3f} / "
-                          f"median {sorted(rs)[len(rs) // 2]:.3f} / max {max(rs):.3f}")
-        return 0
     from farskip_jax.config import load_config
     from farskip_jax.data.tokenizer import check_vocab, load_tokenizer
     from farskip_jax.eval.metrics import cast_state, val_batches
     from farskip_jax.model.layers import dtype_of
     from farskip_jax.parallel.build import model_mesh
-    from farskip_jax.train.distill import load_source
+    from farskip_jax.fcsd.source import load_source
 
     ov = list(a.overrides) + ["farskip.layers=auto"]
     if a.budget is not None:

@@ -8,23 +8,18 @@ student only:
     loss = kl_weight * T^2 * KL_kind(softmax(t/T), softmax(s/T))    (forward | reverse | both; top-k)
          + ce_weight * CE(student, next tokens)
          + hidden_weight * mean_layers ||h_s - h_t||^2 / d           (per-layer full streams)
-         + local_weight * teacher-forced sub-block error              (train/local_distill.py)
          + moe.aux_loss_weight * aux + moe.z_loss_weight * z          (student router)
 
 all token means over non-padding tokens (`loss_mask`). Every `distill.eval_every` steps the student
 is compared with the teacher on fixed validation batches (KL, top-1 agreement, losses); the metric
-`distill.metric` (val_kl | val_loss | task) drives early stopping (train/early_stopping.py) and the
+`distill.metric` (val_kl | val_loss | task) drives early stopping (fcsd/early_stopping.py) and the
 best student is kept in `<run_dir>/best/checkpoints`. Weights come from `init_from_hf` (HF folder)
 or `distill.init_from_run` (a run folder). Step 0 is evaluated before any update, so the table
 "teacher / converted before training / after FCSD" comes from one run's metrics.jsonl.
 As in pretraining, SIGTERM/SIGINT (status "preempted") and `train.time_limit_s` save a checkpoint at
 the step boundary and return; re-running the same config resumes (student, optimizer, data
 iterator, early-stopping history). `train.grad_accum` splits each batch into micro-batches.
-Conversion methods (`distill.anneal`, `distill.progressive`; train/annealing.py): the student trains
-at a per-layer alpha between the standard (0) and FarSkip (1) connectivity, passed to the jitted step
-as data; evaluations always measure the FarSkip student (alpha = 1), and early stopping counts only
-evaluations after the conversion completed.
-`farskip.layers: auto` (eval/budget.py) is resolved once, after the weights and validation batches
+`farskip.layers: auto` (fcsd/planner.py) is resolved once, after the weights and validation batches
 load and before the run folder is touched: an untrained sweep on the teacher chooses the set within
 `farskip.auto_budget`; the run folder keeps the resolved config and `farskip_auto.json` / `.md`, and
 re-running resumes with the stored choice (no new sweep).
@@ -35,7 +30,6 @@ re-running resumes with the stored choice (no new sweep).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import sys
@@ -48,24 +42,26 @@ import numpy as np
 import optax
 from flax import nnx
 
-from farskip_jax.config import Config, dump_config, merge_checkpoint_shape, runtime_overrides
+from farskip_jax.config import Config
 from farskip_jax.data.pipeline import close_iterator, first_batches, make_dataset
 from farskip_jax.data.tokenizer import check_vocab, load_tokenizer
 from farskip_jax.errors import ConfigError
-from farskip_jax.eval.divergence import forward_kl, hidden_l2, masked_mean, token_divergence
+from farskip_jax.eval.divergence import hidden_l2, masked_mean, token_divergence
+from farskip_jax.eval.loading import restore_train_state
 from farskip_jax.eval.metrics import STANDARD, cast_state, evaluate_pair, forward, make_compare_fn, put_batch, val_batches
+from farskip_jax.eval.tasks import load_task, score_tasks
 from farskip_jax.model.layers import dtype_of
 from farskip_jax.parallel.build import model_mesh
 from farskip_jax.parallel.sharding import place_state
-from farskip_jax.train.annealing import ConversionSchedule, GatedStopper
+from farskip_jax.fcsd.early_stopping import EarlyStopper
+from farskip_jax.fcsd.planner import Plan, apply_choice, plan_conversion, read_plan, request_of, write_plan
+from farskip_jax.fcsd.source import export_student, load_source
 from farskip_jax.train.checkpoint import Checkpointer
-from farskip_jax.train.early_stopping import EarlyStopper
-from farskip_jax.train.local_distill import local_reconstruction, trace_arrays
-from farskip_jax.train.logger import RunLogger, data_wait, format_eta
+from farskip_jax.train.logger import RunLogger, config_summary, data_wait, drop_records_after, format_eta
 from farskip_jax.train.optimizer import make_optimizer, schedule_change_warning
-from farskip_jax.train.rundir import check_run_dir, claim_run_dir
-from farskip_jax.train.step import accumulate_grads, init_state, load_stats, token_ce, update_state
+from farskip_jax.train.rundir import check_run_dir, claim_run_dir, release_run_dir
 from farskip_jax.train.preemption import StopFlag
+from farskip_jax.train.step import accumulate_grads, init_state, load_stats, token_ce, update_state
 
 
 @dataclasses.dataclass
@@ -86,59 +82,46 @@ class DistillResult:
 
 
 def make_distill_loss_fn(graphdef, cfg: Config) -> Callable:
-    """loss_fn(params, bias, rest, teacher, batch, mix=None) -> (loss, aux); teacher = {params, bias,
-    rest}; mix: the student's connectivity_mix (alpha [num_layers], train/annealing.py) or None."""
+    """loss_fn(params, bias, rest, teacher, batch) -> (loss, aux); teacher = {params, bias, rest}."""
     d, moe = cfg.distill, cfg.moe
-    want_hidden, want_local = d.hidden_weight > 0, d.local_weight > 0
+    want_hidden = d.hidden_weight > 0
 
-    def loss_fn(params, bias, rest, teacher, batch, mix=None):
+    def loss_fn(params, bias, rest, teacher, batch):
         with jax.named_scope("teacher"):
-            # return_trace: per-layer sub-block outputs for the teacher-forced student layers
-            t_out = forward(graphdef, teacher, batch, STANDARD, return_hidden=want_hidden, return_trace=want_local)
+            t_out = forward(graphdef, teacher, batch, STANDARD, return_hidden=want_hidden)
         t_logits = jax.lax.stop_gradient(t_out.logits)
         with jax.named_scope("student"):
             student = nnx.merge(graphdef, params, bias, rest)
-            if mix is None:
-                s_out = student(batch["tokens"], batch["positions"], batch["segment_ids"], farskip=cfg.farskip,
-                                return_hidden=want_hidden)
-            else:
-                s_out = student(batch["tokens"], batch["positions"], batch["segment_ids"], farskip=cfg.farskip,
-                                return_hidden=want_hidden, connectivity_mix=mix)
+            s_out = student(batch["tokens"], batch["positions"], batch["segment_ids"], farskip=cfg.farskip,
+                            return_hidden=want_hidden)
         mask = batch["loss_mask"]
         kl = masked_mean(token_divergence(t_logits, s_out.logits, kind=d.kl, temperature=d.temperature,
                                           top_k=d.top_k_logits), mask)
         ce, n = token_ce(s_out.logits, batch["targets"], mask)
         hid = (hidden_l2(jax.lax.stop_gradient(t_out.hidden), s_out.hidden, mask) if want_hidden
                else jnp.zeros((), jnp.float32))
-        local = jnp.zeros((), jnp.float32)
-        if want_local:
-            with jax.named_scope("student_forced"):
-                t_trace = trace_arrays(t_out.trace, dtype_of(cfg.model.compute_dtype))
-                outs = student.teacher_forced(t_trace, batch["positions"], batch["segment_ids"], farskip=cfg.farskip)
-            local = local_reconstruction(t_trace, outs, mask)
-        loss = (d.kl_weight * kl + d.ce_weight * ce + d.hidden_weight * hid + d.local_weight * local
+        loss = (d.kl_weight * kl + d.ce_weight * ce + d.hidden_weight * hid
                 + moe.aux_loss_weight * s_out.aux_loss + moe.z_loss_weight * s_out.z_loss)
         load = s_out.load if s_out.load is not None else jnp.zeros((0, 1), jnp.float32)
-        return loss, dict(kl=kl, ce=ce, hidden=hid, local=local, aux_loss=s_out.aux_loss, load=load, tokens=n)
+        return loss, dict(kl=kl, ce=ce, hidden=hid, aux_loss=s_out.aux_loss, load=load, tokens=n)
 
     return loss_fn
 
 
 def make_distill_step(graphdef, cfg: Config, tx: optax.GradientTransformation, schedule: optax.Schedule) -> Callable:
-    """Un-jitted step(state, teacher, batch, mix=None) -> (state, metrics). `state` is a train state of
+    """Un-jitted step(state, teacher, batch) -> (state, metrics). `state` is a train state of
     train/step.py (the student); `teacher` is never differentiated nor updated. A non-finite loss
     or gradient leaves the student untouched (as in pretraining). With `train.grad_accum` = A > 1
     the batch [A * m, seq] runs as A micro-batches of m rows (activation memory of m rows), with
-    gradients combined as token-weighted means (= the full-batch gradient). `mix`: the student's
-    alpha per layer (connectivity annealing; a traced input, so a new value never recompiles)."""
+    gradients combined as token-weighted means (= the full-batch gradient)."""
     grad_fn = jax.value_and_grad(make_distill_loss_fn(graphdef, cfg), has_aux=True)
     accum = cfg.train.grad_accum
 
-    def step(state, teacher, batch, mix=None):
+    def step(state, teacher, batch):
         params, bias, rest = state["params"], state["bias"], state["rest"]
-        (loss, aux), grads = accumulate_grads(lambda mb: grad_fn(params, bias, rest, teacher, mb, mix), batch, accum)
+        (loss, aux), grads = accumulate_grads(lambda mb: grad_fn(params, bias, rest, teacher, mb), batch, accum)
         new_state, upd = update_state(graphdef, cfg, tx, state, loss, grads, aux["load"])
-        metrics = dict(loss=loss, kl=aux["kl"], ce=aux["ce"], hidden=aux["hidden"], local=aux["local"],
+        metrics = dict(loss=loss, kl=aux["kl"], ce=aux["ce"], hidden=aux["hidden"],
                        aux_loss=aux["aux_loss"],
                        lr=schedule(state["step"]), tokens=aux["tokens"], **upd,
                        **load_stats(aux["load"] if aux["load"].shape[0] > 0 else None))
@@ -147,98 +130,13 @@ def make_distill_step(graphdef, cfg: Config, tx: optax.GradientTransformation, s
     return step
 
 
-def make_mix_kl_fn(graphdef, cfg: Config) -> Callable:
-    """jitted fn(student_state, teacher_state, batch, mix) -> dict(kl, tokens) sums: forward KL of the
-    student under connectivity_mix=mix against the standard teacher (a progressive stage's val KL)."""
-
-    def fn(s_st, t_st, batch, mix):
-        t = forward(graphdef, t_st, batch, STANDARD).logits
-        s = nnx.merge(graphdef, s_st["params"], s_st["bias"], s_st["rest"])(
-            batch["tokens"], batch["positions"], batch["segment_ids"], farskip=cfg.farskip, connectivity_mix=mix).logits
-        m = batch["loss_mask"]
-        return dict(kl=jnp.sum(forward_kl(t, s) * m), tokens=jnp.sum(m))
-
-    return jax.jit(fn)
-
-
-def _mix_kl(fn: Callable, s_st, t_st, batches: list, mix) -> float:
-    tot = {"kl": 0.0, "tokens": 0.0}
-    for b in batches:
-        for k, v in jax.device_get(fn(s_st, t_st, b, mix)).items():
-            tot[k] += float(v)
-    return tot["kl"] / max(tot["tokens"], 1.0)
-
-
-# --------------------------------------------------------------------------------------------------
-# where the weights come from
-# --------------------------------------------------------------------------------------------------
-
-
-def _tokenizer_id(spec: str) -> Optional[str]:
-    """'byte' / 'raw_bytes' as they are; a tokenizer.json (or its folder) by its content's SHA-1, so a
-    moved copy is the same tokenizer; None when the file is gone (nothing to compare)."""
-    if spec in ("byte", "raw_bytes"):
-        return spec
-    path = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
-    try:
-        with open(path, "rb") as f:
-            return hashlib.sha1(f.read()).hexdigest()
-    except OSError:
-        return None
-
-
-def load_source(cfg: Config, mesh) -> tuple[Config, object, dict]:
-    """(cfg with the checkpoint's model shape, graphdef, {params, bias, rest}) of the distillation source."""
-    from farskip_jax.eval.loading import load_hf, load_run, read_run_config
-
-    if cfg.init_from_hf and cfg.distill.init_from_run:
-        raise ConfigError("set either init_from_hf or distill.init_from_run, not both")
-    if cfg.init_from_hf:
-        src_cfg, graphdef, st = load_hf(cfg.init_from_hf, mesh=mesh, overrides=runtime_overrides(cfg))
-    elif cfg.distill.init_from_run:
-        src = read_run_config(cfg.distill.init_from_run)
-        src_tok = _tokenizer_id(src.data.tokenizer)
-        if src_tok is not None and src_tok != _tokenizer_id(cfg.data.tokenizer):
-            raise ConfigError(f"distill.init_from_run={cfg.distill.init_from_run!r} was trained with data.tokenizer="
-                              f"{src.data.tokenizer!r} but this run reads data.tokenizer={cfg.data.tokenizer!r}: the "
-                              f"teacher would see ids of another tokenizer; set data.tokenizer={src.data.tokenizer} "
-                              "(and data.source / data.paths for the text to distil on)")
-        merged = merge_checkpoint_shape(cfg, src)  # the source run's shape with the user's runtime keys (dispatch on this mesh)
-        ov = {"model": merged.model, "moe": merged.moe, "mesh": cfg.mesh}
-        src_cfg, graphdef, st = load_run(cfg.distill.init_from_run, "latest", mesh, config_overrides=ov)
-    else:
-        raise ConfigError("train.mode=distill needs the weights to convert: set init_from_hf: <HF folder> or "
-                          "distill.init_from_run: <run folder of a pretraining run>")
-    out = merge_checkpoint_shape(cfg, src_cfg)
-    if cfg.train.seq_len > out.model.max_seq_len:
-        raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={out.model.max_seq_len}")
-    return out, graphdef, st
-
-
-def export_student(cfg: Config, graphdef, st: dict, out_dir: str, step: Optional[int] = None) -> str:
-    """Write the student as an HF folder with its FarSkip settings (convert/export.py `export_hf`).
-
-    The HF family comes from the config.json of `init_from_hf`, else from `distill.export_family`."""
-    from farskip_jax.convert.export import export_hf
-
-    model = nnx.merge(graphdef, st["params"], st["bias"], st["rest"])
-    family = None if cfg.init_from_hf else cfg.distill.export_family
-    if not cfg.init_from_hf and family is None:
-        raise ConfigError("distill.export_hf needs distill.export_family (an HF model_type such as qwen2_moe) "
-                          "when the weights did not come from init_from_hf; the distilled checkpoint is kept in "
-                          "<run_dir>/best")
-    return export_hf(model, cfg, out_dir, family=family, overwrite=True,
-                     source=dict(run=os.path.abspath(cfg.train.run_dir), checkpoint="best", step=step))
-
-
 def resolve_auto_layers(cfg: Config, graphdef, src: dict, val: list, stream=None) -> tuple[Config, object, bool]:
     """(cfg with an explicit farskip.layers, the budget.Plan, reused) for cfg.farskip.layers == "auto".
 
     A run folder that holds this run's choice (farskip_auto.json made for the same farskip request,
     and the folder resumes under it) keeps it: no sweep, the same layers, so resume stays bit-exact.
     Otherwise the untrained sweep runs on the teacher (its teacher_dtype copy, as step 0 evaluates)
-    and the rule of eval/budget.py chooses. Writes nothing; ConfigError when no set fits."""
-    from farskip_jax.eval.budget import Plan, apply_choice, plan_conversion, read_plan, request_of
+    and the rule of fcsd/planner.py chooses. Writes nothing; ConfigError when no set fits."""
 
     stored = None if cfg.train.overwrite else read_plan(os.path.abspath(cfg.train.run_dir))
     if stored is not None and stored.get("request") == request_of(cfg):
@@ -293,15 +191,10 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     val = val_batches(cfg, t.eval_batches, mesh=mesh, tokenizer=tok)
     plan, plan_reused, auto_request = None, False, None
     if cfg.farskip.layers == "auto":  # the budgeted set, chosen once and before anything is written
-        from farskip_jax.eval.budget import request_of, write_plan
-
         auto_request = request_of(cfg)
         cfg, plan, plan_reused = resolve_auto_layers(cfg, graphdef, src, val, stream)
-    sched = ConversionSchedule.from_config(cfg, tokens_per_step, max_steps)  # None: plain FCSD (alpha = 1)
     task_score = None
     if d.metric == "task":
-        from farskip_jax.eval.tasks import load_task, score_tasks
-
         for path in cfg.eval.tasks:  # missing or malformed task files fail now
             load_task(path)
         task_score = lambda: float(np.mean([r["acc"] for r in score_tasks(
@@ -316,8 +209,7 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     del model, src
     train_it = iter(train_ds)
     mode = "max" if d.metric == "task" else "min"
-    es = EarlyStopper(mode, d.patience, d.max_drop) if sched is None else GatedStopper(
-        mode, d.patience, d.max_drop, counts=sched.counts)
+    es = EarlyStopper(mode, d.patience, d.max_drop)
     es_path = os.path.join(folder.path, "early_stopping.json")
     step = 0
     if folder.resume:  # restored before anything is written: an unreadable checkpoint fails cleanly
@@ -329,15 +221,21 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
             if os.path.isfile(es_path):
                 with open(es_path) as f:  # evaluations after the checkpoint will run again
                     saved = json.load(f)
-                if sched is not None:  # first: which evaluations count follows from the stage starts
-                    sched.load_state_dict(saved.get("conversion", {}), upto=step)
                 es.load_state_dict(saved, upto=step)
-    claim_run_dir(cfg, folder)
+    primary = jax.process_index() == 0
+    if primary:
+        claim_run_dir(cfg, folder)
     run_dir = folder.path
+    if jax.process_count() > 1:  # the others wait until process 0 has validated / created (or wiped) the folder
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("farskip_jax run_dir ready")
+    if primary and folder.resume:  # steps after the restored one are logged again
+        drop_records_after(run_dir, step)
     if not folder.resume:
         ckpt = Checkpointer(run_dir, keep=t.keep_checkpoints)
     best = Checkpointer(os.path.join(run_dir, "best"), keep=1, async_save=False)
-    log = RunLogger(run_dir, tensorboard=t.tensorboard, stream=stream)
+    log = RunLogger(run_dir, tensorboard=t.tensorboard, enabled=primary, stream=stream)
     if folder.note:
         log.print(folder.note)
     if plan is not None:
@@ -348,23 +246,11 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
         log.print(f"farskip.layers: auto -> {list(plan.layers)} ("
                   + ("the stored choice of this run folder, no new sweep" if plan_reused
                      else f"written to {os.path.join(run_dir, 'farskip_auto.json')}") + ")")
-    log.print("resolved config:\n" + dump_config(cfg))
+    log.print(config_summary(cfg, run_dir))
     shardings = jax.tree.map(lambda x: x.sharding, state)  # outputs keep the inputs' placement (as the trainer)
     step_fn = jax.jit(make_distill_step(graphdef, cfg, tx, schedule), donate_argnums=0,
                       out_shardings=(shardings, None) if mesh is not None else None)
-    cmp_fn = make_compare_fn(graphdef, cfg.farskip)  # evaluation: always the true FarSkip student (alpha = 1)
-    mix_kl_fn = make_mix_kl_fn(graphdef, cfg) if sched is not None and sched.progressive else None
-    if sched is not None:
-        kind = "progressive, last layer first" if sched.progressive else "one stage"
-        log.print(f"conversion schedule ({kind}): {len(sched.stages)} stage(s) over layers {sched.converted}; alpha "
-                  f"{d.anneal if d.anneal != 'none' else 'step'} 0 -> 1"
-                  + (f" over {sched.ramp_steps} steps" if sched.ramp_steps else "")
-                  + (f"; stage cap {sched.stage_steps} steps" if sched.stage_steps else "")
-                  + (f"; settle_rel {d.settle_rel}" if sched.progressive else "")
-                  + "; evaluations use alpha = 1; early stopping counts after the conversion completes")
-        if sched.progressive and sched.stage_steps is None:
-            log.print("note: without distill.stage_tokens a stage ends only when it settles; the budget may end "
-                      "before every layer is converted")
+    cmp_fn = make_compare_fn(graphdef, cfg.farskip)
     if step:
         log.print(f"resumed distillation from step {step}")
         if folder.saved_steps is not None and folder.saved_steps != t.steps:
@@ -372,36 +258,20 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     evals: list = []
 
     def run_eval(at: int) -> tuple[float, object]:
-        conv_rec, conv_txt, event = {}, "", None
-        if sched is not None:
-            for ev in sched.advance_to(at):
-                log.print(ev)
-            trained = at - 1  # the alpha the last update trained at (0 before any); the student is evaluated at 1
-            conv_rec = dict(alpha=sched.mean_alpha(trained), alpha_layers=sched.alpha(trained).tolist(),
-                            stage=max(sched.stage_at(trained), 0), counted=sched.counts(at))
-            if mix_kl_fn is not None and sched.needs_stage_kl(at):
-                conv_rec["stage_kl"] = _mix_kl(mix_kl_fn, state, teacher, val, sched.alpha(at))
-                event = sched.observe(at, conv_rec["stage_kl"])
-            conv_txt = (f" | alpha {conv_rec['alpha']:.3f}" + (f" stage {conv_rec['stage'] + 1}/{len(sched.stages)}"
-                                                                if sched.progressive else "")
-                        + (f" (stage KL {conv_rec['stage_kl']:.5f})" if "stage_kl" in conv_rec else "")
-                        + ("" if conv_rec["counted"] else " | not counted (conversion in progress)"))
         r = evaluate_pair(cmp_fn, state, teacher, val)
         m = _metric_value(cfg, r, task_score)
         rec = dict(val_loss=r.val_loss, ppl=r.ppl, teacher_loss=r.teacher_loss, kl=r.kl, top1=r.top1,
                    top1_confident=r.top1_confident, teacher_maxp=r.teacher_maxp, metric=m,
-                   tokens_used=at * tokens_per_step, **conv_rec)
+                   tokens_used=at * tokens_per_step)
         evals.append(dict(step=at, **rec))
         log.write("eval", at, rec)
         log.print(f"step {at:>6d} | val loss {r.val_loss:.4f} (teacher {r.teacher_loss:.4f}) | KL {r.kl:.5f} | "
-                  f"top-1 {100 * r.top1:.2f}% | {d.metric} {m:.5f}{conv_txt}")
-        if event is not None:
-            log.print(event)
+                  f"top-1 {100 * r.top1:.2f}% | {d.metric} {m:.5f}")
         dec = es.update(at, m)
         if dec.improved:
             best.save(at, state, train_it.get_state())
         with open(es_path, "w") as f:
-            json.dump(es.state_dict() if sched is None else dict(es.state_dict(), conversion=sched.state_dict()), f)
+            json.dump(es.state_dict(), f)
         return dec
 
     status = "done"
@@ -416,21 +286,10 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
             host_batch = next(train_it)
             data_wait_s = time.perf_counter() - t_data
             batch = put_batch({k: np.asarray(v) for k, v in host_batch.items()}, mesh)
-            conv_txt = ""
-            if sched is None:
-                state, m = step_fn(state, teacher, batch)
-            else:  # alpha is data of the jitted step: no recompiles as it moves
-                for ev in sched.advance_to(step):
-                    log.print(ev)
-                conv = dict(alpha=sched.mean_alpha(step), stage=sched.stage_at(step))
-                state, m = step_fn(state, teacher, batch, sched.alpha(step))
-                conv_txt = f" | alpha {conv['alpha']:.3f}" + (
-                    f" stage {conv['stage'] + 1}/{len(sched.stages)}" if sched.progressive else "")
+            state, m = step_fn(state, teacher, batch)
             m = jax.device_get(m)
             step += 1
             rec = {k: float(v) for k, v in m.items() if np.ndim(v) == 0}
-            if sched is not None:
-                rec.update(conv)
             rec["data_wait_s"] = data_wait_s
             losses.append(rec["loss"])
             log.write("train", step, rec)
@@ -444,7 +303,7 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
                 log.print(f"step {step:>6d}/{max_steps} | loss {rec['loss']:.5f} | kl {rec['kl']:.5f} | "
                           f"ce {rec['ce']:.4f} | gnorm {rec['grad_norm']:.3f} | lr {rec['lr']:.2e} | "
                           f"{tokens_per_step * (step - start_step) / max(el, 1e-9):,.0f} tok/s{data_wait(rec)}"
-                          f"{conv_txt} | eta {format_eta(eta)}")
+                          f" | eta {format_eta(eta)}")
             if step % d.eval_every == 0 or step == max_steps:
                 dec = run_eval(step)
                 if dec.stop:
@@ -471,19 +330,12 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     close_iterator(train_it)
     log.print(f"{status} at step {step}: best {d.metric} {es.best} at step {es.best_step} "
               f"({step * tokens_per_step:,} training tokens)")
-    if sched is not None:
-        c = sched.complete_step
-        log.print(f"conversion: {len(sched.starts)}/{len(sched.stages)} stage(s) started at steps {sched.starts}; "
-                  + (f"every converted layer trains at alpha 1 from update {c + 1} on; evaluations after step {c} "
-                     "count for early stopping" if c is not None and c < step
-                     else "the conversion did not complete within the run"))
     if d.export_hf and status not in ("preempted", "time_limit", "diverged"):
-        from farskip_jax.eval.loading import restore_train_state
-
         _, best_state = restore_train_state(cfg, os.path.join(run_dir, "best"), "best", mesh)
         log.print(f"exported the best student (step {es.best_step}) to "
                   f"{export_student(cfg, graphdef, best_state, export_dir, es.best_step)}")
     log.write("event", step, dict(status=status, best_step=es.best_step, best_metric=es.best))
     log.close()
+    release_run_dir(run_dir)
     return DistillResult(status=status, step=step, best_step=es.best_step, best_metric=es.best,
                          tokens=step * tokens_per_step, run_dir=run_dir, evals=evals, losses=losses)

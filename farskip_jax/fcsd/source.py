@@ -1,0 +1,75 @@
+"""Where FCSD's weights come from, and where the student goes.
+
+    cfg, graphdef, st = load_source(cfg, mesh)   # st = {params, bias, rest}: teacher = student at step 0
+    export_student(cfg, graphdef, st, out_dir)   # the student as an HF folder (convert/export.py)
+
+The source is `init_from_hf` (an HF folder) or `distill.init_from_run` (a run folder's newest
+checkpoint); cfg comes back with the checkpoint's model shape and the user's runtime keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Optional
+
+from flax import nnx
+
+from farskip_jax.config import Config, merge_checkpoint_shape, runtime_overrides
+from farskip_jax.errors import ConfigError
+from farskip_jax.eval.loading import load_hf, load_run, read_run_config
+
+
+def _tokenizer_id(spec: str) -> Optional[str]:
+    """'byte' / 'raw_bytes' as they are; a tokenizer.json (or its folder) by its content's SHA-1, so a
+    moved copy is the same tokenizer; None when the file is gone (nothing to compare)."""
+    if spec in ("byte", "raw_bytes"):
+        return spec
+    path = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha1(f.read()).hexdigest()
+    except OSError:
+        return None
+
+
+def load_source(cfg: Config, mesh) -> tuple[Config, object, dict]:
+    """(cfg with the checkpoint's model shape, graphdef, {params, bias, rest}) of the distillation source."""
+    if cfg.init_from_hf and cfg.distill.init_from_run:
+        raise ConfigError("set either init_from_hf or distill.init_from_run, not both")
+    if cfg.init_from_hf:
+        src_cfg, graphdef, st = load_hf(cfg.init_from_hf, mesh=mesh, overrides=runtime_overrides(cfg))
+    elif cfg.distill.init_from_run:
+        src = read_run_config(cfg.distill.init_from_run)
+        src_tok = _tokenizer_id(src.data.tokenizer)
+        if src_tok is not None and src_tok != _tokenizer_id(cfg.data.tokenizer):
+            raise ConfigError(f"distill.init_from_run={cfg.distill.init_from_run!r} was trained with data.tokenizer="
+                              f"{src.data.tokenizer!r} but this run reads data.tokenizer={cfg.data.tokenizer!r}: the "
+                              f"teacher would see ids of another tokenizer; set data.tokenizer={src.data.tokenizer} "
+                              "(and data.source / data.paths for the text to distil on)")
+        merged = merge_checkpoint_shape(cfg, src)  # the source run's shape with the user's runtime keys (dispatch on this mesh)
+        ov = {"model": merged.model, "moe": merged.moe, "mesh": cfg.mesh}
+        src_cfg, graphdef, st = load_run(cfg.distill.init_from_run, "latest", mesh, config_overrides=ov)
+    else:
+        raise ConfigError("train.mode=distill needs the weights to convert: set init_from_hf: <HF folder> or "
+                          "distill.init_from_run: <run folder of a pretraining run>")
+    out = merge_checkpoint_shape(cfg, src_cfg)
+    if cfg.train.seq_len > out.model.max_seq_len:
+        raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={out.model.max_seq_len}")
+    return out, graphdef, st
+
+
+def export_student(cfg: Config, graphdef, st: dict, out_dir: str, step: Optional[int] = None) -> str:
+    """Write the student as an HF folder with its FarSkip settings (convert/export.py `export_hf`).
+
+    The HF family comes from the config.json of `init_from_hf`, else from `distill.export_family`."""
+    from farskip_jax.convert.export import export_hf
+
+    model = nnx.merge(graphdef, st["params"], st["bias"], st["rest"])
+    family = None if cfg.init_from_hf else cfg.distill.export_family
+    if not cfg.init_from_hf and family is None:
+        raise ConfigError("distill.export_hf needs distill.export_family (an HF model_type such as qwen2_moe) "
+                          "when the weights did not come from init_from_hf; the distilled checkpoint is kept in "
+                          "<run_dir>/best")
+    return export_hf(model, cfg, out_dir, family=family, overwrite=True,
+                     source=dict(run=os.path.abspath(cfg.train.run_dir), checkpoint="best", step=step))
