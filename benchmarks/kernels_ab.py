@@ -2,6 +2,7 @@
 
     python benchmarks/kernels_ab.py --rounds 3                 # main job: train.py --config configs/tiny.yaml
     python benchmarks/kernels_ab.py --rounds 1 --tests         # + the README's test command (long)
+    python benchmarks/kernels_ab.py --rounds 2 --test-files tests/test_train_tiny.py ...   # + a sample of it
 
 Runs alternate kernels on / off (FARSKIP_KERNELS=1 / 0, which sets kernels.enabled for every config
 the process loads), each in a fresh process with a fresh run folder, so both see the same machine
@@ -38,9 +39,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tests", action="store_true", help="also time the README's test command (pytest -n 2)")
+    ap.add_argument("--test-files", nargs="*", default=None,
+                    help="time only these test files (a sample of the README's test command; implies --tests)")
     ap.add_argument("overrides", nargs="*", help="extra overrides for the main job")
     a = ap.parse_args(argv)
-    jobs = [("main job", None)] + ([("tests", [sys.executable, "-m", "pytest", "-q", "-n", "2"])] if a.tests else [])
+    tests = [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider", *(a.test_files or [])]
+    jobs = [("main job", None)] + ([("tests", tests)] if a.tests or a.test_files else [])
     walls = {(j, on): [] for j, _ in jobs for on in (True, False)}
     tmp = tempfile.mkdtemp(prefix="kernels_ab_")
     try:

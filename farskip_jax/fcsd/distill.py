@@ -55,8 +55,9 @@ from farskip_jax.parallel.build import model_mesh
 from farskip_jax.parallel.sharding import place_state
 from farskip_jax.fcsd.early_stopping import EarlyStopper
 from farskip_jax.fcsd.planner import Plan, apply_choice, plan_conversion, read_plan, request_of, write_plan
-from farskip_jax.fcsd.source import export_student, load_source
+from farskip_jax.fcsd.source import export_student, load_source, source_shape
 from farskip_jax.train.checkpoint import Checkpointer
+from farskip_jax.train.host_memory_check import check_host_memory
 from farskip_jax.train.logger import RunLogger, config_summary, data_wait, drop_records_after, format_eta
 from farskip_jax.train.optimizer import make_optimizer, schedule_change_warning
 from farskip_jax.train.rundir import check_run_dir, claim_run_dir, release_run_dir
@@ -175,6 +176,7 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     from farskip_jax.convert.export import run_export_dir  # relative: inside the run folder; never another's export
     export_dir = run_export_dir(d.export_hf, t.run_dir) if d.export_hf else None
     mesh = model_mesh(cfg)  # the FoE group x expert mesh when num_groups > 1 with EP
+    check_host_memory(source_shape(cfg), "this FCSD run")  # before any weights are read
     cfg, graphdef, src = load_source(cfg, mesh)
     tokens_per_step = t.batch_size * t.seq_len
     max_steps = t.steps

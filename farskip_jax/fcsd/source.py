@@ -33,6 +33,17 @@ def _tokenizer_id(spec: str) -> Optional[str]:
         return None
 
 
+def source_shape(cfg: Config) -> Config:
+    """cfg with the model shape of the distillation source, read from its config only (no weights)."""
+    if cfg.init_from_hf and not cfg.distill.init_from_run:
+        from farskip_jax.train.trainer import shape_from_hf
+
+        return shape_from_hf(cfg)
+    if cfg.distill.init_from_run and not cfg.init_from_hf:
+        return merge_checkpoint_shape(cfg, read_run_config(cfg.distill.init_from_run))
+    return cfg  # both or neither: load_source names the mistake
+
+
 def load_source(cfg: Config, mesh) -> tuple[Config, object, dict]:
     """(cfg with the checkpoint's model shape, graphdef, {params, bias, rest}) of the distillation source."""
     if cfg.init_from_hf and cfg.distill.init_from_run:

@@ -28,6 +28,7 @@ from farskip_jax.parallel.distributed import maybe_initialize
 from farskip_jax.parallel.sharding import place_state, shard_batch
 from farskip_jax.train.checkpoint import Checkpointer
 from farskip_jax.train.flops import measure_matmul_peak, total_params, train_flops_per_token
+from farskip_jax.train.host_memory_check import check_host_memory
 from farskip_jax.train.logger import RunLogger, config_summary, drop_records_after
 from farskip_jax.train.preemption import StopFlag
 from farskip_jax.train.optimizer import make_optimizer, schedule_change_warning
@@ -103,6 +104,7 @@ def train(cfg: Config, *, stream=None) -> TrainResult:
     train_ds = make_dataset(cfg.data, "train", **ds_kw)
     val_ds = make_dataset(cfg.data, "val", **ds_kw)
     probe, _ = first_batches(train_ds, val_ds)
+    check_host_memory(cfg, "this run")
     folder = check_run_dir(cfg)
 
     model, mesh = build_model_and_mesh(cfg)
