@@ -246,7 +246,7 @@ class FarSkipConfig:
 
     `layers: auto` (budgeted conversion, FCSD only): the set is chosen at the start of the
     distillation from an untrained sweep on the teacher so that the predicted val-loss gap after FCSD
-    stays within `auto_budget` (fcsd/planner.py, docs/fcsd.md "Budgeted conversion"); the run folder
+    stays within `distill.auto_budget` (fcsd/planner.py, docs/fcsd.md "Budgeted conversion"); the run folder
     keeps the chosen set and the resolved config. An unresolved `auto` never reaches a model:
     `converted_layers` refuses it."""
 
@@ -255,10 +255,6 @@ class FarSkipConfig:
     moe_input: Optional[Literal["full", "outdated"]] = None
     layers: Union[str, tuple[int, ...]] = "all"
     skip_distance: int = 1
-    # --- farskip.layers: auto (fcsd/planner.py); each only with layers: auto ---
-    auto_budget: Optional[float] = None  # allowed relative val-loss gap to the teacher after FCSD (0.01 = 1%)
-    auto_retention: Optional[float] = None  # predicted gap after FCSD / untrained gap (default budget.DEFAULT_RETENTION)
-    auto_search: Literal["ends", "greedy"] = "ends"  # candidate sets: first/last N; greedy: + one layer at a time
 
     def __post_init__(self):
         _check(
@@ -270,22 +266,10 @@ class FarSkipConfig:
         auto = self.layers == "auto"
         if isinstance(self.layers, str) and not auto:
             parse_layer_spec(self.layers, None)  # syntax check; range checked against num_layers by Config
-        for key in ("auto_budget", "auto_retention") + (("auto_search",) if self.auto_search != "ends" else ()):
-            _check(auto or getattr(self, key) in (None, "ends"),
-                   f"farskip.{key} only applies to farskip.layers: auto (got layers={self.layers!r}); set "
-                   f"farskip.layers: auto or drop farskip.{key}")
         if auto:
             _check(self.preset != "standard",
                    "farskip.layers: auto chooses which layers to convert, but farskip.preset is standard (nothing to "
                    "convert); set farskip.preset: farskip (or attn_only / mlp_only)")
-            _check(self.auto_budget is not None,
-                   "farskip.layers: auto needs farskip.auto_budget: the allowed relative val-loss gap to the teacher "
-                   "after FCSD, e.g. 0.01 for 1%")
-        _check(self.auto_budget is None or 0 < self.auto_budget <= 1,
-               f"farskip.auto_budget must be a relative val-loss gap in (0, 1] (0.01 = 1%), got {self.auto_budget}")
-        _check(self.auto_retention is None or 0 < self.auto_retention <= 1,
-               f"farskip.auto_retention must be in (0, 1] (the predicted gap after FCSD as a fraction of the "
-               f"untrained gap), got {self.auto_retention}")
 
     def converted_layers(self, num_layers: int) -> frozenset[int]:
         if isinstance(self.layers, str):
@@ -472,6 +456,10 @@ class DistillConfig:
     export_hf: Optional[str] = None  # folder to write the best student to in HF format (convert/export.py)
     export_family: Optional[str] = None  # HF model_type for export when the weights did not come from an HF folder
     max_tokens: Optional[int] = None  # stop after this many training tokens (e.g. 5% of the teacher's pretraining)
+    # --- farskip.layers: auto (fcsd/planner.py); each only with farskip.layers: auto ---
+    auto_budget: Optional[float] = None  # allowed relative val-loss gap to the teacher after FCSD (0.01 = 1%)
+    auto_retention: Optional[float] = None  # predicted gap after FCSD / untrained gap (default planner.DEFAULT_RETENTION)
+    auto_search: Literal["ends", "greedy"] = "ends"  # candidate sets: first/last N; greedy: + one layer at a time
 
     def __post_init__(self):
         _check(self.temperature > 0, f"distill.temperature must be > 0, got {self.temperature}")
@@ -480,6 +468,11 @@ class DistillConfig:
         _check(min(self.kl_weight, self.ce_weight, self.hidden_weight) >= 0,
                "distill weights (kl_weight, ce_weight, hidden_weight) must be >= 0")
         _check(self.max_tokens is None or self.max_tokens >= 1, "distill.max_tokens must be >= 1 or null")
+        _check(self.auto_budget is None or 0 < self.auto_budget <= 1,
+               f"distill.auto_budget must be a relative val-loss gap in (0, 1] (0.01 = 1%), got {self.auto_budget}")
+        _check(self.auto_retention is None or 0 < self.auto_retention <= 1,
+               f"distill.auto_retention must be in (0, 1] (the predicted gap after FCSD as a fraction of the "
+               f"untrained gap), got {self.auto_retention}")
 
 
 @dataclass(frozen=True)
@@ -609,7 +602,15 @@ class Config:
                 e.dispatch != "local",
                 f"mesh.expert={self.mesh.expert} needs moe.dispatch: all_to_all or ragged (got 'local')",
             )
+        d = self.distill
+        for key in ("auto_budget", "auto_retention") + (("auto_search",) if d.auto_search != "ends" else ()):
+            _check(self.farskip.layers == "auto" or getattr(d, key) in (None, "ends"),
+                   f"distill.{key} only applies to farskip.layers: auto (got farskip.layers={self.farskip.layers!r}); "
+                   f"set farskip.layers: auto or drop distill.{key}")
         if self.farskip.layers == "auto":  # resolved by FCSD before any model is built (fcsd/planner.py)
+            _check(d.auto_budget is not None,
+                   "farskip.layers: auto needs distill.auto_budget: the allowed relative val-loss gap to the teacher "
+                   "after FCSD, e.g. 0.01 for 1%")
             _check(self.train.mode == "distill",
                    f"farskip.layers: auto is chosen at the start of FCSD (train.mode: distill), not in train.mode="
                    f"{self.train.mode}; set an explicit farskip.layers (plan one with python -m farskip_jax.fcsd.planner)")
@@ -704,6 +705,8 @@ REMOVED_KEYS = {
     "distill.stage_tokens": f"progressive conversion {_NO_GAIN}",
     "distill.local_weight": f"the teacher-forced local term {_NO_GAIN}",
     "train.inject_nan_at": "fault injection is a test hook now (train/step.py NAN_AT_STEPS); drop the key",
+    **{f"farskip.{k}": f"it is distill.{k} now (with the other FCSD keys)" for k in ("auto_budget", "auto_retention",
+                                                                                    "auto_search")},
 }
 
 

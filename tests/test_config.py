@@ -103,3 +103,8 @@ def test_yaml_on_off_strings():
 def test_a_removed_key_says_it_was_removed_and_why(key):
     with pytest.raises(ConfigError, match=rf"config key '{key.split('=')[0]}' was removed: .*drop the key"):
         load_config(None, [key])
+
+
+def test_the_auto_keys_moved_to_distill():
+    with pytest.raises(ConfigError, match=r"'farskip.auto_budget' was removed: it is distill.auto_budget now"):
+        load_config(None, ["farskip.auto_budget=0.01"])

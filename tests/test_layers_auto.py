@@ -96,15 +96,15 @@ def test_default_retention_covers_every_recorded_5pct_run():
 
 
 @pytest.mark.parametrize("override,needle", [
-    (["farskip.layers=auto"], "needs farskip.auto_budget"),
-    (["farskip.layers=auto", "farskip.auto_budget=0"], "auto_budget must be"),
-    (["farskip.layers=auto", "farskip.auto_budget=1.5"], "auto_budget must be"),
-    (["farskip.layers=auto", "farskip.auto_budget=0.01", "farskip.auto_retention=0"], "auto_retention must be"),
-    (["farskip.auto_budget=0.01"], "only applies to farskip.layers: auto"),
-    (["farskip.auto_search=greedy"], "only applies to farskip.layers: auto"),
-    (["farskip.layers=auto", "farskip.auto_budget=0.01", "farskip.preset=standard"], "preset is standard"),
-    (["farskip.layers=auto", "farskip.auto_budget=0.01", "train.mode=pretrain"], "train.mode: distill"),
-    (["farskip.layers=auto", "farskip.auto_budget=0.01", "farskip.auto_search=greed"], "did you mean 'greedy'"),
+    (["farskip.layers=auto"], "needs distill.auto_budget"),
+    (["farskip.layers=auto", "distill.auto_budget=0"], "auto_budget must be"),
+    (["farskip.layers=auto", "distill.auto_budget=1.5"], "auto_budget must be"),
+    (["farskip.layers=auto", "distill.auto_budget=0.01", "distill.auto_retention=0"], "auto_retention must be"),
+    (["distill.auto_budget=0.01"], "only applies to farskip.layers: auto"),
+    (["distill.auto_search=greedy"], "only applies to farskip.layers: auto"),
+    (["farskip.layers=auto", "distill.auto_budget=0.01", "farskip.preset=standard"], "preset is standard"),
+    (["farskip.layers=auto", "distill.auto_budget=0.01", "train.mode=pretrain"], "train.mode: distill"),
+    (["farskip.layers=auto", "distill.auto_budget=0.01", "distill.auto_search=greed"], "did you mean 'greedy'"),
 ])
 def test_bad_settings_name_the_key(override, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -112,11 +112,11 @@ def test_bad_settings_name_the_key(override, needle):
 
 
 def test_unresolved_auto_never_reaches_a_model_and_the_resolved_config_is_a_list():
-    cfg = load_config("configs/distill_tiny.yaml", ["farskip.layers=auto", "farskip.auto_budget=0.02"])
+    cfg = load_config("configs/distill_tiny.yaml", ["farskip.layers=auto", "distill.auto_budget=0.02"])
     with pytest.raises(ConfigError, match="has not been resolved"):
         cfg.farskip.layer_inputs(0, 4)
     r = apply_choice(cfg, [3, 2])
-    assert r.farskip.layers == (2, 3) and r.farskip.auto_budget is None
+    assert r.farskip.layers == (2, 3) and r.distill.auto_budget is None
     assert [r.farskip.layer_inputs(i, 4) for i in range(4)] == [("full", "full")] * 2 + [("partial", "outdated")] * 2
 
 
@@ -147,7 +147,7 @@ def test_loop_nothing_fits_fails_before_the_run_folder(teacher_run, tmp_path):
 
     run = tmp_path / "none_fits"
     with pytest.raises(ConfigError, match="no candidate set fits"):
-        distill(_cfg(teacher_run, str(run), "farskip.layers=auto", "farskip.auto_budget=1e-6"), stream=io.StringIO())
+        distill(_cfg(teacher_run, str(run), "farskip.layers=auto", "distill.auto_budget=1e-6"), stream=io.StringIO())
     assert not run.exists()
 
 
@@ -161,8 +161,8 @@ def test_loop_auto_equals_the_explicit_list_and_resumes_with_its_choice(teacher_
     from farskip_jax.train.logger import read_metrics
 
     # the sweep, then a budget (retention 1) between the candidates' gaps, and the expected choice by hand
-    probe = _cfg(teacher_run, str(tmp_path / "probe"), "farskip.layers=auto", "farskip.auto_budget=1.0",
-                 "farskip.auto_retention=1.0")
+    probe = _cfg(teacher_run, str(tmp_path / "probe"), "farskip.layers=auto", "distill.auto_budget=1.0",
+                 "distill.auto_retention=1.0")
     pcfg, gd, src = load_source(probe, model_mesh(probe))
     val = val_batches(pcfg, pcfg.train.eval_batches)
     plan = plan_conversion(gd, src, pcfg, val, teacher=cast_state(src, dtype_of(pcfg.distill.teacher_dtype)),
@@ -176,7 +176,7 @@ def test_loop_auto_equals_the_explicit_list_and_resumes_with_its_choice(teacher_
     assert len(fit) == 4
     expected = max(fit, key=lambda c: c.freed).layers
     assert len(expected) >= 2  # (last:2 here) a set of several layers, neither all nor the default
-    auto = ("farskip.layers=auto", f"farskip.auto_budget={budget}", "farskip.auto_retention=1.0")
+    auto = ("farskip.layers=auto", f"distill.auto_budget={budget}", "distill.auto_retention=1.0")
 
     straight, broken = str(tmp_path / "explicit"), str(tmp_path / "auto")
     a = distill(_cfg(teacher_run, straight, f"farskip.layers=[{','.join(map(str, expected))}]"), stream=io.StringIO())

@@ -21,7 +21,7 @@ the step boundary and return; re-running the same config resumes (student, optim
 iterator, early-stopping history). `train.grad_accum` splits each batch into micro-batches.
 `farskip.layers: auto` (fcsd/planner.py) is resolved once, after the weights and validation batches
 load and before the run folder is touched: an untrained sweep on the teacher chooses the set within
-`farskip.auto_budget`; the run folder keeps the resolved config and `farskip_auto.json` / `.md`, and
+`distill.auto_budget`; the run folder keeps the resolved config and `farskip_auto.json` / `.md`, and
 re-running resumes with the stored choice (no new sweep).
 
     result = distill(cfg)        # DistillResult; also `python train.py --config configs/distill_tiny.yaml`

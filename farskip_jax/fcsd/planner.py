@@ -1,15 +1,15 @@
 """Budgeted conversion (`farskip.layers: auto`): choose which layers FCSD converts so that the
-predicted val-loss gap after FCSD stays within `farskip.auto_budget`, and say what overlap it buys.
+predicted val-loss gap after FCSD stays within `distill.auto_budget`, and say what overlap it buys.
 
 The prediction (docs/fcsd.md "Budgeted conversion", with its evidence and limits):
 
     untrained gap g(S) = val_loss(S converted, no training) / teacher_loss - 1    (measured here, on the teacher)
-    predicted gap after FCSD = retention x max(g(S), 0)                             (retention: farskip.auto_retention)
+    predicted gap after FCSD = retention x max(g(S), 0)                             (retention: distill.auto_retention)
 
 `retention` defaults to DEFAULT_RETENTION, the largest ratio (gap after FCSD / untrained gap) measured
 at a 5% FCSD token budget on the project's teachers, all-layer and partial conversions
 (`benchmarks/fcsd_evidence.py` reads them from benchmarks/results/fcsd); larger FCSD budgets measured lower
-ratios, so the default is conservative there. Candidate sets (`farskip.auto_search`): `ends` = first N and last N for N = 1..L; `greedy`
+ratios, so the default is conservative there. Candidate sets (`distill.auto_search`): `ends` = first N and last N for N = 1..L; `greedy`
 adds, one layer at a time, the layer whose addition costs least (untrained), stopping when even the
 cheapest addition is over the budget. The rule: among candidates whose prediction is within the
 budget, take the one that frees the most all-to-alls (`overlap_estimate`), then the lowest untrained
@@ -176,10 +176,10 @@ def choose(candidates: Sequence[Candidate], budget: float, retention: float) -> 
         cheap = min(useful, key=lambda c: c.gap)
         need = retention * max(cheap.gap, 0.0)
         raise ConfigError(
-            f"farskip.auto_budget={budget:g}: no candidate set fits; the cheapest, {cheap.name} (layers "
+            f"distill.auto_budget={budget:g}: no candidate set fits; the cheapest, {cheap.name} (layers "
             f"{list(cheap.layers)}), is predicted at {100 * need:+.2f}% after FCSD (untrained {100 * cheap.gap:+.2f}% x "
-            f"farskip.auto_retention {retention:g}). Raise farskip.auto_budget to at least {need:.4g}, set "
-            "farskip.auto_retention lower if FCSD runs on this model measured less (python -m farskip_jax.fcsd.planner "
+            f"distill.auto_retention {retention:g}). Raise distill.auto_budget to at least {need:.4g}, set "
+            "distill.auto_retention lower if FCSD runs on this model measured less (python -m farskip_jax.fcsd.planner "
             "--retention-from RUN), or set farskip.layers explicitly")
     order = {id(c): k for k, c in enumerate(candidates)}
     return min(fits, key=lambda c: (-c.freed, c.gap, len(c.layers), order[id(c)]))
@@ -198,8 +198,9 @@ def plan_conversion(graphdef, st: dict, cfg: Config, batches: list, *, teacher: 
         raise ConfigError(f"plan_conversion plans farskip.layers: auto, got layers={fs0.layers!r}")
     L = cfg.model.num_layers
     preset = sweep_preset(fs0)
-    budget = fs0.auto_budget
-    retention = fs0.auto_retention if fs0.auto_retention is not None else DEFAULT_RETENTION
+    d = cfg.distill
+    budget = d.auto_budget
+    retention = d.auto_retention if d.auto_retention is not None else DEFAULT_RETENTION
     cands: list[Candidate] = []
     seen: dict[tuple, Candidate] = {}
 
@@ -224,7 +225,7 @@ def plan_conversion(graphdef, st: dict, cfg: Config, batches: list, *, teacher: 
         measure(f"last:{n}", range(L - n, L))
     for n in range(1, L + 1):
         measure(f"first:{n}", range(n))
-    if fs0.auto_search == "greedy":
+    if d.auto_search == "greedy":
         chosen: list[int] = []
         while len(chosen) < L:
             trials = [measure(f"+{i}", chosen + [i]) for i in range(L) if i not in chosen]
@@ -238,21 +239,21 @@ def plan_conversion(graphdef, st: dict, cfg: Config, batches: list, *, teacher: 
         cands[:] = [c for c in cands if not c.name.startswith("+")]  # trial sets off the chain are not candidates
 
     choice = choose(cands, budget, retention)
-    return Plan(budget, retention, fs0.auto_search, preset, cands, choice, overlap_of(choice.layers),
+    return Plan(budget, retention, d.auto_search, preset, cands, choice, overlap_of(choice.layers),
                 overlap_of(range(L)), len(batches))
 
 
 def apply_choice(cfg: Config, layers) -> Config:
     """cfg with farskip.layers = the explicit sorted list `layers` and the auto_* keys cleared (the
     resolved config: what the model runs, what config.yaml keeps)."""
-    return replace(cfg, **{"farskip.layers": sorted(int(i) for i in layers), "farskip.auto_budget": None,
-                           "farskip.auto_retention": None, "farskip.auto_search": "ends"})
+    return replace(cfg, **{"farskip.layers": sorted(int(i) for i in layers), "distill.auto_budget": None,
+                           "distill.auto_retention": None, "distill.auto_search": "ends"})
 
 
 def request_of(cfg: Config) -> dict:
     """The keys a stored choice was made for (a resumed run reuses its choice when they are unchanged)."""
-    fs = cfg.farskip
-    return dict(auto_budget=fs.auto_budget, auto_retention=fs.auto_retention, auto_search=fs.auto_search,
+    fs, d = cfg.farskip, cfg.distill
+    return dict(auto_budget=d.auto_budget, auto_retention=d.auto_retention, auto_search=d.auto_search,
                 preset=fs.preset, attn_input=fs.attn_input, moe_input=fs.moe_input, skip_distance=fs.skip_distance)
 
 
@@ -353,10 +354,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     "weights of init_from_hf / distill.init_from_run, read as train.py's distillation reads them), "
                     "the choice for a val-loss budget and the overlap it buys. The same plan FCSD makes at its start.")
     p.add_argument("--config", help="a distillation config (train.mode: distill), e.g. configs/distill_hf.yaml")
-    p.add_argument("--budget", type=float, help="farskip.auto_budget: allowed relative val-loss gap after FCSD")
-    p.add_argument("--retention", type=float, help="farskip.auto_retention (default %g)" % DEFAULT_RETENTION)
+    p.add_argument("--budget", type=float, help="distill.auto_budget: allowed relative val-loss gap after FCSD")
+    p.add_argument("--retention", type=float, help="distill.auto_retention (default %g)" % DEFAULT_RETENTION)
     p.add_argument("--retention-from", metavar="RUN", help="use the retention measured by this finished FCSD run")
-    p.add_argument("--search", choices=("ends", "greedy"), help="farskip.auto_search")
+    p.add_argument("--search", choices=("ends", "greedy"), help="distill.auto_search")
     p.add_argument("--out", help="folder for farskip_auto.json / farskip_auto.md")
     p.add_argument("--overlap-report", metavar="OVERRIDES", nargs="?", const="",
                    help="also compile the forward program deviceless for 8 GPUs (analysis/overlap.py, jax-cuda12 "
@@ -373,7 +374,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     ov = list(a.overrides) + ["farskip.layers=auto"]
     if a.budget is not None:
-        ov.append(f"farskip.auto_budget={a.budget}")
+        ov.append(f"distill.auto_budget={a.budget}")
     if a.retention_from:
         if a.retention is not None:
             raise ConfigError("pass --retention or --retention-from, not both")
@@ -382,9 +383,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"{100 * r['after']:+.2f}% at step {r['step']} = {r['retention']:.3f}", flush=True)
         a.retention = max(r["retention"], 1e-6)
     if a.retention is not None:
-        ov.append(f"farskip.auto_retention={a.retention}")
+        ov.append(f"distill.auto_retention={a.retention}")
     if a.search:
-        ov.append(f"farskip.auto_search={a.search}")
+        ov.append(f"distill.auto_search={a.search}")
     cfg = load_config(a.config, ["train.mode=distill"] + ov)
     mesh = model_mesh(cfg)
     cfg, graphdef, src = load_source(cfg, mesh)

@@ -32,7 +32,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--teachers", default="qwen3,dsv2", help="names under runs/hard/ (each has teacher/)")
-    p.add_argument("--budgets", default="0.01,0.02", help="farskip.auto_budget values")
+    p.add_argument("--budgets", default="0.01,0.02", help="distill.auto_budget values")
     p.add_argument("--tokens", type=float, default=0.05, help="FCSD tokens as a fraction of the teacher's pretraining")
     p.add_argument("--search", default="ends", choices=("ends", "greedy"))
     p.add_argument("--tag", default="", help="a recipe variant: run folders <budget>_<tag>, results_<tag>.md")
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
                 rows.append(row)
                 done.setdefault(tuple(row["layers"]), row)
                 continue
-            ovr = ["farskip.layers=auto", f"farskip.auto_budget={budget}", f"farskip.auto_search={a.search}"]
+            ovr = ["farskip.layers=auto", f"distill.auto_budget={budget}", f"distill.auto_search={a.search}"]
             cfg = run_config(ns, tcfg, rd, int(a.tokens * pre), ovr)
             if done:  # the candidates do not depend on the budget: choose from the first run's sweep
                 from farskip_jax.fcsd.planner import Plan, choose
