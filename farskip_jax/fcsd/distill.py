@@ -16,9 +16,10 @@ is compared with the teacher on fixed validation batches (KL, top-1 agreement, l
 best student is kept in `<run_dir>/best/checkpoints`. Weights come from `init_from_hf` (HF folder)
 or `distill.init_from_run` (a run folder). Step 0 is evaluated before any update, so the table
 "teacher / converted before training / after FCSD" comes from one run's metrics.jsonl.
-As in pretraining, SIGTERM/SIGINT (status "preempted") and `train.time_limit_s` save a checkpoint at
-the step boundary and return; re-running the same config resumes (student, optimizer, data
-iterator, early-stopping history). `train.grad_accum` splits each batch into micro-batches.
+The run is a task (DistillTask) of the one training loop (train/loop.py): as in pretraining,
+SIGTERM/SIGINT (status "preempted") and `train.time_limit_s` save a checkpoint at the step boundary
+and return; re-running the same config resumes (student, optimizer, data iterator, early-stopping
+history). `train.grad_accum` splits each batch into micro-batches.
 `farskip.layers: auto` (fcsd/planner.py) is resolved once, after the weights and validation batches
 load and before the run folder is touched: an untrained sweep on the teacher chooses the set within
 `distill.auto_budget`; the run folder keeps the resolved config and `farskip_auto.json` / `.md`, and
@@ -33,7 +34,6 @@ import dataclasses
 import json
 import os
 import sys
-import time
 from typing import Callable, Optional
 
 import jax
@@ -58,10 +58,10 @@ from farskip_jax.fcsd.planner import Plan, apply_choice, plan_conversion, read_p
 from farskip_jax.fcsd.source import export_student, load_source, source_shape
 from farskip_jax.train.checkpoint import Checkpointer
 from farskip_jax.train.host_memory_check import check_host_memory
-from farskip_jax.train.logger import RunLogger, config_summary, data_wait, drop_records_after, format_eta
+from farskip_jax.train.flops import train_flops_per_token
+from farskip_jax.train.loop import Task, matmul_peak, open_run, run_loop
 from farskip_jax.train.optimizer import make_optimizer, schedule_change_warning
-from farskip_jax.train.rundir import check_run_dir, claim_run_dir, release_run_dir
-from farskip_jax.train.preemption import StopFlag
+from farskip_jax.train.rundir import check_run_dir, release_run_dir
 from farskip_jax.train.step import accumulate_grads, init_state, load_stats, token_ce, update_state
 
 
@@ -163,6 +163,55 @@ def _metric_value(cfg: Config, r, task_score: Optional[Callable]) -> float:
     return task_score()
 
 
+class DistillTask(Task):
+    """FCSD as a task of the one loop: the student's step against the frozen teacher; every
+    distill.eval_every updates (and at the last) the student is compared with the teacher, the best is
+    kept, and early stopping may end the run ("early_stop")."""
+
+    progress_keys = ("kl", "ce")
+
+    def __init__(self, step_fn, teacher, cfg: Config, cmp_fn, val: list, es: EarlyStopper, es_path: str,
+                 best: Checkpointer, log, task_score: Optional[Callable], tokens_per_step: int):
+        self.step_fn, self.teacher, self.cfg, self.cmp_fn, self.val = step_fn, teacher, cfg, cmp_fn, val
+        self.es, self.es_path, self.best, self.log = es, es_path, best, log
+        self.task_score, self.tokens_per_step = task_score, tokens_per_step
+        self.evals: list = []
+
+    def put(self, host_batch: dict, mesh) -> dict:
+        return put_batch({k: np.asarray(v) for k, v in host_batch.items()}, mesh)
+
+    def step(self, state, batch):
+        return self.step_fn(state, self.teacher, batch)
+
+    def evaluate(self, at: int, state, train_it):
+        """Compare the student with the teacher at update `at`; keep it when best; the early-stopping decision."""
+        d = self.cfg.distill
+        r = evaluate_pair(self.cmp_fn, state, self.teacher, self.val)
+        m = _metric_value(self.cfg, r, (lambda: self.task_score(state)) if self.task_score else None)
+        rec = dict(val_loss=r.val_loss, ppl=r.ppl, teacher_loss=r.teacher_loss, kl=r.kl, top1=r.top1,
+                   top1_confident=r.top1_confident, teacher_maxp=r.teacher_maxp, metric=m,
+                   tokens_used=at * self.tokens_per_step)
+        self.evals.append(dict(step=at, **rec))
+        self.log.write("eval", at, rec)
+        self.log.print(f"step {at:>6d} | val loss {r.val_loss:.4f} (teacher {r.teacher_loss:.4f}) | KL {r.kl:.5f} | "
+                       f"top-1 {100 * r.top1:.2f}% | {d.metric} {m:.5f}")
+        dec = self.es.update(at, m)
+        if dec.improved:
+            self.best.save(at, state, train_it.get_state())
+        with open(self.es_path, "w") as f:
+            json.dump(self.es.state_dict(), f)
+        return dec
+
+    def after_step(self, step: int, state, train_it, last: bool) -> Optional[str]:
+        if step % self.cfg.distill.eval_every and not last:
+            return None
+        dec = self.evaluate(step, state, train_it)
+        if dec.stop:
+            self.log.print(f"early stop at step {step}: {dec.reason}")
+            return "early_stop"
+        return None
+
+
 def distill(cfg: Config, *, stream=None) -> DistillResult:
     """Run (or resume) FCSD as described by `cfg` (train.mode must be 'distill')."""
     t, d = cfg.train, cfg.distill
@@ -199,8 +248,8 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     if d.metric == "task":
         for path in cfg.eval.tasks:  # missing or malformed task files fail now
             load_task(path)
-        task_score = lambda: float(np.mean([r["acc"] for r in score_tasks(
-            graphdef, state, cfg.eval.tasks, tok, cfg.farskip).values()]))
+        task_score = lambda st: float(np.mean([r["acc"] for r in score_tasks(
+            graphdef, st, cfg.eval.tasks, tok, cfg.farskip).values()]))
     folder = check_run_dir(cfg)
 
     tx, schedule = make_optimizer(t)
@@ -213,7 +262,7 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     mode = "max" if d.metric == "task" else "min"
     es = EarlyStopper(mode, d.patience, d.max_drop)
     es_path = os.path.join(folder.path, "early_stopping.json")
-    step = 0
+    step, ckpt = 0, None
     if folder.resume:  # restored before anything is written: an unreadable checkpoint fails cleanly
         ckpt = Checkpointer(folder.path, keep=t.keep_checkpoints)
         if ckpt.latest_step() is not None:
@@ -224,22 +273,9 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
                 with open(es_path) as f:  # evaluations after the checkpoint will run again
                     saved = json.load(f)
                 es.load_state_dict(saved, upto=step)
-    primary = jax.process_index() == 0
-    if primary:
-        claim_run_dir(cfg, folder)
+    ckpt, log = open_run(cfg, folder, ckpt, step, stream)
     run_dir = folder.path
-    if jax.process_count() > 1:  # the others wait until process 0 has validated / created (or wiped) the folder
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices("farskip_jax run_dir ready")
-    if primary and folder.resume:  # steps after the restored one are logged again
-        drop_records_after(run_dir, step)
-    if not folder.resume:
-        ckpt = Checkpointer(run_dir, keep=t.keep_checkpoints)
     best = Checkpointer(os.path.join(run_dir, "best"), keep=1, async_save=False)
-    log = RunLogger(run_dir, tensorboard=t.tensorboard, enabled=primary, stream=stream)
-    if folder.note:
-        log.print(folder.note)
     if plan is not None:
         if not plan_reused:
             write_plan(plan, run_dir, auto_request)
@@ -248,7 +284,6 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
         log.print(f"farskip.layers: auto -> {list(plan.layers)} ("
                   + ("the stored choice of this run folder, no new sweep" if plan_reused
                      else f"written to {os.path.join(run_dir, 'farskip_auto.json')}") + ")")
-    log.print(config_summary(cfg, run_dir))
     shardings = jax.tree.map(lambda x: x.sharding, state)  # outputs keep the inputs' placement (as the trainer)
     step_fn = jax.jit(make_distill_step(graphdef, cfg, tx, schedule), donate_argnums=0,
                       out_shardings=(shardings, None) if mesh is not None else None)
@@ -257,81 +292,23 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
         log.print(f"resumed distillation from step {step}")
         if folder.saved_steps is not None and folder.saved_steps != t.steps:
             log.print(schedule_change_warning(folder.saved_steps, t, step))
-    evals: list = []
-
-    def run_eval(at: int) -> tuple[float, object]:
-        r = evaluate_pair(cmp_fn, state, teacher, val)
-        m = _metric_value(cfg, r, task_score)
-        rec = dict(val_loss=r.val_loss, ppl=r.ppl, teacher_loss=r.teacher_loss, kl=r.kl, top1=r.top1,
-                   top1_confident=r.top1_confident, teacher_maxp=r.teacher_maxp, metric=m,
-                   tokens_used=at * tokens_per_step)
-        evals.append(dict(step=at, **rec))
-        log.write("eval", at, rec)
-        log.print(f"step {at:>6d} | val loss {r.val_loss:.4f} (teacher {r.teacher_loss:.4f}) | KL {r.kl:.5f} | "
-                  f"top-1 {100 * r.top1:.2f}% | {d.metric} {m:.5f}")
-        dec = es.update(at, m)
-        if dec.improved:
-            best.save(at, state, train_it.get_state())
-        with open(es_path, "w") as f:
-            json.dump(es.state_dict(), f)
-        return dec
-
-    status = "done"
+    task = DistillTask(step_fn, teacher, cfg, cmp_fn, val, es, es_path, best, log, task_score, tokens_per_step)
     if step == 0:
-        run_eval(0)  # the converted model before any training
-    losses: list = []
-    t0 = time.perf_counter()
-    start_step = step
-    with StopFlag() as stop:  # SIGTERM / SIGINT: checkpoint at the next step boundary and return
-        while step < max_steps:
-            t_data = time.perf_counter()
-            host_batch = next(train_it)
-            data_wait_s = time.perf_counter() - t_data
-            batch = put_batch({k: np.asarray(v) for k, v in host_batch.items()}, mesh)
-            state, m = step_fn(state, teacher, batch)
-            m = jax.device_get(m)
-            step += 1
-            rec = {k: float(v) for k, v in m.items() if np.ndim(v) == 0}
-            rec["data_wait_s"] = data_wait_s
-            losses.append(rec["loss"])
-            log.write("train", step, rec)
-            if not bool(m["finite"]) and int(m["nonfinite_streak"]) >= t.max_nonfinite:
-                status = "diverged"
-                log.print(f"stopping: {t.max_nonfinite} non-finite steps in a row")
-                break
-            el = time.perf_counter() - t0
-            if step % t.log_every == 0 or step == 1 or step == max_steps:
-                eta = el / (step - start_step) * (max_steps - step)
-                log.print(f"step {step:>6d}/{max_steps} | loss {rec['loss']:.5f} | kl {rec['kl']:.5f} | "
-                          f"ce {rec['ce']:.4f} | gnorm {rec['grad_norm']:.3f} | lr {rec['lr']:.2e} | "
-                          f"{tokens_per_step * (step - start_step) / max(el, 1e-9):,.0f} tok/s{data_wait(rec)}"
-                          f" | eta {format_eta(eta)}")
-            if step % d.eval_every == 0 or step == max_steps:
-                dec = run_eval(step)
-                if dec.stop:
-                    status = "early_stop"
-                    log.print(f"early stop at step {step}: {dec.reason}")
-                    break
-            if t.checkpoint_every and step % t.checkpoint_every == 0:
-                ckpt.save(step, state, train_it.get_state())
-            if stop.signal is not None:
-                status = "preempted"
-                log.print(f"signal {stop.signal} received: saving checkpoint at step {step} and exiting "
-                          "(re-running resumes)")
-                break
-            if t.time_limit_s is not None and el > t.time_limit_s:
-                status = "time_limit"
-                log.print(f"train.time_limit_s={t.time_limit_s} reached at step {step}: saving and exiting")
-                break
+        task.evaluate(0, state, train_it)  # the converted model before any training
+    peak = matmul_peak(cfg, log)
+    flops_tok = train_flops_per_token(cfg, t.seq_len) * 8 / 6  # + the teacher's forward
+    state, res = run_loop(task, cfg, state, train_it, ckpt, log, start=step, max_steps=max_steps,
+                          flops_per_token=flops_tok, peak=peak, mesh=mesh)
+    status, step, evals = res.status, res.step, task.evals
     if status == "done" and max_steps < t.steps:
         status = "token_budget"
-    if status != "diverged" and ckpt.latest_step() != step:
-        ckpt.save(step, state, train_it.get_state())
     ckpt.close()
     best.close()
     close_iterator(train_it)
+    speed = (f"; mean {res.tokens_per_s:,.0f} tokens/s" + (f", MFU {100 * res.mfu:.1f}%" if res.mfu else "")
+             if res.tokens_per_s else "")
     log.print(f"{status} at step {step}: best {d.metric} {es.best} at step {es.best_step} "
-              f"({step * tokens_per_step:,} training tokens)")
+              f"({step * tokens_per_step:,} training tokens{speed})")
     if d.export_hf and status not in ("preempted", "time_limit", "diverged"):
         _, best_state = restore_train_state(cfg, os.path.join(run_dir, "best"), "best", mesh)
         log.print(f"exported the best student (step {es.best_step}) to "
@@ -340,4 +317,4 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     log.close()
     release_run_dir(run_dir)
     return DistillResult(status=status, step=step, best_step=es.best_step, best_metric=es.best,
-                         tokens=step * tokens_per_step, run_dir=run_dir, evals=evals, losses=losses)
+                         tokens=step * tokens_per_step, run_dir=run_dir, evals=evals, losses=res.losses)

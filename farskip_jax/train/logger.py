@@ -88,9 +88,11 @@ class RunLogger:
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v)):
                     self._tb.add_scalar(f"{kind}/{k}", float(v), int(step))
 
-    def progress(self, step: int, total: int, m: dict, eta_s: float) -> None:
+    def progress(self, step: int, total: int, m: dict, eta_s: float, extra: tuple = ()) -> None:
+        """The progress line; `extra`: more metrics of `m` to show after the loss."""
         mfu = f" mfu {100 * m['mfu']:.1f}%" if m.get("mfu") is not None else ""
-        self.print(f"step {step:>6d}/{total} | loss {m['loss']:.4f} | gnorm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
+        more = "".join(f" | {k} {m[k]:.5f}" for k in extra if k in m)
+        self.print(f"step {step:>6d}/{total} | loss {m['loss']:.4f}{more} | gnorm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
                    f"{m['tokens_per_s']:,.0f} tok/s{mfu}{data_wait(m)} | load {m['load_min']:.2f}-{m['load_max']:.2f} | "
                    f"eta {format_eta(eta_s)}")
 

@@ -1,4 +1,4 @@
-"""The pretraining loop: data -> jitted step -> metrics, eval, checkpoints, resume, preemption.
+"""Pretraining: the model and data of a config as a task of the one training loop (train/loop.py).
 
     result = train(cfg)          # TrainResult(status, step, final_loss, val_loss, run_dir, ...)
 
@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from farskip_jax.config import Config, merge_checkpoint_shape, runtime_overrides
 from farskip_jax.data.pipeline import close_iterator, first_batches, make_dataset
@@ -27,12 +24,11 @@ from farskip_jax.parallel.build import create_model, model_mesh
 from farskip_jax.parallel.distributed import maybe_initialize
 from farskip_jax.parallel.sharding import place_state, shard_batch
 from farskip_jax.train.checkpoint import Checkpointer
-from farskip_jax.train.flops import measure_matmul_peak, total_params, train_flops_per_token
+from farskip_jax.train.flops import total_params, train_flops_per_token
 from farskip_jax.train.host_memory_check import check_host_memory
-from farskip_jax.train.logger import RunLogger, config_summary, drop_records_after
-from farskip_jax.train.preemption import StopFlag
+from farskip_jax.train.loop import Task, matmul_peak, open_run, run_loop
 from farskip_jax.train.optimizer import make_optimizer, schedule_change_warning
-from farskip_jax.train.rundir import check_run_dir, claim_run_dir, release_run_dir
+from farskip_jax.train.rundir import check_run_dir, release_run_dir
 from farskip_jax.train.step import init_state, make_eval_step, make_train_step
 
 
@@ -85,6 +81,22 @@ def evaluate(eval_fn, state, cfg: Config, mesh, val_ds) -> float:
     return ce_sum / max(tokens, 1.0)
 
 
+class PretrainTask(Task):
+    """Next-token training; a validation loss every train.eval_every updates (the final one after the loop)."""
+
+    def __init__(self, step_fn, eval_fn, cfg: Config, mesh, val_ds, log):
+        self.step_fn, self.eval_fn, self.cfg, self.mesh, self.val_ds, self.log = step_fn, eval_fn, cfg, mesh, val_ds, log
+        self.val_loss: Optional[float] = None
+
+    def after_step(self, step: int, state, train_it, last: bool) -> Optional[str]:
+        every = self.cfg.train.eval_every
+        if every and step % every == 0 and not last:
+            self.val_loss = evaluate(self.eval_fn, state, self.cfg, self.mesh, self.val_ds)
+            self.log.print(f"step {step:>6d} | val loss {self.val_loss:.4f}")
+            self.log.write("eval", step, {"val_loss": self.val_loss})
+        return None
+
+
 def train(cfg: Config, *, stream=None) -> TrainResult:
     """Run (or resume) the pretraining described by `cfg`."""
     t = cfg.train
@@ -94,7 +106,6 @@ def train(cfg: Config, *, stream=None) -> TrainResult:
     if cfg.init_from_hf:  # continue pretraining an imported checkpoint: its shape, the user's run settings
         cfg = shape_from_hf(cfg)
     pi, pc = jax.process_index(), jax.process_count()
-    primary = pi == 0
     # everything that can be validated is, before the run folder is touched: a run that fails on bad
     # input (config, data, tokenizer vs vocabulary, HF folder, mesh, checkpoint) leaves no trace
     tok = load_tokenizer(cfg.data.tokenizer)
@@ -114,28 +125,15 @@ def train(cfg: Config, *, stream=None) -> TrainResult:
     del model
     state = place_state(state, mesh)
     train_it = iter(train_ds)
-    start = None
+    start, ckpt = None, None
     if folder.resume:  # restored before anything is written: an unreadable checkpoint fails cleanly
         ckpt = Checkpointer(folder.path, keep=t.keep_checkpoints)
         start = ckpt.latest_step()
         if start is not None:
             state, data_state = ckpt.restore(start, state)
             train_it.set_state(data_state)
-    if primary:
-        claim_run_dir(cfg, folder)
+    ckpt, log = open_run(cfg, folder, ckpt, start, stream)
     run_dir = folder.path
-    if pc > 1:  # the others wait until process 0 has validated / created (or wiped) the folder
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices("farskip_jax run_dir ready")
-    if not folder.resume:
-        ckpt = Checkpointer(run_dir, keep=t.keep_checkpoints)
-    if primary and folder.resume:  # steps after the restored one are logged again
-        drop_records_after(run_dir, int(start or 0))
-    log = RunLogger(run_dir, tensorboard=t.tensorboard, enabled=primary, stream=stream)
-    if folder.note:
-        log.print(folder.note)
-    log.print(config_summary(cfg, run_dir))
     shardings = jax.tree.map(lambda x: x.sharding, state)
     step_fn = jax.jit(make_train_step(graphdef, cfg, tx, schedule), donate_argnums=0,
                       out_shardings=(shardings, None) if mesh is not None else None)
@@ -146,91 +144,24 @@ def train(cfg: Config, *, stream=None) -> TrainResult:
             log.print(schedule_change_warning(folder.saved_steps, t, start))
         log.write("event", start, {"event": "resume"})
     step = int(state["step"])
-
-    n_dev = jax.device_count()
-    peak = t.peak_flops
-    if peak is None and jax.default_backend() == "cpu":
-        peak = measure_matmul_peak(jnp.float32 if cfg.model.compute_dtype == "float32" else jnp.bfloat16, seconds=0.5)
-        log.print(f"measured CPU matmul peak: {peak / 1e9:.1f} GFLOP/s per device (train.peak_flops to override)")
+    peak = matmul_peak(cfg, log)
     flops_tok = train_flops_per_token(cfg, t.seq_len)
     log.print(f"model: {total_params(cfg) / 1e6:.2f}M params, {flops_tok / 6e6:.2f}M active matmul-equivalent, "
-              f"{n_dev} device(s), {pc} process(es), preset={cfg.farskip.preset}, "
+              f"{jax.device_count()} device(s), {pc} process(es), preset={cfg.farskip.preset}, "
               f"tokens/step={t.batch_size * t.seq_len}, run_dir={run_dir}")
-
-    losses, val_loss, last = [], None, {}
-    t_start = time.perf_counter()
-    t_prev, timed_steps, timed_s, wait_s = t_start, 0, 0.0, 0.0
-    status = "done"
-    with StopFlag() as stop:
-        while step < t.steps:
-            t_data = time.perf_counter()
-            host_batch = next(train_it)
-            data_wait = time.perf_counter() - t_data
-            batch = shard_batch(host_batch, mesh)
-            state, m = step_fn(state, batch)
-            m = jax.device_get(m)
-            step += 1
-            now = time.perf_counter()
-            dt = now - t_prev
-            t_prev = now
-            if step > int(start or 0) + 1:  # the first step of a process includes compilation
-                timed_steps += 1
-                timed_s += dt
-            tps = t.batch_size * t.seq_len / dt
-            rec = {k: (float(v) if np.ndim(v) == 0 and not isinstance(v, (bool, np.bool_)) else v)
-                   for k, v in m.items()}
-            rec["finite"] = bool(m["finite"])
-            rec["tokens_per_s"] = tps
-            rec["mfu"] = (tps * flops_tok / (peak * n_dev)) if peak else None
-            rec["step_time_s"] = dt
-            rec["data_wait_s"] = data_wait
-            if step > int(start or 0) + 1:
-                wait_s += data_wait
-            losses.append(rec["loss"])
-            log.write("train", step, rec)
-            last = rec
-            avg = timed_s / timed_steps if timed_steps else dt
-            if step % t.log_every == 0 or step == 1 or step == t.steps:
-                log.progress(step, t.steps, rec, avg * (t.steps - step))
-            if not rec["finite"]:
-                log.print(f"step {step}: non-finite loss/gradient ({rec['loss']}); update skipped "
-                          f"({int(rec['nonfinite_streak'])} in a row, {int(rec['nonfinite_total'])} total)")
-                if rec["nonfinite_streak"] >= t.max_nonfinite:
-                    status = "diverged"
-                    log.print(f"stopping: {t.max_nonfinite} non-finite steps in a row; the last good checkpoint "
-                              f"({ckpt.latest_step()}) is left intact")
-                    break
-            if t.eval_every and step % t.eval_every == 0 and step < t.steps:
-                val_loss = evaluate(eval_fn, state, cfg, mesh, val_ds)
-                log.print(f"step {step:>6d} | val loss {val_loss:.4f}")
-                log.write("eval", step, {"val_loss": val_loss})
-            if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.steps and rec["finite"]:
-                ckpt.save(step, state, train_it.get_state())
-            if stop.signal is not None:
-                status = "preempted"
-                log.print(f"signal {stop.signal} received: saving checkpoint at step {step} and exiting")
-                break
-            if t.time_limit_s is not None and now - t_start > t.time_limit_s:
-                status = "time_limit"
-                log.print(f"train.time_limit_s={t.time_limit_s} reached at step {step}: saving and exiting")
-                break
-    if status != "diverged":
-        if ckpt.latest_step() != step:
-            ckpt.save(step, state, train_it.get_state())
-        if status == "done":
-            val_loss = evaluate(eval_fn, state, cfg, mesh, val_ds)
-            log.print(f"step {step:>6d} | val loss {val_loss:.4f}")
-            log.write("eval", step, {"val_loss": val_loss})
+    task = PretrainTask(step_fn, eval_fn, cfg, mesh, val_ds, log)
+    state, res = run_loop(task, cfg, state, train_it, ckpt, log, start=step, max_steps=t.steps,
+                          flops_per_token=flops_tok, peak=peak, mesh=mesh)
+    status, step, val_loss = res.status, res.step, task.val_loss
+    if status == "done":
+        val_loss = evaluate(eval_fn, state, cfg, mesh, val_ds)
+        log.print(f"step {step:>6d} | val loss {val_loss:.4f}")
+        log.write("eval", step, {"val_loss": val_loss})
     ckpt.close()
     close_iterator(train_it)
-    if timed_s > 0:
-        tps = t.batch_size * t.seq_len * timed_steps / timed_s
-    else:  # one step (compile included) or none at all in this process
-        tps = last.get("tokens_per_s")
-    mfu = (tps * flops_tok / (peak * n_dev)) if (peak and tps) else None
-    data_frac = wait_s / timed_s if timed_s > 0 else None
+    tps, mfu, data_frac = res.tokens_per_s, res.mfu, res.data_wait_frac
     summary = {"status": status, "tokens_per_s": tps, "mfu": mfu, "val_loss": val_loss, "data_wait_frac": data_frac,
-               "final_loss": last.get("loss", math.nan), "wall_s": time.perf_counter() - t_start}
+               "final_loss": res.last.get("loss", math.nan), "wall_s": res.wall_s}
     log.write("event", step, summary)
     speed = (f"mean {tps:,.0f} tokens/s" + (f", MFU {100 * mfu:.1f}%" if mfu else "")
              + (f", {100 * data_frac:.1f}% of the step time waiting for data" if data_frac is not None else "")) if tps else \
@@ -238,6 +169,6 @@ def train(cfg: Config, *, stream=None) -> TrainResult:
     log.print(f"{status} at step {step}: {speed}" + (f", val loss {val_loss:.4f}" if val_loss is not None else ""))
     log.close()
     release_run_dir(run_dir)
-    return TrainResult(status=status, step=step, final_loss=float(last.get("loss", math.nan)), val_loss=val_loss,
+    return TrainResult(status=status, step=step, final_loss=float(res.last.get("loss", math.nan)), val_loss=val_loss,
                        run_dir=run_dir, tokens_per_s=tps, mfu=mfu,
-                       nonfinite_total=int(state["nonfinite_total"]), losses=losses)
+                       nonfinite_total=int(state["nonfinite_total"]), losses=res.losses)
