@@ -117,3 +117,15 @@ def test_no_library_string_names_a_benchmarks_or_docs_path():
                     and re.match(r"^(\./)?(benchmarks|docs)/", n.value)):
                 bad.append(f"{name}:{n.lineno}: {n.value!r}")
     assert bad == []
+
+
+def test_no_module_imports_another_modules_private_names():
+    bad = []
+    for name, path in MODULES.items():
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ImportFrom) and n.level == 0 and (n.module or "").startswith("farskip_jax"):
+                bad += [f"{name}: from {n.module} import {a.name}" for a in n.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+    assert bad == []
