@@ -256,6 +256,8 @@ def test_an_import_folder_is_named_and_eval_reads_it(tmp_path):
              f"distill.init_from_run={imp}", "distill.export_hf=null"], what + r".*not a run folder", imp, run)
     refused(train_args(run, f"init_from_hf={imp}"), what + r".*not an HF folder: pass the HF folder it was imported",
             imp, run)
+    # as train.run_dir it is never reclaimed (wiped) as a folder left by a run that never ran a step
+    refused(train_args(imp), r"train.run_dir: " + what + r".*not a run folder; choose another train.run_dir", imp)
     # eval --hf reads it as it is: the same val loss as the HF folder it came from
     a, b = (cli("eval.py", "--hf", p, "--mode", "loss", "--batches", "1", "train.seq_len=32", "train.batch_size=4")
             for p in (imp, hf))

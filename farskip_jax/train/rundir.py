@@ -26,6 +26,7 @@ from typing import Optional
 import jax
 
 from farskip_jax.config import Config, KernelsConfig, config_from_dict, dump_config, to_dict
+from farskip_jax.convert.import_folder import describe_import_folder, is_native
 from farskip_jax.errors import ConfigError, FarSkipError
 
 RESUMABLE_KEYS = {"train.steps", "train.time_limit_s", "train.log_every", "train.eval_every", "train.tensorboard",
@@ -161,6 +162,9 @@ def check_run_dir(cfg: Config) -> RunFolder:
         _check_held(run_dir)
     if not (os.path.isdir(run_dir) and os.listdir(run_dir)):
         return RunFolder(run_dir, resume=False, wipe=False)
+    if is_native(run_dir):  # an import folder also holds a config.yaml: never reclaim (wipe) it
+        raise ConfigError(f"train.run_dir: {describe_import_folder(run_dir)}, not a run folder; choose another "
+                          f"train.run_dir (to train from it: init_from_hf=<the HF folder it came from>)")
     cfg_path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(cfg_path):
         raise ConfigError(f"train.run_dir={run_dir} exists and is not a farskip_jax run folder (no config.yaml); "
