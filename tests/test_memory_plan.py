@@ -112,3 +112,9 @@ def test_in_place_update_model_fits_an_intercept_and_refuses_mixed_caches():
     assert one(5, 7) == pytest.approx(temp(5, 7)) and one.s1 == 0
     with pytest.raises(ConfigError, match="mix an in-place update"):
         mp.TempModel.fit([p(3, 1), p(3, 2, ip=None)], parts)
+
+
+def test_default_depth_is_the_configs_own_when_layers_are_scanned():
+    assert mp.default_depths(load_config("configs/deepseek_v2_lite.yaml")) == [27]
+    assert mp.default_depths(load_config("configs/tiny.yaml", ["model.scan_layers=false", "model.num_layers=8"])) == [2, 3]
+    assert mp.default_depths(load_config("configs/tiny.yaml", ["model.scan_layers=true", "model.num_layers=8"])) == [8]

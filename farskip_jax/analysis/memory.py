@@ -12,10 +12,13 @@ shardings = input shardings). `compiled.memory_analysis()` gives per device: arg
 the new state) and peak = arguments + outputs + temporaries - aliased. The arguments are also
 counted analytically from the shardings (`state_bytes`): the two must agree.
 
-Depth: with `model.scan_layers: true` (the real configs) the full-depth step compiles in seconds to a
-minute, so plan at the config's depth: `--depths 27 --batches 1,2` and `--validate-batch 4`. A Python
-loop over layers (`model.scan_layers=false`) takes ~30 min per full-depth compile on 2 shared cores;
-there the step is compiled at two depths (`--depths 3,5`) x two per-device batches and extrapolated.
+Depth: by default the step is compiled at the config's own depth whenever `model.scan_layers` is true
+(the real configs: a full-depth scanned step compiles in seconds to a minute), at two per-device
+batches (`--batches 1,2`); nothing is extrapolated in depth. `--depths A,B` (two depths, e.g. 3,5)
+asks for an extrapolation, and is the default for a Python loop over layers
+(`model.scan_layers=false`: ~30 min per full-depth compile on 2 shared cores; default depths 2,3).
+An extrapolated plan says how far it was checked: the validation compile of `--validate-depth`, or
+"not checked" when there was none.
 Either way the temporaries are modelled (TempModel) as the larger of two phases: the optimizer update
 (the gradients, + a second copy of params and optimizer state where the update is not in place: exact
 from the shardings) and the activations (gradients + c0 + B x per-sequence bytes, fitted where that
@@ -316,6 +319,7 @@ class Row:
     gpus: int  # fsdp x expert x tensor
     validation: Optional[dict] = None
     bound_from: Optional[int] = None  # not compiled: temporaries of this FSDP size (an upper bound)
+    depths: Optional[list] = None  # the depths compiled for the fit ([layers]: exact at the config's depth)
 
     @property
     def nodes(self) -> int:
@@ -397,7 +401,8 @@ def build_rows(cfg, modes, remats, fsdps, depths, batches, seq, validate_depth=N
                 fit = TempModel.fit(pts, parts_at)
                 extra = max(p.output - p.alias for p in pts)
                 parts = full_state_parts(cfg, mode, remat, f, 1, seq, devices_for)
-                row = Row(mode, remat, f, parts, fit, extra, cfg.model.num_layers, seq, f * gpus_per_fsdp)
+                row = Row(mode, remat, f, parts, fit, extra, cfg.model.num_layers, seq, f * gpus_per_fsdp,
+                          depths=sorted(depths))
                 vL = validate_depth or (cfg.model.num_layers if validate_batch else None)
                 B = validate_batch or batches[0]
                 if vL and (not validate_cached or point_key(mode, remat, f, vL, B, seq) in cache):
@@ -449,6 +454,14 @@ def format_plan(cfg_name: str, rows: Sequence[Row], usable: float, devices=tuple
         if not r.bound_from and r.fit.active == 0:
             lines.append(f"NOTE {r.mode}/{r.remat}/fsdp{r.fsdp}: no compiled point was in the activation phase; act/seq "
                          "is an over-estimate (compile larger --batches)")
+        if not r.bound_from and r.depths and r.depths != [r.layers]:
+            d = ",".join(map(str, r.depths))
+            if r.validation and r.validation["layers"] not in r.depths:
+                lines.append(f"EXTRAPOLATED {r.mode}/{r.remat}/fsdp{r.fsdp}: depth {r.layers} from compiles at depths {d}; "
+                             f"checked at depth {r.validation['layers']} (below)")
+            else:
+                lines.append(f"EXTRAPOLATED {r.mode}/{r.remat}/fsdp{r.fsdp}: depth {r.layers} from compiles at depths {d}; "
+                             f"not checked at any other depth (--validate-depth {r.layers} compiles the config's depth)")
         if r.validation:
             v = r.validation
             lines.append(f"validation {r.mode}/{r.remat}/fsdp{r.fsdp}: depth {v['layers']} batch {v['batch']}: temp "
@@ -491,9 +504,18 @@ def rows_json(rows: Sequence[Row], usable: float) -> list[dict]:
     for r in rows:
         out.append(dict(mode=r.mode, remat=r.remat, fsdp=r.fsdp, gpus=r.gpus, nodes=r.nodes, layers=r.layers, seq=r.seq,
                         parts_bytes=r.parts, temp_model=dataclasses.asdict(r.fit), update_temp_bytes=r.update_temp(), act_per_seq_bytes=r.per_seq(), output_extra_bytes=r.output_extra,
-                        peak_b1_bytes=r.peak(1), validation=r.validation, bound_from_fsdp=r.bound_from,
+                        peak_b1_bytes=r.peak(1), validation=r.validation, bound_from_fsdp=r.bound_from, depths=r.depths,
                         max_batch={d: r.max_batch(usable * m) for d, m in DEVICE_MEMORY.items()}))
     return out
+
+
+def default_depths(cfg) -> list[int]:
+    """The depths the plan compiles unless told: the config's own with scanned layers (exact, no
+    extrapolation), else 2 and 3 (an unscanned full-depth compile takes ~30 min here)."""
+    L = cfg.model.num_layers
+    if cfg.model.scan_layers or L <= 3:
+        return [L]
+    return [2, 3]
 
 
 def _ints(s: str) -> list[int]:
@@ -509,7 +531,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--bound-fsdp", default="", help="more FSDP sizes planned without compiling (exact state, "
                     "activations of the nearest compiled size)")
     ap.add_argument("--seq", type=int, default=None, help="sequence length (default train.seq_len)")
-    ap.add_argument("--depths", default="2,3", help="two depths the step is compiled at")
+    ap.add_argument("--depths", default=None,
+                    help="depths the step is compiled at: the config's (default with model.scan_layers) or two depths "
+                         "to extrapolate from (default 2,3 for an unscanned model)")
     ap.add_argument("--batches", default="1,2", help="two per-device batches the step is compiled at")
     ap.add_argument("--validate-depth", type=int, default=None, help="compile one more depth and report the fit's error")
     ap.add_argument("--validate-batch", type=int, default=None,
@@ -535,6 +559,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise FarSkipError(f"--mode: unknown {bad}; choose from {list(MODES)}")
         remats = [r.strip() for r in (a.remat or cfg.model.remat).split(",") if r.strip()]
         seq = a.seq or cfg.train.seq_len
+        depths = default_depths(cfg) if a.depths is None else _ints(a.depths)
         cache: dict = {}
         for path in (a.read_cache or "").split(",") + [a.cache or ""]:
             if path and os.path.exists(path):
@@ -550,7 +575,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         json.dump(dict(self), f, indent=1)
 
         t0 = time.time()
-        rows = build_rows(cfg, modes, remats, _ints(a.fsdp), _ints(a.depths), _ints(a.batches), seq,
+        rows = build_rows(cfg, modes, remats, _ints(a.fsdp), depths, _ints(a.batches), seq,
                           a.validate_depth, Saving(cache), log, validate_cached=a.validate_cached,
                           validate_batch=a.validate_batch)
         rows += bound_rows(cfg, rows, _ints(a.bound_fsdp))
@@ -563,7 +588,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)) or ".", exist_ok=True)
         with open(a.out, "w") as f:
             json.dump(dict(config=a.config, overrides=a.overrides, usable_fraction=a.usable, device_memory=DEVICE_MEMORY,
-                           depths=_ints(a.depths), batches=_ints(a.batches), seq=seq, wall_s=time.time() - t0,
+                           depths=depths, batches=_ints(a.batches), seq=seq, wall_s=time.time() - t0,
                            rows=rows_json(rows, a.usable), table=text), f, indent=1)
     return 0
 
