@@ -78,6 +78,10 @@ def test_batch_search_and_verdict(rows):
         assert f"B " + d in text
     assert "pretrain on h100_sxm: 1 node(s) of 8 (2 GPUs, fsdp 1), remat full" in text
     assert "fcsd on mi300x" in text
+    # the largest buffers live at the peak of the deepest, largest-batch compile, with shapes and scopes
+    s = r.peak_point.peak_buffers
+    assert r.peak_point.batch == 2 and s["n"] > 0 and s["largest"] and s["other_bytes"] > 0
+    assert "largest buffers live at the peak: pretrain/full/fsdp1" in text and "temporaries/outputs" in text
 
 
 def test_two_phase_model_on_known_points():

@@ -3,7 +3,7 @@
     with dumping() as d:
         compiled = jax.jit(f).lower(*args).compile(compiler_options=d.options)
     bufs = peak_buffers(d.path)                    # [PeakBuffer], largest first
-    print(format_peak_buffers(bufs, top=8))
+    print(format_peak_buffers(summary(bufs), top=8))
 
 XLA writes, for every compiled module when `xla_dump_to` is set (a per-compile debug option), its
 scheduled HLO (`*after_optimizations.txt`) and the live ranges of its buffer assignment
@@ -183,14 +183,22 @@ def short_scope(scope: str, width: int = 110) -> str:
     return s if len(s) <= width else s[: width // 2 - 2] + " .. " + s[-(width // 2 - 2):]
 
 
-def format_peak_buffers(bufs: list[PeakBuffer], top: int = 10, unit: float = 2**30) -> str:
-    """The `top` largest buffers, one line each: GiB, shape, opcode, scope."""
-    total = sum(b.bytes for b in bufs)
-    lines = [f"  {len(bufs)} buffers live at the peak, {total / unit:.2f} GiB; the largest {min(top, len(bufs))}:"]
-    for b in bufs[:top]:
-        lines.append(f"  {b.bytes / unit:8.3f} GiB  {b.shape:<28} {b.opcode:<16} {short_scope(b.scope)}")
+def summary(bufs: list[PeakBuffer], top: int = 24) -> dict:
+    """JSON-able: totals of the values live at the peak, split into arguments (parameters) and the
+    rest (temporaries and outputs), and the `top` largest of the rest (dicts of PeakBuffer)."""
+    args = [b for b in bufs if b.opcode == "parameter"]
+    rest = [b for b in bufs if b.opcode != "parameter"]
+    return dict(n=len(bufs), bytes=sum(b.bytes for b in bufs), n_arguments=len(args),
+                argument_bytes=sum(b.bytes for b in args), n_other=len(rest), other_bytes=sum(b.bytes for b in rest),
+                largest=[dataclasses.asdict(b) for b in rest[:top]])
+
+
+def format_peak_buffers(s: dict, top: int = 10, unit: float = 2**30) -> str:
+    """Lines of a `summary`: the totals, then its `top` largest non-argument buffers (GiB, shape,
+    opcode, scope)."""
+    lines = [f"  live at the peak: {s['bytes'] / unit:.2f} GiB in {s['n']} buffers = arguments {s['argument_bytes'] / unit:.2f} "
+             f"GiB ({s['n_arguments']}) + temporaries/outputs {s['other_bytes'] / unit:.2f} GiB ({s['n_other']}); "
+             f"the largest of these:"]
+    for b in s["largest"][:top]:
+        lines.append(f"  {b['bytes'] / unit:8.3f} GiB  {b['shape']:<28} {b['opcode']:<18} {short_scope(b['scope'])}")
     return "\n".join(lines)
-
-
-def as_dicts(bufs: list[PeakBuffer], top: int = 12) -> list[dict]:
-    return [dataclasses.asdict(b) for b in bufs[:top]]
