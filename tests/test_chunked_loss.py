@@ -101,3 +101,61 @@ def test_chunked_fcsd_equals_full_logits(kind, temperature, top_k, tied, chunk):
     assert rel(kl1, kl0) < 1e-6 and rel(ce1, ce0) < 1e-6 and rel(l1, l0) < 1e-6
     assert rel(g1[0], g0[0]) < 1e-6 and rel(g1[1], g0[1]) < 1e-6
     assert float(jnp.max(jnp.abs(g1[2]))) == 0.0 and float(jnp.max(jnp.abs(g1[3]))) == 0.0  # frozen teacher
+
+
+def _step_cfg(tied: bool, **train_kw):
+    from farskip_jax.config import Config, ModelConfig, MoEConfig, TrainConfig
+
+    t = dict(steps=2, batch_size=4, seq_len=16, warmup_steps=1, lr=1e-2)
+    t.update(train_kw)
+    return Config(model=ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                                    mlp_hidden=64, max_seq_len=16, tie_embeddings=tied),
+                  moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32, gmm="einsum", z_loss_weight=1e-3),
+                  train=TrainConfig(**t))
+
+
+@pytest.mark.parametrize("tied,chunk", [(False, 5), (True, 16)])
+def test_train_and_eval_steps_with_loss_chunk_equal_full_logits(tied, chunk):
+    from flax import nnx
+
+    from farskip_jax.model.transformer import Transformer
+    from farskip_jax.train.optimizer import make_optimizer
+    from farskip_jax.train.step import init_state, make_eval_step, make_loss_fn, make_train_step
+
+    base = _step_cfg(tied)
+    chunked = _step_cfg(tied, loss_chunk=chunk)
+    tx, sched = make_optimizer(base.train)
+    g, st = init_state(Transformer(base, rngs=nnx.Rngs(0)), tx, 0)
+    r = np.random.RandomState(0)
+    toks = r.randint(0, 64, (4, 17)).astype(np.int32)
+    mask = np.ones((4, 16), np.float32)
+    mask[1, 10:] = 0  # padding
+    batch = {"tokens": jnp.asarray(toks[:, :-1]), "targets": jnp.asarray(toks[:, 1:]),
+             "positions": jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (4, 16)),
+             "segment_ids": jnp.ones((4, 16), jnp.int32), "loss_mask": jnp.asarray(mask)}
+    outs = []
+    for cfg in (base, chunked):
+        loss_fn = make_loss_fn(g, cfg)
+        (loss, aux), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(st["params"], st["bias"], st["rest"], batch)
+        ev = jax.jit(make_eval_step(g, cfg))(st, batch)
+        new, m = jax.jit(make_train_step(g, cfg, tx, sched))(st, batch)
+        outs.append((loss, aux["ce"], grads, ev, new["params"], m["loss"]))
+    (l0, ce0, g0, ev0, p0, ml0), (l1, ce1, g1, ev1, p1, ml1) = outs
+    assert rel(l1, l0) < 1e-6 and rel(ce1, ce0) < 1e-6 and rel(ml1, ml0) < 1e-6
+    assert rel(ev1["ce_sum"], ev0["ce_sum"]) < 1e-6 and float(ev1["tokens"]) == float(ev0["tokens"]) == mask.sum()
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+        assert rel(a, b) < 1e-6
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p0)):  # one AdamW step from equal gradients
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_loss_chunk_config_validation():
+    from farskip_jax.config import load_config
+    from farskip_jax.errors import ConfigError
+
+    assert load_config("configs/tiny.yaml", ["train.loss_chunk=64"]).train.loss_chunk == 64
+    assert load_config("configs/tiny.yaml", ["train.loss_chunk=0"]).train.loss_chunk == 0
+    assert load_config("configs/tiny.yaml", ["train.loss_chunk=null"]).train.loss_chunk is None
+    for bad in ("-1", "1.5", "abc"):
+        with pytest.raises(ConfigError, match="train.loss_chunk"):
+            load_config("configs/tiny.yaml", [f"train.loss_chunk={bad}"])
