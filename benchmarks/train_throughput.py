@@ -5,6 +5,7 @@ same run (so the ratio means something on a shared CPU).
     python benchmarks/train_throughput.py --config configs/small.yaml --steps 5 --presets standard
     python benchmarks/train_throughput.py --presets standard --dtypes float32,bfloat16   # bf16 compute
     python benchmarks/train_throughput.py --presets standard --dense-matmul xla,auto     # BLAS projections
+    python benchmarks/train_throughput.py --loss-chunks 0,64                             # chunked cross entropy
 
 Each variant (connectivity preset x model.compute_dtype [x kernels.dense_matmul, installed while the
 variant's step is traced: `xla` = XLA's dot for the float32 projections, `auto` = the BLAS kernel])
@@ -37,6 +38,8 @@ def main(argv=None) -> int:
                    help="resident (as train.py on CPU): glibc keeps freed memory (farskip_jax/kernels/host_memory.py)")
     p.add_argument("--dense-matmul", default=None,
                    help="comma list of kernels.dense_matmul values to compare (xla,auto); default: the config's")
+    p.add_argument("--loss-chunks", default=None,
+                   help="comma list of train.loss_chunk values to compare (0 = full logits); default: the config's")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
     if a.malloc == "resident":
@@ -66,17 +69,22 @@ def main(argv=None) -> int:
     it = make_iterator(cfg.data, "train", batch_size=t.batch_size, seq_len=t.seq_len, seed=0)
     batches = [{k: jnp.asarray(v) for k, v in next(it).items()} for _ in range(a.steps + 2)]
     dense = a.dense_matmul.split(",") if a.dense_matmul else [None]
+    chunks = [int(x) for x in a.loss_chunks.split(",")] if a.loss_chunks else [None]
     variants = {}
     for preset in a.presets:
         for dtype in dtypes:
             for dm in dense:
-                c = replace(cfg, **{"farskip.preset": preset, "model.compute_dtype": dtype})
-                tx, schedule = make_optimizer(c.train)
-                graphdef, state = init_state(Transformer(c, rngs=nnx.Rngs(0)), tx, 0)
-                variants[(preset, dtype, dm)] = [jax.jit(make_train_step(graphdef, c, tx, schedule), donate_argnums=0),
-                                                 state, [], None]
+                for lc in chunks:
+                    ch = {"farskip.preset": preset, "model.compute_dtype": dtype}
+                    if lc is not None:
+                        ch["train.loss_chunk"] = lc
+                    c = replace(cfg, **ch)
+                    tx, schedule = make_optimizer(c.train)
+                    graphdef, state = init_state(Transformer(c, rngs=nnx.Rngs(0)), tx, 0)
+                    variants[(preset, dtype, dm, lc)] = [
+                        jax.jit(make_train_step(graphdef, c, tx, schedule), donate_argnums=0), state, [], None]
     for i, b in enumerate(batches):
-        for (_, _, dm), v in variants.items():
+        for (_, _, dm, _), v in variants.items():
             if dm is not None:  # read when the step is traced (its first call)
                 kernels.install(replace(cfg.kernels, dense_matmul=dm))
             t0 = time.perf_counter()
@@ -86,29 +94,36 @@ def main(argv=None) -> int:
                 v[2].append(time.perf_counter() - t0)
     med = {k: statistics.median(v[2]) for k, v in variants.items()}
     peaks = {d: measure_matmul_peak(jnp.float32 if d == "float32" else jnp.bfloat16, seconds=1.0) for d in dtypes}
-    for (preset, dtype, dm), v in variants.items():
-        tps = t.batch_size * t.seq_len / med[(preset, dtype, dm)]
+    for (preset, dtype, dm, lc), v in variants.items():
+        tps = t.batch_size * t.seq_len / med[(preset, dtype, dm, lc)]
         mfu = 100 * tps * flops_tok / (peaks[dtype] * jax.device_count())
-        tag = f" dense={dm}" if dm else ""
-        print(f"  {preset:>9} {dtype:>8}{tag}: {tps:,.0f} tokens/s (median step {1e3 * med[(preset, dtype, dm)]:.1f} "
+        tag = (f" dense={dm}" if dm else "") + (f" loss_chunk={lc}" if lc is not None else "")
+        print(f"  {preset:>9} {dtype:>8}{tag}: {tps:,.0f} tokens/s (median step {1e3 * med[(preset, dtype, dm, lc)]:.1f} "
               f"ms), loss {v[3]:.4f} after {len(batches)} steps, MFU {mfu:.1f}%", flush=True)
     print("measured matmul peak (1024^3 chain) per device: " +
           ", ".join(f"{d} {pk / 1e9:.0f} GFLOP/s" for d, pk in peaks.items()))
+    lc0 = chunks[0]
     for dm in dense:
         tag = f", dense={dm}" if dm else ""
         for dtype in dtypes:
             if ("standard", dtype, dm) in med and ("farskip", dtype, dm) in med:
                 print(f"farskip / standard step time ({dtype}{tag}): "
-                      f"{med[('farskip', dtype, dm)] / med[('standard', dtype, dm)]:.3f}")
+                      f"{med[('farskip', dtype, dm, lc0)] / med[('standard', dtype, dm, lc0)]:.3f}")
         for preset in a.presets:
             if "float32" in dtypes and "bfloat16" in dtypes:
                 print(f"bfloat16 / float32 step time ({preset}{tag}): "
-                      f"{med[(preset, 'bfloat16', dm)] / med[(preset, 'float32', dm)]:.3f}")
+                      f"{med[(preset, 'bfloat16', dm, lc0)] / med[(preset, 'float32', dm, lc0)]:.3f}")
     if len(dense) > 1:
         for preset in a.presets:
             for dtype in dtypes:
                 print(f"{dense[1]} / {dense[0]} dense-matmul step time ({preset}, {dtype}): "
-                      f"{med[(preset, dtype, dense[1])] / med[(preset, dtype, dense[0])]:.3f}")
+                      f"{med[(preset, dtype, dense[1], lc0)] / med[(preset, dtype, dense[0], lc0)]:.3f}")
+    if len(chunks) > 1:
+        for preset in a.presets:
+            for dtype in dtypes:
+                for lc in chunks[1:]:
+                    print(f"loss_chunk={lc} / loss_chunk={chunks[0]} step time ({preset}, {dtype}): "
+                          f"{med[(preset, dtype, dense[0], lc)] / med[(preset, dtype, dense[0], chunks[0])]:.3f}")
     return 0
 
 

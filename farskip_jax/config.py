@@ -407,12 +407,19 @@ class TrainConfig:
     peak_flops: Optional[float] = None  # per device, for MFU
     tensorboard: bool = True
     time_limit_s: Optional[float] = None  # stop (with a checkpoint) after this many seconds of training
+    # cross entropy from the final stream `loss_chunk` sequence positions at a time (losses/chunked.py):
+    # the f32 logits of [batch, loss_chunk] tokens live at once instead of [batch, seq_len]; 0 / null = full logits
+    loss_chunk: Optional[int] = None
 
     def __post_init__(self):
         for k in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_batches"):
             _check(getattr(self, k) >= 1, f"train.{k} must be >= 1, got {getattr(self, k)}")
         _check(self.lr > 0, "train.lr must be > 0")
         _check(self.batch_size % self.grad_accum == 0, "train.grad_accum must divide train.batch_size")
+        _check(self.loss_chunk is None or (isinstance(self.loss_chunk, int) and not isinstance(self.loss_chunk, bool)
+                                           and self.loss_chunk >= 0),
+               f"train.loss_chunk={self.loss_chunk!r}: give sequence positions per loss chunk (an int >= 1, e.g. 512), "
+               "or 0 / null for the full logits")
 
 
 @dataclass(frozen=True)

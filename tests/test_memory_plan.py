@@ -78,6 +78,10 @@ def test_batch_search_and_verdict(rows):
         assert f"B " + d in text
     assert "pretrain on h100_sxm: 1 node(s) of 8 (2 GPUs, fsdp 1), remat full" in text
     assert "fcsd on mi300x" in text
+    # the largest buffers live at the peak of the deepest, largest-batch compile, with shapes and scopes
+    s = r.peak_point.peak_buffers
+    assert r.peak_point.batch == 2 and s["n"] > 0 and s["largest"] and s["other_bytes"] > 0
+    assert "largest buffers live at the peak: pretrain/full/fsdp1" in text and "temporaries/outputs" in text
 
 
 def test_two_phase_model_on_known_points():
@@ -112,3 +116,9 @@ def test_in_place_update_model_fits_an_intercept_and_refuses_mixed_caches():
     assert one(5, 7) == pytest.approx(temp(5, 7)) and one.s1 == 0
     with pytest.raises(ConfigError, match="mix an in-place update"):
         mp.TempModel.fit([p(3, 1), p(3, 2, ip=None)], parts)
+
+
+def test_default_depth_is_the_configs_own_when_layers_are_scanned():
+    assert mp.default_depths(load_config("configs/deepseek_v2_lite.yaml")) == [27]
+    assert mp.default_depths(load_config("configs/tiny.yaml", ["model.scan_layers=false", "model.num_layers=8"])) == [2, 3]
+    assert mp.default_depths(load_config("configs/tiny.yaml", ["model.scan_layers=true", "model.num_layers=8"])) == [8]

@@ -12,15 +12,22 @@ shardings = input shardings). `compiled.memory_analysis()` gives per device: arg
 the new state) and peak = arguments + outputs + temporaries - aliased. The arguments are also
 counted analytically from the shardings (`state_bytes`): the two must agree.
 
-Depth: with `model.scan_layers: true` (the real configs) the full-depth step compiles in seconds to a
-minute, so plan at the config's depth: `--depths 27 --batches 1,2` and `--validate-batch 4`. A Python
-loop over layers (`model.scan_layers=false`) takes ~30 min per full-depth compile on 2 shared cores;
-there the step is compiled at two depths (`--depths 3,5`) x two per-device batches and extrapolated.
+Depth: by default the step is compiled at the config's own depth whenever `model.scan_layers` is true
+(the real configs: a full-depth scanned step compiles in seconds to a minute), at two per-device
+batches (`--batches 1,2`); nothing is extrapolated in depth. `--depths A,B` (two depths, e.g. 3,5)
+asks for an extrapolation, and is the default for a Python loop over layers
+(`model.scan_layers=false`: ~30 min per full-depth compile on 2 shared cores; default depths 2,3).
+An extrapolated plan says how far it was checked: the validation compile of `--validate-depth`, or
+"not checked" when there was none.
 Either way the temporaries are modelled (TempModel) as the larger of two phases: the optimizer update
 (the gradients, + a second copy of params and optimizer state where the update is not in place: exact
 from the shardings) and the activations (gradients + c0 + B x per-sequence bytes, fitted where that
 phase dominates). `--validate-depth` / `--validate-batch` compare the model with one more compiled
 point. A plain bilinear fit in (depth, batch) failed that check (docs/memory.md).
+
+Below the plan it prints the largest buffers live at the peak of the deepest, largest-batch compile
+(`--top N`): shape, opcode and the scope that made them (op_name metadata: jvp = forward,
+transpose(jvp) = backward), from XLA's buffer live ranges (analysis/peak_buffers.py).
 
 "Fits" = peak <= usable_fraction x device memory. The default fraction 0.75 is both JAX's default
 GPU preallocation (XLA_PYTHON_CLIENT_MEM_FRACTION=.75) and about what XLA's GPU compiler allows a
@@ -40,6 +47,8 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from farskip_jax.analysis import peak_buffers as pb
+
 GiB = 2**30
 
 # Device memory per GPU (bytes). H100/H200: XLA's own target specs (analysis/specs/*.txtpb:
@@ -51,6 +60,7 @@ DEVICE_MEMORY = {
     "h200": 151397597184,
 }
 USABLE_FRACTION = 0.75
+PEAK_BUFFERS = 24  # largest non-argument buffers at the peak kept per compiled point (printed: --top)
 REMAT_ORDER = ("none", "dots", "minimal", "full")  # least to most recomputation
 MODES = ("pretrain", "fcsd")
 GPUS_PER_NODE = 8
@@ -76,6 +86,8 @@ class Point:
     # the non-finite guard wrote the update into the donated state (a select: GPU/TPU targets since
     # 2026-12-02) rather than building the new state among the temporaries (a cond: CPU, older caches)
     inplace_update: Optional[bool] = None
+    # the values live at the program's peak (analysis/peak_buffers.py: summary)
+    peak_buffers: Optional[dict] = None
 
     def key(self) -> str:
         return point_key(self.mode, self.remat, self.fsdp, self.layers, self.batch, self.seq)
@@ -196,11 +208,19 @@ def compile_point(cfg, mode: str, remat: str, fsdp: int, layers: int, batch: int
     t0 = time.time()
     fn, args, parts = abstract_program(c, mode, mesh, batch, seq)
     flags = compile_flags() if mesh.devices.flat[0].platform != "cpu" else {}
-    m = fn.lower(*args).compile(compiler_options=flags).memory_analysis()
+    lowered = fn.lower(*args)
+    with pb.dumping() as d:
+        m = lowered.compile(compiler_options=dict(flags, **d.options)).memory_analysis()
+        try:
+            bufs = pb.summary(pb.peak_buffers(d.path), top=PEAK_BUFFERS)
+        except (OSError, ValueError) as e:  # the plan stands without the printout
+            print(f"[memory] no peak buffers: {e}", file=sys.stderr)
+            bufs = None
     return Point(mode, remat, fsdp, layers, batch, seq, int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
                  int(m.temp_size_in_bytes), int(m.alias_size_in_bytes), int(m.peak_memory_in_bytes),
                  int(sum(parts.values())), time.time() - t0,
-                 inplace_update=mesh.devices.flat[0].platform != "cpu")  # train/step.apply_if_finite
+                 inplace_update=mesh.devices.flat[0].platform != "cpu",  # train/step.apply_if_finite
+                 peak_buffers=bufs)
 
 
 def full_state_parts(cfg, mode: str, remat: str, fsdp: int, batch: int, seq: int, devices_for=None) -> dict:
@@ -316,6 +336,8 @@ class Row:
     gpus: int  # fsdp x expert x tensor
     validation: Optional[dict] = None
     bound_from: Optional[int] = None  # not compiled: temporaries of this FSDP size (an upper bound)
+    depths: Optional[list] = None  # the depths compiled for the fit ([layers]: exact at the config's depth)
+    peak_point: Optional[Point] = None  # the compiled point whose peak buffers are printed
 
     @property
     def nodes(self) -> int:
@@ -397,7 +419,10 @@ def build_rows(cfg, modes, remats, fsdps, depths, batches, seq, validate_depth=N
                 fit = TempModel.fit(pts, parts_at)
                 extra = max(p.output - p.alias for p in pts)
                 parts = full_state_parts(cfg, mode, remat, f, 1, seq, devices_for)
-                row = Row(mode, remat, f, parts, fit, extra, cfg.model.num_layers, seq, f * gpus_per_fsdp)
+                row = Row(mode, remat, f, parts, fit, extra, cfg.model.num_layers, seq, f * gpus_per_fsdp,
+                          depths=sorted(depths))
+                deepest = [p for p in pts if p.layers == max(depths)]
+                row.peak_point = max(deepest, key=lambda p: p.batch)
                 vL = validate_depth or (cfg.model.num_layers if validate_batch else None)
                 B = validate_batch or batches[0]
                 if vL and (not validate_cached or point_key(mode, remat, f, vL, B, seq) in cache):
@@ -426,7 +451,7 @@ def bound_rows(cfg, rows: Sequence[Row], fsdps: Sequence[int], devices_for=None)
     return out
 
 
-def format_plan(cfg_name: str, rows: Sequence[Row], usable: float, devices=tuple(DEVICE_MEMORY)) -> str:
+def format_plan(cfg_name: str, rows: Sequence[Row], usable: float, devices=tuple(DEVICE_MEMORY), top: int = 8) -> str:
     lines = [f"memory plan: {cfg_name}, {rows[0].layers} layers, seq {rows[0].seq}, per device (GiB); "
              f"fits = peak <= {usable:.2f} x device memory; peak = state (+ teacher) + batch + temp, temp = "
              f"max(update: grads{'' if all(r.fit.inplace for r in rows) else ' + new state'}, activation: grads + c0 + "
@@ -449,6 +474,14 @@ def format_plan(cfg_name: str, rows: Sequence[Row], usable: float, devices=tuple
         if not r.bound_from and r.fit.active == 0:
             lines.append(f"NOTE {r.mode}/{r.remat}/fsdp{r.fsdp}: no compiled point was in the activation phase; act/seq "
                          "is an over-estimate (compile larger --batches)")
+        if not r.bound_from and r.depths and r.depths != [r.layers]:
+            d = ",".join(map(str, r.depths))
+            if r.validation and r.validation["layers"] not in r.depths:
+                lines.append(f"EXTRAPOLATED {r.mode}/{r.remat}/fsdp{r.fsdp}: depth {r.layers} from compiles at depths {d}; "
+                             f"checked at depth {r.validation['layers']} (below)")
+            else:
+                lines.append(f"EXTRAPOLATED {r.mode}/{r.remat}/fsdp{r.fsdp}: depth {r.layers} from compiles at depths {d}; "
+                             f"not checked at any other depth (--validate-depth {r.layers} compiles the config's depth)")
         if r.validation:
             v = r.validation
             lines.append(f"validation {r.mode}/{r.remat}/fsdp{r.fsdp}: depth {v['layers']} batch {v['batch']}: temp "
@@ -456,7 +489,25 @@ def format_plan(cfg_name: str, rows: Sequence[Row], usable: float, devices=tuple
                          f"({100 * v['rel_error']:+.1f}%, {v['phase']} phase)")
     lines.append("")
     lines += verdict_lines(rows, usable, devices)
+    if top:
+        lines += peak_buffer_lines(rows, top)
     return "\n".join(lines)
+
+
+def peak_buffer_lines(rows: Sequence[Row], top: int) -> list[str]:
+    """The largest buffers live at the peak of each row's deepest, largest-batch compile."""
+    out = []
+    for r in rows:
+        p = r.peak_point
+        if r.bound_from or p is None or not p.peak_buffers:
+            continue
+        out += ["", f"largest buffers live at the peak: {r.mode}/{r.remat}/fsdp{r.fsdp}, depth {p.layers}, batch {p.batch}"
+                f"/device (temp {p.temp / GiB:.2f} GiB; scope = op_name: jvp = forward, transpose(jvp) = backward)",
+                pb.format_peak_buffers(p.peak_buffers, top=top)]
+        if p.peak_buffers["other_bytes"] < 0.9 * p.temp:
+            out.append(f"  (XLA's live ranges at the peak list {p.peak_buffers['other_bytes'] / GiB:.2f} of the {p.temp / GiB:.2f} GiB "
+                       "of temporaries: values inside loop bodies (the scanned layers' recomputation) are not among them)")
+    return out
 
 
 def best_choice(rows: Sequence[Row], mode: str, device: str, usable: float) -> Optional[tuple[Row, int]]:
@@ -491,9 +542,19 @@ def rows_json(rows: Sequence[Row], usable: float) -> list[dict]:
     for r in rows:
         out.append(dict(mode=r.mode, remat=r.remat, fsdp=r.fsdp, gpus=r.gpus, nodes=r.nodes, layers=r.layers, seq=r.seq,
                         parts_bytes=r.parts, temp_model=dataclasses.asdict(r.fit), update_temp_bytes=r.update_temp(), act_per_seq_bytes=r.per_seq(), output_extra_bytes=r.output_extra,
-                        peak_b1_bytes=r.peak(1), validation=r.validation, bound_from_fsdp=r.bound_from,
+                        peak_b1_bytes=r.peak(1), validation=r.validation, bound_from_fsdp=r.bound_from, depths=r.depths,
+                        peak_buffers=r.peak_point.peak_buffers if r.peak_point else None,
                         max_batch={d: r.max_batch(usable * m) for d, m in DEVICE_MEMORY.items()}))
     return out
+
+
+def default_depths(cfg) -> list[int]:
+    """The depths the plan compiles unless told: the config's own with scanned layers (exact, no
+    extrapolation), else 2 and 3 (an unscanned full-depth compile takes ~30 min here)."""
+    L = cfg.model.num_layers
+    if cfg.model.scan_layers or L <= 3:
+        return [L]
+    return [2, 3]
 
 
 def _ints(s: str) -> list[int]:
@@ -509,7 +570,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--bound-fsdp", default="", help="more FSDP sizes planned without compiling (exact state, "
                     "activations of the nearest compiled size)")
     ap.add_argument("--seq", type=int, default=None, help="sequence length (default train.seq_len)")
-    ap.add_argument("--depths", default="2,3", help="two depths the step is compiled at")
+    ap.add_argument("--depths", default=None,
+                    help="depths the step is compiled at: the config's (default with model.scan_layers) or two depths "
+                         "to extrapolate from (default 2,3 for an unscanned model)")
     ap.add_argument("--batches", default="1,2", help="two per-device batches the step is compiled at")
     ap.add_argument("--validate-depth", type=int, default=None, help="compile one more depth and report the fit's error")
     ap.add_argument("--validate-batch", type=int, default=None,
@@ -520,6 +583,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--cache", default=None, help="JSON of compiled points (read and extended; reruns are incremental)")
     ap.add_argument("--read-cache", default=None, help="more point caches to read (comma separated; not written)")
     ap.add_argument("--out", default=None, help="write the plan as JSON here")
+    ap.add_argument("--top", type=int, default=8, help="print this many of the largest buffers live at the peak (0: none)")
     ap.add_argument("overrides", nargs="*", help="config overrides key=value")
     a = ap.parse_args(argv)
 
@@ -535,6 +599,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise FarSkipError(f"--mode: unknown {bad}; choose from {list(MODES)}")
         remats = [r.strip() for r in (a.remat or cfg.model.remat).split(",") if r.strip()]
         seq = a.seq or cfg.train.seq_len
+        depths = default_depths(cfg) if a.depths is None else _ints(a.depths)
         cache: dict = {}
         for path in (a.read_cache or "").split(",") + [a.cache or ""]:
             if path and os.path.exists(path):
@@ -550,20 +615,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         json.dump(dict(self), f, indent=1)
 
         t0 = time.time()
-        rows = build_rows(cfg, modes, remats, _ints(a.fsdp), _ints(a.depths), _ints(a.batches), seq,
+        rows = build_rows(cfg, modes, remats, _ints(a.fsdp), depths, _ints(a.batches), seq,
                           a.validate_depth, Saving(cache), log, validate_cached=a.validate_cached,
                           validate_batch=a.validate_batch)
         rows += bound_rows(cfg, rows, _ints(a.bound_fsdp))
     except FarSkipError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    text = format_plan(f"{a.config} {' '.join(a.overrides)}".strip(), rows, a.usable)
+    text = format_plan(f"{a.config} {' '.join(a.overrides)}".strip(), rows, a.usable, top=a.top)
     print(text)
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)) or ".", exist_ok=True)
         with open(a.out, "w") as f:
             json.dump(dict(config=a.config, overrides=a.overrides, usable_fraction=a.usable, device_memory=DEVICE_MEMORY,
-                           depths=_ints(a.depths), batches=_ints(a.batches), seq=seq, wall_s=time.time() - t0,
+                           depths=depths, batches=_ints(a.batches), seq=seq, wall_s=time.time() - t0,
                            rows=rows_json(rows, a.usable), table=text), f, indent=1)
     return 0
 

@@ -14,7 +14,8 @@ Train state (a plain dict so checkpoints are a plain tree):
     nonfinite_total   int32 []   steps whose loss or gradient was not finite (update skipped)
     nonfinite_streak  int32 []   consecutive such steps up to now
 
-Loss = token-mean cross entropy over `loss_mask` + moe.aux_loss_weight * aux + moe.z_loss_weight * z.
+Loss = token-mean cross entropy over `loss_mask` + moe.aux_loss_weight * aux + moe.z_loss_weight * z
+(the cross entropy from full logits, or `train.loss_chunk` positions at a time: losses/chunked.py).
 Gradient accumulation: the batch is cut into `train.grad_accum` micro-batches (lax.scan) and their
 gradients averaged. A non-finite loss or gradient norm leaves params, optimizer and bias untouched.
 """
@@ -29,6 +30,8 @@ import optax
 from flax import nnx
 
 from farskip_jax.config import Config
+from farskip_jax.losses.chunked import chunked_ce
+from farskip_jax.model.layers import dtype_of
 from farskip_jax.model.router import RouterBias
 
 
@@ -89,13 +92,21 @@ def load_stats(load: jax.Array | None) -> dict:
 
 
 def make_loss_fn(graphdef, cfg: Config, farskip=None) -> Callable:
-    """loss_fn(params, bias, rest, batch) -> (loss, aux dict)."""
+    """loss_fn(params, bias, rest, batch) -> (loss, aux dict). With `train.loss_chunk` the model returns
+    its final stream (logits=False) and the cross entropy is losses/chunked.chunked_ce over chunks of
+    that many positions (same value and gradients; no [b, s, V] logits)."""
     aux_w, z_w = cfg.moe.aux_loss_weight, cfg.moe.z_loss_weight
+
+    chunk = cfg.train.loss_chunk or 0
 
     def loss_fn(params, bias, rest, batch):
         model = nnx.merge(graphdef, params, bias, rest)
-        out = model(batch["tokens"], batch["positions"], batch["segment_ids"], farskip=farskip)
-        ce, n = token_ce(out.logits, batch["targets"], batch["loss_mask"])
+        out = model(batch["tokens"], batch["positions"], batch["segment_ids"], farskip=farskip, logits=not chunk)
+        if chunk:
+            ce, n = chunked_ce(out.final, model.unembed(), batch["targets"], batch["loss_mask"], chunk=chunk,
+                               compute_dtype=dtype_of(cfg.model.compute_dtype))
+        else:
+            ce, n = token_ce(out.logits, batch["targets"], batch["loss_mask"])
         loss = ce + aux_w * out.aux_loss + z_w * out.z_loss
         load = out.load if out.load is not None else jnp.zeros((0, 1), jnp.float32)
         return loss, dict(ce=ce, aux_loss=out.aux_loss, z_loss=out.z_loss, load=load,
