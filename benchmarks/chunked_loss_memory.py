@@ -26,7 +26,7 @@ def loss_and_grad(chunk: int, cd):
 
     from farskip_jax.losses.chunked import chunked_ce
     from farskip_jax.model.layers import matmul_2d
-    from farskip_jax.train.step import token_ce
+    from farskip_jax.losses.ce import token_ce
 
     def f(final, w, targets, mask):
         if chunk:

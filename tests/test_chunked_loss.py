@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from farskip_jax.eval.divergence import masked_mean, token_divergence
-from farskip_jax.losses import chunked_ce, chunked_fcsd
+from farskip_jax.losses.divergence import masked_mean, token_divergence
+from farskip_jax.losses.chunked import chunked_ce, chunked_fcsd
 from farskip_jax.losses.chunked import from_chunks, to_chunks
 from farskip_jax.model.layers import matmul_2d
-from farskip_jax.train.step import token_ce
+from farskip_jax.losses.ce import token_ce
 
 B, S, D, V = 2, 37, 16, 50
 

@@ -9,7 +9,7 @@ from flax import nnx
 from run_helpers import student_and_teacher, tiny_batch
 
 from farskip_jax.config import Config, DistillConfig, FarSkipConfig, ModelConfig, MoEConfig, TrainConfig
-from farskip_jax.eval.divergence import forward_kl, reverse_kl, token_divergence, topk_forward_kl
+from farskip_jax.losses.divergence import forward_kl, reverse_kl, token_divergence, topk_forward_kl
 from farskip_jax.eval.metrics import cast_state
 from farskip_jax.model.transformer import Transformer
 from farskip_jax.fcsd.distill import make_distill_loss_fn, make_distill_step
@@ -273,3 +273,28 @@ def test_distill_refuses_a_teacher_of_another_tokenizer(tmp_path):
     cfg = load_config(None, ["train.mode=distill", f"distill.init_from_run={run}"])
     with pytest.raises(ConfigError, match=f"data.tokenizer={tok}"):
         load_source(cfg, None)
+
+
+@pytest.mark.parametrize("kl,top_k", [("forward", 0), ("both", 0), ("forward", 5)])
+def test_chunked_fcsd_loss_equals_the_full_logit_loss(kl, top_k):
+    """train.loss_chunk = 5 (chunks of 5, 5, 5, 1 positions of 16): same loss, metrics and student
+    gradients as the full logits (fp32), the teacher still without a gradient."""
+    from farskip_jax.config import replace
+
+    cfg = tiny_cfg(hidden_weight=0.5, ce_weight=0.3, kl=kl, top_k_logits=top_k, temperature=2.0)
+    graphdef, state, teacher, _, _ = student_and_teacher(cfg)
+    batch = dict(tiny_batch(), loss_mask=tiny_batch()["loss_mask"].at[0, :3].set(0.0))
+
+    def run(c):
+        fn = make_distill_loss_fn(graphdef, c)
+        return jax.value_and_grad(lambda p, tp: fn(p, state["bias"], state["rest"], dict(teacher, params=tp), batch),
+                                  argnums=(0, 1), has_aux=True)(state["params"], teacher["params"])
+
+    (l0, a0), (g0, t0) = run(cfg)
+    (l1, a1), (g1, t1) = run(replace(cfg, **{"train.loss_chunk": 5}))
+    np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
+    for k in ("kl", "ce", "hidden", "tokens"):
+        np.testing.assert_allclose(float(a1[k]), float(a0[k]), rtol=1e-6, atol=1e-9)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(t1))

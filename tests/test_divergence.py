@@ -1,11 +1,11 @@
-"""topk_forward_kl: forward KL over the teacher's top-k tokens plus one tail bucket (eval/divergence.py)."""
+"""topk_forward_kl: forward KL over the teacher's top-k tokens plus one tail bucket (losses/divergence.py)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from farskip_jax.eval.divergence import forward_kl, token_divergence, topk_forward_kl
+from farskip_jax.losses.divergence import forward_kl, token_divergence, topk_forward_kl
 
 
 def _log_softmax(x):

@@ -11,7 +11,8 @@ from farskip_jax.config import Config, DataConfig, ModelConfig, MoEConfig, Train
 from farskip_jax.model.transformer import Transformer
 from farskip_jax.train.optimizer import make_optimizer
 from farskip_jax.train import step as step_module
-from farskip_jax.train.step import init_state, make_loss_fn, make_train_step, token_ce
+from farskip_jax.losses.ce import token_ce
+from farskip_jax.train.step import init_state, make_loss_fn, make_train_step
 from farskip_jax.train.trainer import train
 
 

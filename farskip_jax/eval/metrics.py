@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from farskip_jax.config import Config, FarSkipConfig
-from farskip_jax.eval.divergence import forward_kl, top1_agreement
+from farskip_jax.losses.divergence import forward_kl, top1_agreement
 
 STANDARD = FarSkipConfig()
 

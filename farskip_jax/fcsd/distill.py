@@ -46,10 +46,12 @@ from farskip_jax.config import Config
 from farskip_jax.data.pipeline import close_iterator, first_batches, make_dataset
 from farskip_jax.data.tokenizer import check_vocab, load_tokenizer
 from farskip_jax.errors import ConfigError
-from farskip_jax.eval.divergence import hidden_l2, masked_mean, token_divergence
 from farskip_jax.eval.loading import restore_train_state
-from farskip_jax.eval.metrics import STANDARD, cast_state, evaluate_pair, forward, make_compare_fn, put_batch, val_batches
+from farskip_jax.eval.metrics import STANDARD, cast_state, evaluate_pair, make_compare_fn, put_batch, val_batches
 from farskip_jax.eval.tasks import load_task, score_tasks
+from farskip_jax.losses.ce import token_ce
+from farskip_jax.losses.chunked import chunked_fcsd
+from farskip_jax.losses.divergence import hidden_l2, masked_mean, token_divergence
 from farskip_jax.model.layers import dtype_of
 from farskip_jax.parallel.build import model_mesh
 from farskip_jax.parallel.sharding import place_state
@@ -62,7 +64,7 @@ from farskip_jax.train.flops import train_flops_per_token
 from farskip_jax.train.loop import Task, matmul_peak, open_run, run_loop
 from farskip_jax.train.optimizer import make_optimizer, schedule_change_warning
 from farskip_jax.train.rundir import check_run_dir, release_run_dir
-from farskip_jax.train.step import accumulate_grads, init_state, load_stats, token_ce, update_state
+from farskip_jax.train.step import accumulate_grads, init_state, load_stats, update_state
 
 
 @dataclasses.dataclass
@@ -83,22 +85,31 @@ class DistillResult:
 
 
 def make_distill_loss_fn(graphdef, cfg: Config) -> Callable:
-    """loss_fn(params, bias, rest, teacher, batch) -> (loss, aux); teacher = {params, bias, rest}."""
+    """loss_fn(params, bias, rest, teacher, batch) -> (loss, aux); teacher = {params, bias, rest}. With
+    train.loss_chunk both models return their final streams and the KL and CE come from
+    losses/chunked.chunked_fcsd (no [b, s, V] logits of either model; same values and gradients)."""
     d, moe = cfg.distill, cfg.moe
     want_hidden = d.hidden_weight > 0
 
     def loss_fn(params, bias, rest, teacher, batch):
+        chunk = cfg.train.loss_chunk or 0  # > 0: the logit losses a chunk of positions at a time
+        args = (batch["tokens"], batch["positions"], batch["segment_ids"])
         with jax.named_scope("teacher"):
-            t_out = forward(graphdef, teacher, batch, STANDARD, return_hidden=want_hidden)
-        t_logits = jax.lax.stop_gradient(t_out.logits)
+            t_model = nnx.merge(graphdef, teacher["params"], teacher["bias"], teacher["rest"])
+            t_out = t_model(*args, farskip=STANDARD, return_hidden=want_hidden, logits=not chunk)
         with jax.named_scope("student"):
             student = nnx.merge(graphdef, params, bias, rest)
-            s_out = student(batch["tokens"], batch["positions"], batch["segment_ids"], farskip=cfg.farskip,
-                            return_hidden=want_hidden)
+            s_out = student(*args, farskip=cfg.farskip, return_hidden=want_hidden, logits=not chunk)
         mask = batch["loss_mask"]
-        kl = masked_mean(token_divergence(t_logits, s_out.logits, kind=d.kl, temperature=d.temperature,
-                                          top_k=d.top_k_logits), mask)
-        ce, n = token_ce(s_out.logits, batch["targets"], mask)
+        if chunk:
+            kl, ce, n = chunked_fcsd(s_out.final, student.unembed(), t_out.final, t_model.unembed(), batch["targets"],
+                                     mask, chunk=chunk, kind=d.kl, temperature=d.temperature, top_k=d.top_k_logits,
+                                     compute_dtype=dtype_of(cfg.model.compute_dtype))
+        else:
+            t_logits = jax.lax.stop_gradient(t_out.logits)
+            kl = masked_mean(token_divergence(t_logits, s_out.logits, kind=d.kl, temperature=d.temperature,
+                                              top_k=d.top_k_logits), mask)
+            ce, n = token_ce(s_out.logits, batch["targets"], mask)
         hid = (hidden_l2(jax.lax.stop_gradient(t_out.hidden), s_out.hidden, mask) if want_hidden
                else jnp.zeros((), jnp.float32))
         loss = (d.kl_weight * kl + d.ce_weight * ce + d.hidden_weight * hid

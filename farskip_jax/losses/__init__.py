@@ -1,6 +1,6 @@
-"""Losses computed from the final-normed stream and the unembedding, a chunk of positions at a time
-(losses/chunked.py), so the full [batch, seq, vocab] f32 logits never exist at once."""
+"""The losses of training and FCSD, shared by evaluation (it measures the same divergences).
 
-from farskip_jax.losses.chunked import chunked_ce, chunked_fcsd
-
-__all__ = ["chunked_ce", "chunked_fcsd"]
+    ce.py          next-token cross entropy from full logits (one-pass custom VJP)
+    divergence.py  teacher/student divergences (forward / reverse / both KL, top-k + tail), hidden-state L2
+    chunked.py     the cross entropy and the FCSD divergences from final streams, a chunk of positions at a time
+"""

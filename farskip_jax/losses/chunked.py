@@ -13,7 +13,7 @@ forward and in the backward: batch x chunk x V x 4 bytes instead of batch x s x 
 sequence of 4096 over a 102,400-token vocabulary, several such arrays in the loss and its gradient).
 The batch axis is kept whole in every chunk, so a batch sharded over devices stays sharded.
 
-Same values and gradients as the full-logit losses (train/step.token_ce, eval/divergence.token_divergence
+Same values and gradients as the full-logit losses (losses/ce.token_ce, losses/divergence.token_divergence
 + masked_mean) up to float summation order:
   - chunked_ce: a custom VJP whose forward also computes the gradient of the mean cross entropy
     (d logits = mask / n * (softmax - onehot), per chunk, into d final [b, s, d] and d w), so the
@@ -21,7 +21,7 @@ Same values and gradients as the full-logit losses (train/step.token_ce, eval/di
     only the loss is computed.
   - chunked_fcsd: each chunk's (KL sum, CE sum) under jax.checkpoint inside a lax.scan: the backward
     recomputes one chunk's teacher and student logits at a time and differentiates the exact
-    per-token divergence of eval/divergence.py. The teacher gets no gradient.
+    per-token divergence of losses/divergence.py. The teacher gets no gradient.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from farskip_jax.eval.divergence import token_divergence
+from farskip_jax.losses.ce import token_nll
+from farskip_jax.losses.divergence import token_divergence
 from farskip_jax.model.layers import matmul_2d
 
 
@@ -124,7 +125,7 @@ def chunked_ce(final: jax.Array, unembed: tuple, targets: jax.Array, mask: jax.A
     """Mean cross entropy over masked tokens of logits = final @ w, `chunk` positions at a time.
 
     final [b, s, d]; unembed = (w, transposed) of Transformer.unembed(); targets [b, s] int; mask
-    [b, s]. -> (ce [], n_tokens []), as train/step.token_ce(logits, targets, mask). Differentiable
+    [b, s]. -> (ce [], n_tokens []), as losses/ce.token_ce(logits, targets, mask). Differentiable
     in final and w (custom VJP, see the module docstring); not in targets or mask."""
     w, transposed = unembed
     n = jnp.sum(mask.astype(jnp.float32))
@@ -141,11 +142,9 @@ def chunked_fcsd(s_final: jax.Array, s_unembed: tuple, t_final: jax.Array, t_une
     targets [b, s] int; mask [b, s]. -> (kl [], ce [], n_tokens []) with
         kl = masked_mean(token_divergence(t_logits, s_logits, kind, temperature, top_k), mask)
         ce = token_ce(s_logits, targets, mask)
-    as train/distill.py computes them from full logits (eval/divergence.py: forward | reverse | both,
+    as fcsd/distill.py computes them from full logits (losses/divergence.py: forward | reverse | both,
     T^2 scaling, top-k + tail). Gradients flow to s_final and the student's w only (the teacher's
     logits are stop_gradient, as in distillation)."""
-    from farskip_jax.train.step import _token_nll
-
     if kind not in ("forward", "reverse", "both"):
         raise ValueError(f"unknown KL kind {kind!r}")
     (ws, s_tr), (wt, t_tr) = s_unembed, t_unembed
@@ -162,7 +161,7 @@ def chunked_fcsd(s_final: jax.Array, s_unembed: tuple, t_final: jax.Array, t_une
         s_logits = chunk_logits(xs_c, ws_cd, bool(s_tr))
         t_logits = jax.lax.stop_gradient(chunk_logits(xt_c, wt_cd, bool(t_tr)))
         div = token_divergence(t_logits, s_logits, kind=kind, temperature=temperature, top_k=top_k)
-        nll = _token_nll(s_logits, t_c)
+        nll = token_nll(s_logits, t_c)
         return jnp.sum(div * m_c), jnp.sum(nll * m_c)
 
     def body(acc, c):
