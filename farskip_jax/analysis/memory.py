@@ -566,7 +566,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--config", required=True)
     ap.add_argument("--mode", default="pretrain,fcsd", help="pretrain, fcsd or both (comma separated)")
     ap.add_argument("--remat", default=None, help="model.remat policies to plan (default: the config's)")
-    ap.add_argument("--fsdp", default="1", help="FSDP sizes = nodes of 8 GPUs (comma separated)")
+    ap.add_argument("--fsdp", default=None, help="FSDP sizes = nodes of 8 GPUs (comma separated; default: the config's "
+                    "mesh.fsdp)")
     ap.add_argument("--bound-fsdp", default="", help="more FSDP sizes planned without compiling (exact state, "
                     "activations of the nearest compiled size)")
     ap.add_argument("--seq", type=int, default=None, help="sequence length (default train.seq_len)")
@@ -615,7 +616,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         json.dump(dict(self), f, indent=1)
 
         t0 = time.time()
-        rows = build_rows(cfg, modes, remats, _ints(a.fsdp), depths, _ints(a.batches), seq,
+        fsdps = _ints(a.fsdp) if a.fsdp else [cfg.mesh.fsdp]
+        rows = build_rows(cfg, modes, remats, fsdps, depths, _ints(a.batches), seq,
                           a.validate_depth, Saving(cache), log, validate_cached=a.validate_cached,
                           validate_batch=a.validate_batch)
         rows += bound_rows(cfg, rows, _ints(a.bound_fsdp))
