@@ -143,7 +143,30 @@ def compile_variant(cfg, variant: str, program: str, batch: int, seq: int, ep: i
     return {"modelled": figures(r.modelled), "no_overlap": figures(r.serial), "cost_model": cost_model_of(r),
             "micro_batches": c.model.micro_batches, "preset": c.farskip.preset, "num_groups": c.moe.num_groups,
             "layout": r.layout, "compile_s": r.compile_s, "num_layers": c.model.num_layers,
-            "xla_step_time": r.report.step_time}
+            "xla_step_time": r.report.step_time, "scheduler_peak_memory_gib": r.report.peak_memory / 2**30}
+
+
+def extrapolate(a: dict, la: int, b: dict, lb: int, layers: int) -> dict:
+    """compile_variant figures at `layers` from two depth-cut compiles (la < lb layers): every
+    number x_a + (x_b - x_a) (layers - la) / (lb - la), as inference_report.extrapolate (exact when
+    the layers between la and lb are the model's repeating layer; the constant holds the embedding,
+    dense layer, LM head and loss); all-to-all hidden fraction recomputed from the extrapolated
+    hidden and total time."""
+    f = (layers - la) / (lb - la)
+
+    def lin(x, y):
+        if isinstance(x, dict):
+            return {k: lin(x.get(k, 0.0), y.get(k, 0.0)) for k in set(x) | set(y)}
+        return x + (y - x) * f
+
+    out = dict(b, num_layers=layers, extrapolated_from=[la, lb], compile_s=a["compile_s"] + b["compile_s"])
+    for part in ("modelled", "no_overlap"):
+        out[part] = lin(a[part], b[part])
+        t = out[part]["a2a"]
+        t["hidden_frac"] = t["hidden"] / t["duration"] if t["duration"] else 1.0
+        t["count"] = int(round(t["count"]))
+    out["xla_step_time"] = lin(a["xla_step_time"], b["xla_step_time"])
+    return out
 
 
 def _rep(f: dict):
@@ -172,6 +195,7 @@ def rows_of(entries: dict, reasons: dict) -> list[dict]:
         rows.append({"row": name, "label": LABELS[name], "step_ms": f["step_time"] / 1e3,
                      "compute_ms": f["compute_time"] / 1e3, "exposed_ms": (f["step_time"] - f["compute_time"]) / 1e3,
                      "a2a_ms": a2a["duration"] / 1e3, "a2a_count": a2a["count"],
+                     "a2a_exposed_ms": (a2a["duration"] if name == "no_overlap" else a2a["exposed"]) / 1e3,
                      "hidden_pct": 0.0 if name == "no_overlap" else 100 * a2a["hidden_frac"],
                      "speedup": sp.total, "hiding": sp.hiding, "compute": sp.compute,
                      "differs": [k for k, a, b in sp.scopes], "micro_batches": meta["micro_batches"],
@@ -213,14 +237,15 @@ def table_md(setting: dict) -> str:
     for t in setting["tokens"]:
         out += [f"#### {t['batch']} x {t['seq']} tokens per GPU (global batch {t['batch'] * setting['ep']} x "
                 f"{t['seq']}); all-to-all {100 * t['comm_share']:.1f}% of the no-overlap step", "",
-                "| row | step ms | exposed comm ms | a2a hidden | a2a count | vs standard | = hiding | x compute "
-                "| compute differs most |",
-                "|---|---|---|---|---|---|---|---|---|"]
+                "| row | step ms | exposed comm ms | a2a exposed ms | a2a hidden | a2a count | vs standard | = hiding "
+                "| x compute | compute differs most |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
         for r in t["rows"]:
             if "na" in r:
-                out.append(f"| {r['label']} | {r['na']} | | | | | | | |")
+                out.append(f"| {r['label']} | {r['na']} | | | | | | | | |")
                 continue
-            out.append(f"| {r['label']} | {r['step_ms']:.2f} | {r['exposed_ms']:.2f} | {r['hidden_pct']:.1f}% | "
+            out.append(f"| {r['label']} | {r['step_ms']:.2f} | {r['exposed_ms']:.2f} | {r['a2a_exposed_ms']:.2f} | "
+                       f"{r['hidden_pct']:.1f}% | "
                        f"{r['a2a_count']} | {r['speedup']:.3f}x | {r['hiding']:.3f}x | {r['compute']:.3f}x | "
                        f"{', '.join(r['differs'][:2]) or '-'} |")
         out += [""] + [f"- {v}" for v in t["verdicts"]] + [""]
@@ -260,6 +285,8 @@ def command_of(a) -> str:
     parts = [f"--model {a.model}", f"--ep {a.ep}", f"--tokens {a.tokens}"]
     if a.layers is not None:
         parts.append(f"--layers {a.layers}")
+    if a.full_layers is not None:
+        parts.append(f"--full-layers {a.full_layers}")
     if a.program != "train":
         parts.append(f"--program {a.program}")
     if a.hardware_given:
@@ -277,6 +304,9 @@ def main(argv=None) -> int:
                     help="per-GPU token shapes SEQUENCES x LENGTH, comma separated (e.g. 1x1024,2x4096,8x4096)")
     ap.add_argument("--layers", type=int, default=None, help="model.num_layers (default: 4 for dsv2_lite, "
                                                              "the config's 6 for dsv3_6l)")
+    ap.add_argument("--full-layers", type=int, default=None,
+                    help="also compile at --layers - 2 and extrapolate every figure linearly to this depth "
+                         "(e.g. 27 for DeepSeek-V2-Lite; inference_report.extrapolate's rule)")
     ap.add_argument("--program", default="train", choices=("train", "forward"))
     ap.add_argument("--hardware", default=None, help="two-stream cost model (default: mi300x for dsv2_lite, "
                                                      "mi325x for dsv3_6l)")
@@ -289,7 +319,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     from farskip_jax.analysis.cost_model import HARDWARE, with_contention
-    from farskip_jax.config import load_config
+    from farskip_jax.config import load_config, replace
     from farskip_jax.errors import ConfigError, FarSkipError
 
     a.hardware_given = a.hardware is not None
@@ -306,6 +336,9 @@ def main(argv=None) -> int:
         if a.ep < 1 or (a.ep > 8 and a.ep % 8):
             raise ConfigError(f"--ep {a.ep}: give 8 or fewer GPUs, or a multiple of 8 (whole nodes of 8)")
         layers = a.layers if a.layers is not None else DEFAULT_LAYERS.get(a.model)
+        if a.full_layers is not None and (layers is None or layers - 2 < 2 or a.full_layers <= layers):
+            raise ConfigError(f"--full-layers {a.full_layers}: needs --layers L >= 4 (compiled at L - 2 and L) and a "
+                              f"full depth above L; got --layers {layers}")
         over = [f"mesh.data=1", f"mesh.expert={a.ep}", "moe.dispatch=all_to_all", "moe.capacity_factor=1.0",
                 f"model.max_seq_len={max(s for _, s in tokens)}", "model.remat=none", "model.scan_layers=true"]
         over += [f"model.num_layers={layers}"] if layers else []
@@ -321,7 +354,8 @@ def main(argv=None) -> int:
     nodes = max(1, a.ep // 8)
     ctag = f"c{hw.contention:g}"
     extra = "|".join(a.overrides)
-    setting = {"model": a.model, "ep": a.ep, "nodes": nodes, "num_layers": cfg.model.num_layers,
+    setting = {"model": a.model, "ep": a.ep, "nodes": nodes, "num_layers": a.full_layers or cfg.model.num_layers,
+               "compiled_layers": [cfg.model.num_layers] + ([cfg.model.num_layers - 2] if a.full_layers else []),
                "program": a.program, "hardware": a.hardware, "contention": hw.contention,
                "command": command_of(a), "date": time.strftime("%Y-%m-%d"), "tokens": []}
     t_start = time.time()
@@ -332,22 +366,34 @@ def main(argv=None) -> int:
             if why:
                 reasons[v] = why
                 continue
-            k = f"{a.model}|L{cfg.model.num_layers}|ep{a.ep}|b{b}x{s}|{a.program}|{v}|{a.hardware}|{ctag}|{extra}"
-            if k not in cache:
-                if a.plot_only:
-                    reasons[v] = "n/a: not compiled yet (run without --plot-only)"
-                    continue
-                t0 = time.time()
-                try:
-                    cache[k] = compile_variant(cfg, v, a.program, b * a.ep, s, a.ep, a.hardware, a.contention, log=log)
-                except FarSkipError as e:  # the variant refuses this setting: say so in its row
-                    reasons[v] = f"n/a: {e}"
-                    log(f"[compare] {k}: {e}")
-                    continue
-                with open(cache_path, "w") as f:
-                    json.dump(cache, f, indent=1, sort_keys=True)
-                log(f"[compare] {k}: {time.time() - t0:.0f}s, step {cache[k]['modelled']['step_time'] / 1e3:.2f} ms")
-            entries[v] = cache[k]
+            depths = [cfg.model.num_layers] + ([cfg.model.num_layers - 2] if a.full_layers else [])
+            got = {}
+            for depth in depths:
+                k = f"{a.model}|L{depth}|ep{a.ep}|b{b}x{s}|{a.program}|{v}|{a.hardware}|{ctag}|{extra}"
+                if k not in cache:
+                    if a.plot_only:
+                        reasons[v] = "n/a: not compiled yet (run without --plot-only)"
+                        break
+                    t0 = time.time()
+                    try:
+                        c = cfg if depth == cfg.model.num_layers else replace(cfg, **{"model.num_layers": depth})
+                        cache[k] = compile_variant(c, v, a.program, b * a.ep, s, a.ep, a.hardware, a.contention,
+                                                   log=log)
+                    except FarSkipError as e:  # the variant refuses this setting: say so in its row
+                        reasons[v] = f"n/a: {e}"
+                        log(f"[compare] {k}: {e}")
+                        break
+                    with open(cache_path, "w") as f:
+                        json.dump(cache, f, indent=1, sort_keys=True)
+                    log(f"[compare] {k}: {time.time() - t0:.0f}s, step {cache[k]['modelled']['step_time'] / 1e3:.2f} ms")
+                got[depth] = cache[k]
+            if len(got) < len(depths):
+                continue
+            if a.full_layers:
+                lb, la = depths
+                entries[v] = extrapolate(got[la], la, got[lb], lb, a.full_layers)
+            else:
+                entries[v] = got[depths[0]]
         if "standard" not in entries:
             log(f"[compare] {b}x{s}: standard not compiled; skipped")
             continue
@@ -356,9 +402,11 @@ def main(argv=None) -> int:
         setting["tokens"].append({"batch": b, "seq": s, "comm_share": share, "rows": rows,
                                   "verdicts": verdicts(rows, share)})
     setting["wall_s"] = time.time() - t_start
-    name = f"{a.model}_ep{a.ep}_{a.program}" + ("_" + "_".join(x.replace("=", "-") for x in a.overrides)
+    name = f"{a.model}_ep{a.ep}_{a.program}" + (f"_L{a.full_layers}" if a.full_layers else "") + ("_" + "_".join(x.replace("=", "-") for x in a.overrides)
                                                  if a.overrides else "")
-    md = [f"### {a.model} ({cfg.model.num_layers} layers, scanned) {a.program}, EP {a.ep} on {nodes} node(s): "
+    depth = (f"{a.full_layers} layers, extrapolated from scanned {cfg.model.num_layers - 2}- and "
+             f"{cfg.model.num_layers}-layer compiles" if a.full_layers else f"{cfg.model.num_layers} layers, scanned")
+    md = [f"### {a.model} ({depth}) {a.program}, EP {a.ep} on {nodes} node(s): "
           f"modelled, two-stream {a.hardware} model, contention {hw.contention:.2f}", "",
           f"`{setting['command']}` ({setting['date']})", "", table_md(setting)]
     text = "\n".join(md)

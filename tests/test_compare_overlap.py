@@ -90,3 +90,26 @@ def test_rows_share_one_cost_model_and_tbo_is_two_micro_batches():
         assert r["speedup"] == pytest.approx(by["standard"]["step_ms"] / r["step_ms"], rel=1e-9)
     lines = m.verdicts(rows, m.comm_share(entries))
     assert any("faster" in x for x in lines) and any("add up" in x for x in lines)
+
+
+def test_extrapolate_is_linear_in_depth():
+    m = _module()
+
+    def fig(step, comp, hid, dur, n):
+        return {"step_time": step, "compute_time": comp, "contention_time": 0.0, "other_collective_time": 1.0,
+                "compute_by_scope": {"moe": comp / 2, "other": comp / 2},
+                "a2a": {"count": n, "duration": dur, "hidden": hid, "exposed": dur - hid, "bound": dur,
+                        "hidden_frac": hid / dur, "bound_frac": 1.0, "of_bound": hid / dur, "empty": 0}}
+
+    a = {"modelled": fig(100.0, 80.0, 5.0, 10.0, 6), "no_overlap": fig(110.0, 80.0, 0.0, 10.0, 6),
+         "compile_s": 1.0, "xla_step_time": 50.0, "micro_batches": 2, "num_layers": 2}
+    b = {"modelled": fig(140.0, 110.0, 15.0, 20.0, 12), "no_overlap": fig(160.0, 110.0, 0.0, 20.0, 12),
+         "compile_s": 2.0, "xla_step_time": 70.0, "micro_batches": 2, "num_layers": 4}
+    e = m.extrapolate(a, 2, b, 4, 10)  # 4 more pairs of layers past 4: + 3 x (b - a)
+    assert e["num_layers"] == 10 and e["extrapolated_from"] == [2, 4] and e["micro_batches"] == 2
+    assert e["modelled"]["step_time"] == pytest.approx(260.0)
+    assert e["modelled"]["compute_time"] == pytest.approx(200.0)
+    assert e["modelled"]["compute_by_scope"]["moe"] == pytest.approx(100.0)
+    assert e["modelled"]["a2a"]["duration"] == pytest.approx(50.0) and e["modelled"]["a2a"]["count"] == 30
+    assert e["modelled"]["a2a"]["hidden_frac"] == pytest.approx(45.0 / 50.0)
+    assert e["no_overlap"]["step_time"] == pytest.approx(310.0) and e["xla_step_time"] == pytest.approx(130.0)
