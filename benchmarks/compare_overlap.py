@@ -130,8 +130,10 @@ def compile_variant(cfg, variant: str, program: str, batch: int, seq: int, ep: i
                     contention: Optional[float], gpus_per_node: int = 8, target: str = "h200", log=None) -> dict:
     """Compile one variant deviceless for `ep` GPUs and time it with the two-stream model (run_overlap);
     returns its figures: the modelled report, the no-overlap re-timing, and what it was compiled as."""
+    from farskip_jax.analysis.cost_model import HARDWARE, optimizer_step, simulate, with_contention
     from farskip_jax.analysis.deviceless import LHS_FLAGS, preset_options
     from farskip_jax.analysis.overlap import run_overlap
+    from farskip_jax.analysis.report import ALL_TO_ALLS, analyze
 
     nodes = max(1, ep // gpus_per_node)
     flags = dict(preset_options("cuda_hopper"), **LHS_FLAGS)
@@ -140,10 +142,18 @@ def compile_variant(cfg, variant: str, program: str, batch: int, seq: int, ep: i
                        memory_gb=MEMORY_GB.get(hardware), grouped_gemm=True,
                        cfg_for=lambda v, c: variant_config(v, c, nodes), probe_latency=False, contention=contention)
     c = variant_config(variant, cfg, nodes)
+    # the same schedule re-timed in the steady state of gradient accumulation (gradient reductions and
+    # the parameter update, once per step, priced at zero: multinode_scaling's --accum inf)
+    hw = with_contention(HARDWARE[hardware], contention)
+    kw = dict(topology=r.topology, in_place_updates=True, fused_attention=r.fused_attention,
+              free=optimizer_step(r.schedule) if program == "train" else None)
+    steady = [analyze(*simulate(r.schedule, hw, ep, serialize=ser, **kw)) for ser in ((), ALL_TO_ALLS)]
     return {"modelled": figures(r.modelled), "no_overlap": figures(r.serial), "cost_model": cost_model_of(r),
+            "steady": figures(steady[0]), "steady_no_overlap": figures(steady[1]),
             "micro_batches": c.model.micro_batches, "preset": c.farskip.preset, "num_groups": c.moe.num_groups,
             "layout": r.layout, "compile_s": r.compile_s, "num_layers": c.model.num_layers,
-            "xla_step_time": r.report.step_time, "scheduler_peak_memory_gib": r.report.peak_memory / 2**30}
+            "xla_step_time": r.report.step_time, "scheduler_peak_memory_gib": r.report.peak_memory / 2**30,
+            "memory_gb": MEMORY_GB.get(hardware)}
 
 
 def extrapolate(a: dict, la: int, b: dict, lb: int, layers: int) -> dict:
@@ -174,19 +184,21 @@ def _rep(f: dict):
                            compute_by_scope=f["compute_by_scope"])
 
 
-def rows_of(entries: dict, reasons: dict) -> list[dict]:
+def rows_of(entries: dict, reasons: dict, steady: bool = False) -> list[dict]:
     """Table rows of one token shape: `entries` {variant: compile_variant(...)}, `reasons` {variant:
-    'n/a: ...'}. Every speedup is over the standard entry's modelled step, split into hiding x compute."""
+    'n/a: ...'}. Every speedup is over the standard entry's modelled step, split into hiding x compute.
+    steady: the re-timing with gradient reductions and the update priced at zero (gradient accumulation)."""
     from farskip_jax.analysis.speedup import split_speedup
 
+    part, serial = ("steady", "steady_no_overlap") if steady else ("modelled", "no_overlap")
     std = entries["standard"]
-    ref = _rep(std["modelled"])
+    ref = _rep(std[part])
     rows = []
     for name in ROWS:
         if name == "no_overlap":
-            f, meta = std["no_overlap"], std
+            f, meta = std[serial], std
         elif name in entries:
-            f, meta = entries[name]["modelled"], entries[name]
+            f, meta = entries[name][part], entries[name]
         else:
             rows.append({"row": name, "label": LABELS[name], "na": reasons.get(name, "n/a: not compiled")})
             continue
@@ -199,13 +211,23 @@ def rows_of(entries: dict, reasons: dict) -> list[dict]:
                      "hidden_pct": 0.0 if name == "no_overlap" else 100 * a2a["hidden_frac"],
                      "speedup": sp.total, "hiding": sp.hiding, "compute": sp.compute,
                      "differs": [k for k, a, b in sp.scopes], "micro_batches": meta["micro_batches"],
-                     "preset": meta["preset"], "cost_model": meta["cost_model"]})
+                     "preset": meta["preset"], "cost_model": meta["cost_model"],
+                     "peak_gib": meta.get("scheduler_peak_memory_gib", float("nan")),
+                     "memory_limited": memory_limited(meta)})
     return rows
 
 
-def comm_share(entries: dict) -> float:
+def memory_limited(entry: dict) -> bool:
+    """Whether XLA's scheduler peak memory of a compile exceeds the target's memory: the latency-hiding
+    scheduler then stops overlapping (its schedule is memory-bound, not what the hardware would run)."""
+    peak = entry.get("scheduler_peak_memory_gib")
+    mem = entry.get("memory_gb") or MEMORY_GB.get(entry.get("cost_model", {}).get("hardware"))
+    return bool(peak and mem and peak * 2**30 > mem * 1e9)
+
+
+def comm_share(entries: dict, steady: bool = False) -> float:
     """Standard's all-to-all time / its no-overlap step (the step's communication share)."""
-    s = entries["standard"]["no_overlap"]
+    s = entries["standard"]["steady_no_overlap" if steady else "no_overlap"]
     return s["a2a"]["duration"] / s["step_time"]
 
 
@@ -214,6 +236,11 @@ def verdicts(rows: list[dict], share: float) -> list[str]:
     TBO is at least the better of the two."""
     by = {r["row"]: r for r in rows if "step_ms" in r}
     out = []
+    over = [r["label"] for r in rows if r.get("memory_limited") and r["row"] != "no_overlap"]
+    if over:
+        out.append(f"MEMORY-LIMITED ({', '.join(over)}): XLA's scheduler peak memory exceeds the GPU's, so the "
+                   "latency-hiding scheduler stops overlapping; these rows do not show what the hardware would run "
+                   "(use fewer tokens per GPU, or model.remat)")
     fs, tbo, both = by.get("farskip"), by.get("standard_tbo"), by.get("farskip_tbo")
     if fs and tbo:
         win = "FarSkip" if fs["step_ms"] < tbo["step_ms"] else "TBO"
@@ -238,16 +265,16 @@ def table_md(setting: dict) -> str:
         out += [f"#### {t['batch']} x {t['seq']} tokens per GPU (global batch {t['batch'] * setting['ep']} x "
                 f"{t['seq']}); all-to-all {100 * t['comm_share']:.1f}% of the no-overlap step", "",
                 "| row | step ms | exposed comm ms | a2a exposed ms | a2a hidden | a2a count | vs standard | = hiding "
-                "| x compute | compute differs most |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
+                "| x compute | compute differs most | sched. peak GiB |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in t["rows"]:
             if "na" in r:
-                out.append(f"| {r['label']} | {r['na']} | | | | | | | | |")
+                out.append(f"| {r['label']} | {r['na']} | | | | | | | | | |")
                 continue
             out.append(f"| {r['label']} | {r['step_ms']:.2f} | {r['exposed_ms']:.2f} | {r['a2a_exposed_ms']:.2f} | "
                        f"{r['hidden_pct']:.1f}% | "
                        f"{r['a2a_count']} | {r['speedup']:.3f}x | {r['hiding']:.3f}x | {r['compute']:.3f}x | "
-                       f"{', '.join(r['differs'][:2]) or '-'} |")
+                       f"{', '.join(r['differs'][:2]) or '-'} | {r['peak_gib']:.0f}{' (!)' if r['memory_limited'] else ''} |")
         out += [""] + [f"- {v}" for v in t["verdicts"]] + [""]
     return "\n".join(out)
 
@@ -293,6 +320,8 @@ def command_of(a) -> str:
         parts.append(f"--hardware {a.hardware}")
     if a.contention is not None:
         parts.append(f"--contention {a.contention:g}")
+    if a.accum != "1":
+        parts.append(f"--accum {a.accum}")
     return "JAX_PLATFORMS=cpu python benchmarks/compare_overlap.py " + " ".join(parts + a.overrides)
 
 
@@ -312,6 +341,9 @@ def main(argv=None) -> int:
                                                      "mi325x for dsv3_6l)")
     ap.add_argument("--contention", type=float, default=None,
                     help="compute speed under a collective in flight (default: the hardware's, cost_model.HARDWARE)")
+    ap.add_argument("--accum", default="1", choices=("1", "inf"),
+                    help="1: one micro-batch per step, everything counted (the overlap report's model); inf: the "
+                         "steady state of gradient accumulation, gradient reductions and the update priced at zero")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "compare"))
     ap.add_argument("--plot-only", action="store_true", help="re-table from OUT/cache.json, compile nothing")
@@ -340,7 +372,7 @@ def main(argv=None) -> int:
             raise ConfigError(f"--full-layers {a.full_layers}: needs --layers L >= 4 (compiled at L - 2 and L) and a "
                               f"full depth above L; got --layers {layers}")
         over = [f"mesh.data=1", f"mesh.expert={a.ep}", "moe.dispatch=all_to_all", "moe.capacity_factor=1.0",
-                f"model.max_seq_len={max(s for _, s in tokens)}", "model.remat=none", "model.scan_layers=true"]
+                f"model.max_seq_len={max([4096] + [s for _, s in tokens])}", "model.remat=none", "model.scan_layers=true"]
         over += [f"model.num_layers={layers}"] if layers else []
         cfg = load_config(os.path.join(ROOT, MODELS[a.model]), over + MODEL_OVERRIDES.get(a.model, []) + a.overrides)
     except FarSkipError as e:
@@ -370,7 +402,7 @@ def main(argv=None) -> int:
             got = {}
             for depth in depths:
                 k = f"{a.model}|L{depth}|ep{a.ep}|b{b}x{s}|{a.program}|{v}|{a.hardware}|{ctag}|{extra}"
-                if k not in cache:
+                if k not in cache or (a.accum == "inf" and "steady" not in cache[k]):
                     if a.plot_only:
                         reasons[v] = "n/a: not compiled yet (run without --plot-only)"
                         break
@@ -397,17 +429,20 @@ def main(argv=None) -> int:
         if "standard" not in entries:
             log(f"[compare] {b}x{s}: standard not compiled; skipped")
             continue
-        rows = rows_of(entries, reasons)
-        share = comm_share(entries)
+        rows = rows_of(entries, reasons, a.accum == "inf")
+        share = comm_share(entries, a.accum == "inf")
         setting["tokens"].append({"batch": b, "seq": s, "comm_share": share, "rows": rows,
                                   "verdicts": verdicts(rows, share)})
     setting["wall_s"] = time.time() - t_start
-    name = f"{a.model}_ep{a.ep}_{a.program}" + (f"_L{a.full_layers}" if a.full_layers else "") + ("_" + "_".join(x.replace("=", "-") for x in a.overrides)
+    name = f"{a.model}_ep{a.ep}_{a.program}" + (f"_L{a.full_layers}" if a.full_layers else "") \
+        + ("_accum_inf" if a.accum == "inf" else "") + ("_" + "_".join(x.replace("=", "-") for x in a.overrides)
                                                  if a.overrides else "")
     depth = (f"{a.full_layers} layers, extrapolated from scanned {cfg.model.num_layers - 2}- and "
              f"{cfg.model.num_layers}-layer compiles" if a.full_layers else f"{cfg.model.num_layers} layers, scanned")
     md = [f"### {a.model} ({depth}) {a.program}, EP {a.ep} on {nodes} node(s): "
-          f"modelled, two-stream {a.hardware} model, contention {hw.contention:.2f}", "",
+          f"modelled, two-stream {a.hardware} model, contention {hw.contention:.2f}"
+          + (", steady state of gradient accumulation (gradient reductions and update at zero)" if a.accum == "inf"
+             else ", every collective counted"), "",
           f"`{setting['command']}` ({setting['date']})", "", table_md(setting)]
     text = "\n".join(md)
     print(text)
