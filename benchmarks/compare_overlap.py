@@ -302,7 +302,9 @@ def plot(setting: dict, path: str) -> None:
         ax.set_ylabel("modelled step time (ms)")
     fig.suptitle(f"{setting['model']} ({setting['num_layers']} layers) {setting['program']}, EP {setting['ep']} "
                  f"({setting['nodes']} node(s)), two-stream {setting['hardware']} model, contention "
-                 f"{setting['contention']:.2f} (modelled; label: speedup over standard)", fontsize=9)
+                 f"{setting['contention']:.2f}"
+                 + (", steady state of gradient accumulation" if setting.get("accum") == "inf" else "")
+                 + " (modelled; label: speedup over standard)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -389,7 +391,7 @@ def main(argv=None) -> int:
     setting = {"model": a.model, "ep": a.ep, "nodes": nodes, "num_layers": a.full_layers or cfg.model.num_layers,
                "compiled_layers": [cfg.model.num_layers] + ([cfg.model.num_layers - 2] if a.full_layers else []),
                "program": a.program, "hardware": a.hardware, "contention": hw.contention,
-               "command": command_of(a), "date": time.strftime("%Y-%m-%d"), "tokens": []}
+               "accum": a.accum, "command": command_of(a), "date": time.strftime("%Y-%m-%d"), "tokens": []}
     t_start = time.time()
     for b, s in tokens:
         entries, reasons = {}, {}

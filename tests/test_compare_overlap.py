@@ -88,6 +88,11 @@ def test_rows_share_one_cost_model_and_tbo_is_two_micro_batches():
     for r in timed:
         assert r["speedup"] == pytest.approx(r["hiding"] * r["compute"], rel=1e-9)
         assert r["speedup"] == pytest.approx(by["standard"]["step_ms"] / r["step_ms"], rel=1e-9)
+    # a forward program has no gradient reductions or update: its steady-state re-timing is the same
+    for e in entries.values():
+        assert e["steady"]["step_time"] == pytest.approx(e["modelled"]["step_time"], rel=1e-9)
+    steady = {r["row"]: r for r in m.rows_of(entries, {}, steady=True)}
+    assert steady["farskip_tbo"]["step_ms"] == pytest.approx(by["farskip_tbo"]["step_ms"], rel=1e-9)
     lines = m.verdicts(rows, m.comm_share(entries))
     assert any("faster" in x for x in lines) and any("add up" in x for x in lines)
 
