@@ -1,9 +1,9 @@
 """FarSkip against two-batch overlap (TBO) and FoE: one table per setting, every row from the same
 compiled programs and the same cost model.
 
-    JAX_PLATFORMS=cpu python benchmarks/compare_overlap.py --model dsv2_lite --ep 8 --tokens 2x512,8x4096
-    JAX_PLATFORMS=cpu python benchmarks/compare_overlap.py --model dsv3_6l --ep 16 --tokens 2x512,8x4096
-        [--layers N] [--hardware mi325x] [--program train|forward] [--contention F]
+    JAX_PLATFORMS=cpu python benchmarks/compare_overlap.py --model dsv2_lite --ep 8 --tokens 1x1024,2x512,2x4096,8x4096
+    JAX_PLATFORMS=cpu python benchmarks/compare_overlap.py --model dsv3_6l --ep 16 --tokens 1x1024,2x512,2x2048
+        [--layers N] [--full-layers N] [--hardware mi325x] [--program train|forward] [--contention F] [--accum 1|inf]
         [--out benchmarks/results/compare] [--plot-only] [config overrides ...]
 
 A setting is (model, EP size, per-GPU tokens list). For each per-GPU token shape `b x s` (b
@@ -58,6 +58,8 @@ DEFAULT_LAYERS = {"dsv2_lite": 4}
 # DeepSeek-V2-Lite, the paper's Figure 5 nodes (MI325X, multinode_scaling) for DeepSeek-V3-6L
 DEFAULT_HARDWARE = {"dsv2_lite": "mi300x", "dsv3_6l": "mi325x", "dsv3_6l_gqa": "mi325x"}
 MEMORY_GB = {"mi300x": 192.0, "mi325x": 256.0, "h100_sxm": 80.0, "h200": 141.0}
+DEFAULT_TOKENS = {"dsv2_lite": "1x1024,2x512,2x4096,8x4096", "dsv3_6l": "1x1024,2x512,2x2048",
+                  "dsv3_6l_gqa": "1x1024,2x512,2x2048"}
 VARIANTS = ("standard", "standard_tbo", "farskip", "farskip_tbo", "foe", "foe_farskip")
 ROWS = ("standard", "no_overlap", "standard_tbo", "farskip", "farskip_tbo", "foe", "foe_farskip")
 LABELS = {"standard": "standard (XLA schedule)", "no_overlap": "standard, no overlap",
@@ -274,7 +276,8 @@ def table_md(setting: dict) -> str:
             out.append(f"| {r['label']} | {r['step_ms']:.2f} | {r['exposed_ms']:.2f} | {r['a2a_exposed_ms']:.2f} | "
                        f"{r['hidden_pct']:.1f}% | "
                        f"{r['a2a_count']} | {r['speedup']:.3f}x | {r['hiding']:.3f}x | {r['compute']:.3f}x | "
-                       f"{', '.join(r['differs'][:2]) or '-'} | {r['peak_gib']:.0f}{' (!)' if r['memory_limited'] else ''} |")
+                       f"{', '.join(r['differs'][:2]) or '-'} | {r['peak_gib']:.0f}"
+                       f"{' (!)' if r['memory_limited'] else ''} |")
         out += [""] + [f"- {v}" for v in t["verdicts"]] + [""]
     return "\n".join(out)
 
@@ -331,8 +334,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="dsv2_lite", choices=sorted(MODELS))
     ap.add_argument("--ep", type=int, default=8, help="expert-parallel GPUs (8 per node: 16 / 32 span 2 / 4 nodes)")
-    ap.add_argument("--tokens", default="2x512,8x4096",
-                    help="per-GPU token shapes SEQUENCES x LENGTH, comma separated (e.g. 1x1024,2x4096,8x4096)")
+    ap.add_argument("--tokens", default=None,
+                    help="per-GPU token shapes SEQUENCES x LENGTH, comma separated (default: 1x1024,2x512,2x4096,"
+                         "8x4096 for dsv2_lite; 1x1024,2x512,2x2048 for dsv3_6l, whose 8 x 4096 exceeds the GPU's "
+                         "memory in XLA's schedule without remat)")
     ap.add_argument("--layers", type=int, default=None, help="model.num_layers (default: 4 for dsv2_lite, "
                                                              "the config's 6 for dsv3_6l)")
     ap.add_argument("--full-layers", type=int, default=None,
@@ -357,6 +362,7 @@ def main(argv=None) -> int:
     from farskip_jax.errors import ConfigError, FarSkipError
 
     a.hardware_given = a.hardware is not None
+    a.tokens = a.tokens or DEFAULT_TOKENS[a.model]
     a.hardware = a.hardware or DEFAULT_HARDWARE[a.model]
     try:
         if a.hardware not in HARDWARE:
@@ -374,7 +380,8 @@ def main(argv=None) -> int:
             raise ConfigError(f"--full-layers {a.full_layers}: needs --layers L >= 4 (compiled at L - 2 and L) and a "
                               f"full depth above L; got --layers {layers}")
         over = [f"mesh.data=1", f"mesh.expert={a.ep}", "moe.dispatch=all_to_all", "moe.capacity_factor=1.0",
-                f"model.max_seq_len={max([4096] + [s for _, s in tokens])}", "model.remat=none", "model.scan_layers=true"]
+                f"model.max_seq_len={max([4096] + [s for _, s in tokens])}", "model.remat=none",
+                "model.scan_layers=true"]
         over += [f"model.num_layers={layers}"] if layers else []
         cfg = load_config(os.path.join(ROOT, MODELS[a.model]), over + MODEL_OVERRIDES.get(a.model, []) + a.overrides)
     except FarSkipError as e:
@@ -419,7 +426,8 @@ def main(argv=None) -> int:
                         break
                     with open(cache_path, "w") as f:
                         json.dump(cache, f, indent=1, sort_keys=True)
-                    log(f"[compare] {k}: {time.time() - t0:.0f}s, step {cache[k]['modelled']['step_time'] / 1e3:.2f} ms")
+                    step = cache[k]["modelled"]["step_time"] / 1e3
+                    log(f"[compare] {k}: {time.time() - t0:.0f}s, step {step:.2f} ms")
                 got[depth] = cache[k]
             if len(got) < len(depths):
                 continue
@@ -435,7 +443,7 @@ def main(argv=None) -> int:
         share = comm_share(entries, a.accum == "inf")
         setting["tokens"].append({"batch": b, "seq": s, "comm_share": share, "rows": rows,
                                   "verdicts": verdicts(rows, share)})
-    setting["wall_s"] = time.time() - t_start
+    setting["wall_s"] = None if a.plot_only else time.time() - t_start
     name = f"{a.model}_ep{a.ep}_{a.program}" + (f"_L{a.full_layers}" if a.full_layers else "") \
         + ("_accum_inf" if a.accum == "inf" else "") + ("_" + "_".join(x.replace("=", "-") for x in a.overrides)
                                                  if a.overrides else "")
@@ -454,7 +462,7 @@ def main(argv=None) -> int:
         json.dump(setting, f, indent=1)
     if setting["tokens"]:
         plot(setting, os.path.join(a.out, name + ".png"))
-    log(f"[compare] wrote {os.path.join(a.out, name)}.{{md,json,png}} ({setting['wall_s']:.0f}s)")
+    log(f"[compare] wrote {os.path.join(a.out, name)}.{{md,json,png}} ({time.time() - t_start:.0f}s)")
     return 0
 
 

@@ -1,7 +1,8 @@
 """benchmarks/compare_overlap.py: the comparison table's rows come from one cost model, and the TBO
 rows' programs really are two-batch-overlap programs (model.micro_batches = 2, two all-to-alls where
 the plain program has one), so the table cannot compare identical programs. A 2-layer tiny MoE
-compiled deviceless for 8 GPUs (forward program; skipped without the compile-only CUDA plugin)."""
+compiled deviceless for 8 GPUs (forward program; skipped without the compile-only CUDA plugin); the verdict lines on
+hand-made rows."""
 
 import importlib.util
 import os
@@ -61,13 +62,13 @@ def test_rows_share_one_cost_model_and_tbo_is_two_micro_batches():
     m = _module()
     cfg = _tiny()
     entries = {v: m.compile_variant(cfg, v, "forward", batch=16, seq=128, ep=8, hardware="mi300x", contention=None)
-               for v in ("standard", "standard_tbo", "farskip", "farskip_tbo")}
-    rows = m.rows_of(entries, {"foe": "n/a: x", "foe_farskip": "n/a: y"})
+               for v in ("standard", "standard_tbo", "farskip_tbo")}
+    rows = m.rows_of(entries, {"farskip": "n/a: w", "foe": "n/a: x", "foe_farskip": "n/a: y"})
     by = {r["row"]: r for r in rows}
     assert [r["row"] for r in rows] == list(m.ROWS)
-    assert by["foe"]["na"] == "n/a: x"
+    assert by["foe"]["na"] == "n/a: x" and by["farskip"]["na"] == "n/a: w"
     timed = [r for r in rows if "step_ms" in r]
-    assert len(timed) == 5
+    assert len(timed) == 4
     # one cost model: same hardware, contention (the default), attention pricing, node count
     models = {tuple(sorted(r["cost_model"].items())) for r in timed}
     assert len(models) == 1
@@ -75,10 +76,10 @@ def test_rows_share_one_cost_model_and_tbo_is_two_micro_batches():
     assert dict(cm)["hardware"] == "mi300x" and dict(cm)["contention"] == 0.8 and dict(cm)["fused_attention"]
     # TBO rows compiled with two micro-batches, and their programs have twice the all-to-alls
     assert by["standard_tbo"]["micro_batches"] == 2 and by["farskip_tbo"]["micro_batches"] == 2
-    assert by["standard"]["micro_batches"] == 1 and by["farskip"]["micro_batches"] == 1
+    assert by["standard"]["micro_batches"] == 1 and by["no_overlap"]["micro_batches"] == 1
     assert by["standard_tbo"]["preset"] == "standard" and by["farskip_tbo"]["preset"] == "farskip"
     assert by["standard_tbo"]["a2a_count"] == 2 * by["standard"]["a2a_count"] > 0
-    assert by["farskip_tbo"]["a2a_count"] == 2 * by["farskip"]["a2a_count"]
+    assert by["farskip_tbo"]["a2a_count"] == 2 * by["standard"]["a2a_count"]
     # the TBO program is a different program (not the standard one re-labelled)
     assert entries["standard_tbo"]["modelled"]["step_time"] != entries["standard"]["modelled"]["step_time"]
     # standard is the reference: 1x, split exact; no-overlap = the standard program re-timed
@@ -93,8 +94,7 @@ def test_rows_share_one_cost_model_and_tbo_is_two_micro_batches():
         assert e["steady"]["step_time"] == pytest.approx(e["modelled"]["step_time"], rel=1e-9)
     steady = {r["row"]: r for r in m.rows_of(entries, {}, steady=True)}
     assert steady["farskip_tbo"]["step_ms"] == pytest.approx(by["farskip_tbo"]["step_ms"], rel=1e-9)
-    lines = m.verdicts(rows, m.comm_share(entries))
-    assert any("faster" in x for x in lines) and any("add up" in x for x in lines)
+    assert m.comm_share(entries) > 0
 
 
 def test_extrapolate_is_linear_in_depth():
@@ -118,3 +118,19 @@ def test_extrapolate_is_linear_in_depth():
     assert e["modelled"]["a2a"]["duration"] == pytest.approx(50.0) and e["modelled"]["a2a"]["count"] == 30
     assert e["modelled"]["a2a"]["hidden_frac"] == pytest.approx(45.0 / 50.0)
     assert e["no_overlap"]["step_time"] == pytest.approx(310.0) and e["xla_step_time"] == pytest.approx(130.0)
+
+
+def test_verdicts_name_the_winner_and_whether_they_add_up():
+    m = _module()
+
+    def row(name, ms):
+        return {"row": name, "label": m.LABELS[name], "step_ms": ms}
+
+    rows = [row("standard", 100.0), row("standard_tbo", 95.0), row("farskip", 90.0), row("farskip_tbo", 88.0)]
+    lines = m.verdicts(rows, 0.3)
+    assert lines[0].startswith("FarSkip is faster") and "1.056x" in lines[0]
+    assert lines[1].startswith("adds up") and "applies here" in lines[1]
+    rows[3]["step_ms"] = 92.0
+    assert m.verdicts(rows, 0.1)[1].startswith("does NOT add up") and "only at >= 20%" in m.verdicts(rows, 0.1)[1]
+    rows[1]["memory_limited"] = True
+    assert m.verdicts(rows, 0.3)[0].startswith("MEMORY-LIMITED (standard + TBO)")
