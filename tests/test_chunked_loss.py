@@ -1,4 +1,4 @@
-"""losses/chunked.py against the full-logit losses (train/step.token_ce, eval/divergence.token_divergence):
+"""losses/chunked.py against the full-logit losses (losses/ce.token_ce, losses/divergence.token_divergence):
 values and gradients w.r.t. the final stream and the unembedding equal in fp32 (1e-6 relative), for
 untied and tied unembeddings, chunks that do and do not divide the sequence, and padding masks."""
 
