@@ -313,7 +313,7 @@ def layer_spec_forms(num_layers: Optional[int] = None) -> str:
 
 def parse_layer_spec(spec: str, num_layers: Optional[int]) -> frozenset[int]:
     """'all' | 'none' | 'first:N' | 'last:N' | 'range:A:B' -> set of layer indices ('auto' is not a
-    set: it is resolved to one before any model sees it, eval/budget.resolve_auto_layers).
+    set: it is resolved to one before any model sees it, fcsd/distill.resolve_auto_layers).
 
     Nothing is clamped: N must be in [0, num_layers], A <= B within [0, num_layers], else ConfigError
     naming the spec, the layer count and the valid forms. first:0, last:0 and range:A:A are exact
