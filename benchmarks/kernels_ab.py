@@ -63,6 +63,8 @@ def main(argv=None) -> int:
                     speed = re.search(r"mean ([\d,]+) tokens/s", last[-1]) if last else None
                     val = re.search(r"val loss ([\d.]+)", last[-1]) if last else None
                     tail = (f", {speed.group(1)} tokens/s" if speed else "") + (f", val loss {val.group(1)}" if val else "")
+                    summary = [ln for ln in out.splitlines() if re.search(r"\d+ passed", ln)]
+                    tail += f" ({summary[-1].strip('= ')})" if summary and cmd is not None else ""
                     print(f"round {r + 1} {name:8s} kernels {'on ' if on else 'off'}: {wall:7.1f} s{tail}", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
