@@ -149,8 +149,8 @@ def rows_of(results, models, gpus_list, points, ctx, full_layers):
                     "std_hidden": std.layer_hidden_frac, "fs_hidden": fs.layer_hidden_frac,
                     "std_hidden_all": std.hidden_frac, "fs_hidden_all": fs.hidden_frac,
                     "ar_share": std.ar_us / std.serial_us, "ar_ms": std.ar_us / 1e3,
-                    "ar_per_layer_us": (std.by_role["attention"]["us"] + std.by_role["routed"]["us"])
-                    / max(std.by_role["attention"]["count"] + std.by_role["routed"]["count"], 1),
+                    "ar_per_layer_us": sum(std.by_role[r]["us"] for r in ir.LAYER_ROLES)
+                    / max(sum(std.by_role[r]["count"] for r in ir.LAYER_ROLES), 1),
                     "layer_ar_bytes": raw["layer_ar_bytes"], "expected_ar_bytes": raw["expected_ar_bytes"],
                     "compute_ms": std.compute_us / 1e3,
                 })

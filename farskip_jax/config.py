@@ -498,9 +498,14 @@ class InferenceConfig:
     """Mesh layout of generation / inference (parallel/inference.py, docs/inference.md).
     `training`: the training layout (batch over data x fsdp x expert, EP all-to-alls); `tp_ep`: the
     paper's serving layout, attention heads over mesh.tensor and the experts over
-    mesh.expert x mesh.tensor with replicated activations, each sub-block ending in an all-reduce."""
+    mesh.expert x mesh.tensor with replicated activations, each sub-block ending in an all-reduce.
+    `shared_experts` (tp_ep): `tensor` = the shared experts split over mesh.tensor like a dense MLP,
+    their partial sum joining the attention all-reduce where the MoE reads R_{k-1} (FarSkip) or the
+    routed all-reduce where every attention reads the full stream (the authors' SGLang layout; 1/tensor
+    of their weights per GPU); `replicated` = whole shared experts on every GPU, no collective of their own."""
 
     layout: Literal["training", "tp_ep"] = "training"
+    shared_experts: Literal["tensor", "replicated"] = "tensor"
 
 
 @dataclass(frozen=True)

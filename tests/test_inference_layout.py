@@ -3,9 +3,11 @@
 1. Tensor-parallel attention (GQA with kv heads split or replicated, MLA) + replicated-activation MoE
    (experts over expert x tensor, psum of the routed sum) equals the one-device forward (fp32, 1e-5
    of the logits' scale), under standard and FarSkip connectivity, on meshes tensor=8, data=2 x
-   tensor=4 and expert=2 x tensor=4.
+   tensor=4 and expert=2 x tensor=4; shared experts split over tensor (their partial sum in the
+   attention all-reduce, the routed one, or their own) or replicated.
 2. On the compiled HLO (XLA:CPU, and deviceless for 8 x H100 when the plugin is installed): one
-   attention all-reduce and one routed all-reduce per layer; under FarSkip no path from the
+   attention all-reduce (of a + s under FarSkip with tensor-parallel shared experts) and one routed
+   all-reduce (of s + r under standard) per layer; under FarSkip no path from the
    attention all-reduce of layer k to the MoE of layer k, nor from the routed all-reduce of layer k
    to attention of layer k+1; under standard both paths exist (the check can fail).
 """
@@ -18,7 +20,7 @@ from flax import nnx
 from farskip_jax.config import Config, FarSkipConfig, InferenceConfig, MeshConfig, ModelConfig, MoEConfig, replace
 from farskip_jax.errors import ConfigError
 from farskip_jax.model.transformer import Transformer
-from farskip_jax.parallel.inference import TpEpLayout, abstract_inference_model, check_tp_ep, inference_model
+from farskip_jax.parallel.inference import TpEpLayout, abstract_inference_model, check_tp_ep, inference_model, layout_for
 from farskip_jax.parallel.mesh import make_mesh
 from test_parallel_overlap import entry_graph, reachable_from
 
@@ -57,37 +59,48 @@ def assert_close(got, want):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
 
 
-CASES = {  # mesh, model keys, connectivity
-    "gqa_kv_split_tp8": (MeshConfig(data=1, tensor=8), dict(num_kv_heads=8), "standard"),
+CASES = {  # mesh, model keys, connectivity (FarSkipConfig keys), inference.shared_experts
+    "gqa_kv_split_tp8": (MeshConfig(data=1, tensor=8), dict(num_kv_heads=8), dict(preset="standard"), "tensor"),
+    "gqa_kv_split_tp8_shared_replicated": (MeshConfig(data=1, tensor=8), dict(num_kv_heads=8),
+                                           dict(preset="farskip"), "replicated"),
     "gqa_kv_replicated_data2_tp4_bias_gate_qknorm": (
         MeshConfig(data=2, tensor=4), dict(num_kv_heads=2, attention_bias=True, gated_attention=True, qk_norm=True),
-        "farskip"),
+        dict(preset="farskip"), "tensor"),
     "mla_bias_gate_tp8": (MeshConfig(data=1, tensor=8),
                           dict(attention="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
-                               attention_bias=True, gated_attention=True), "farskip"),
-    "gqa_ep2_tp4": (MeshConfig(data=1, expert=2, tensor=4), dict(num_kv_heads=4), "standard"),
+                               attention_bias=True, gated_attention=True), dict(preset="farskip"), "tensor"),
+    "gqa_ep2_tp4": (MeshConfig(data=1, expert=2, tensor=4), dict(num_kv_heads=4), dict(preset="standard"), "tensor"),
+    # shared experts with their own all-reduce: a converted subset (layer 1 standard, read by partial
+    # attention of layer 2), and `outdated` attention inputs (which lack s); shared gate (Qwen2)
+    "gqa_ep2_tp4_last1_shared_gate": (MeshConfig(data=1, expert=2, tensor=4), dict(num_kv_heads=4, num_layers=3),
+                                      dict(preset="farskip", layers="last:1"), "tensor"),
+    "gqa_tp8_attn_outdated": (MeshConfig(data=1, tensor=8), dict(num_kv_heads=8, num_layers=3),
+                              dict(preset="farskip", attn_input="outdated"), "tensor"),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_tp_ep_forward_equals_one_device(case):
-    mesh_cfg, model_kw, preset = CASES[case]
+    mesh_cfg, model_kw, fs_kw, shared = CASES[case]
     cfg = tiny_cfg(mesh_cfg, **model_kw)
+    cfg = replace(cfg, **{"inference.shared_experts": shared, "moe.shared_gate": case.endswith("shared_gate")})
     ref = reference(cfg)
     mesh = make_mesh(cfg.mesh)
-    layout = TpEpLayout(mesh)
+    layout = layout_for(cfg, mesh)
+    assert layout.shared == shared
     model = inference_model(cfg, mesh, state=nnx.state(ref))
     tokens = np.random.default_rng(0).integers(0, 64, (2, 10)).astype(np.int32)
-    fs = FarSkipConfig(preset=preset)
+    fs = FarSkipConfig(**fs_kw)
     want = np.asarray(nnx.jit(lambda m, t: m(t, farskip=fs).logits)(ref, tokens))
     graphdef, state = nnx.split(model)
     got = np.asarray(layout.forward_fn(graphdef, fs)(state, jax.device_put(tokens, layout.batch_sharding(2))))
     assert_close(got, want)
-    # the experts really are split over the EP group and the heads over tensor
+    # the experts really are split over the EP group, the heads over tensor, the shared experts as asked
     moe = model.layers[1].moe
     assert moe.experts.w_gate[...].sharding.spec[0] == ("expert", "tensor")
     assert model.layers[1].attn.o_proj.w[...].sharding.spec[0] == "tensor"
-    assert moe.shared.gate.w[...].sharding.spec == jax.sharding.PartitionSpec()
+    want_spec = (None, "tensor") if shared == "tensor" else ()
+    assert tuple(moe.shared.gate.w[...].sharding.spec) == want_spec
 
 
 @pytest.mark.parametrize("change,match", [
@@ -97,6 +110,8 @@ def test_tp_ep_forward_equals_one_device(case):
     ({"moe.capacity_factor": 1.0}, "capacity_factor=null"),
     ({"moe.num_experts": 4}, "num_experts=4"),
     ({"model.qk_norm": True, "model.qk_norm_scope": "all_heads"}, "all_heads"),
+    ({"moe.shared_hidden": 12}, "shared_experts=replicated"),  # 12 hidden units over 8 tensor ranks
+    ({"moe.shared_hidden": 12, "inference.shared_experts": "replicated"}, None),
 ])
 def test_tp_ep_config_errors_name_the_culprit(change, match):
     cfg = replace(tiny_cfg(), **change)
@@ -121,12 +136,12 @@ def test_fsdp_mesh_is_refused():
 HLO_LAYERS = 3
 
 
-def _hlo(devices=None):
+def _hlo(devices=None, shared="tensor"):
     """{preset: entry graph} of the tp_ep forward compiled with the layout's options (CPU, or
-    deviceless GPU when devices are given)."""
-    cfg = tiny_cfg(num_layers=HLO_LAYERS, first_k_dense=0)
+    deviceless GPU when devices are given); shared: inference.shared_experts."""
+    cfg = replace(tiny_cfg(num_layers=HLO_LAYERS, first_k_dense=0), **{"inference.shared_experts": shared})
     mesh = make_mesh(cfg.mesh, devices)
-    layout = TpEpLayout(mesh)
+    layout = TpEpLayout(mesh, shared=shared)
     graphdef, state = abstract_inference_model(cfg, mesh)
     tokens = jax.ShapeDtypeStruct((2, 8), np.int32, sharding=layout.batch_sharding(2))
     out = {}
@@ -141,11 +156,12 @@ def _hlo(devices=None):
     return out
 
 
-@pytest.fixture(scope="module", params=["cpu", "cuda_deviceless"])
+@pytest.fixture(scope="module", params=["cpu_shared_tensor", "cpu_shared_replicated", "cuda_deviceless_shared_tensor"])
 def compiled(request):
-    if request.param == "cpu":
-        return _hlo()
-    return _hlo(request.getfixturevalue("h100x8"))
+    shared = request.param.rsplit("_", 1)[-1]
+    if request.param.startswith("cpu"):
+        return _hlo(shared=shared)
+    return _hlo(request.getfixturevalue("h100x8"), shared=shared)
 
 
 def _allreduces(op_name, opcode, scope):
@@ -158,10 +174,14 @@ def _in_scope(op_name, scope):
 
 
 def attention_ar(op_name, opcode, k):
-    return _allreduces(op_name, opcode, f"layer_{k}/attention/shard_map/attention_allreduce")
+    """Layer k's attention all-reduce: inside the attention's shard_map (replicated shared experts) or
+    the layout's all-reduce after it (tensor-parallel shared experts: of a + s under FarSkip)."""
+    return (_allreduces(op_name, opcode, f"layer_{k}/attention/shard_map/attention_allreduce")
+            | _allreduces(op_name, opcode, f"layer_{k}/shard_map/attention_allreduce"))
 
 
 def routed_ar(op_name, opcode, k):
+    """Layer k's routed all-reduce (under standard with tensor-parallel shared experts: of s + r)."""
     return _allreduces(op_name, opcode, f"layer_{k}/moe/shard_map/routed_allreduce")
 
 
@@ -192,8 +212,8 @@ def test_moe_does_not_wait_for_attention_allreduce(compiled, preset, independent
 def test_next_attention_does_not_wait_for_routed_allreduce(compiled, preset, independent):
     users, op_name, opcode = compiled[preset]
     for k in range(HLO_LAYERS - 1):
-        attn_next = _in_scope(op_name, f"layer_{k + 1}/attention/")
-        assert attn_next and attention_ar(op_name, opcode, k + 1) <= attn_next
+        attn_next = _in_scope(op_name, f"layer_{k + 1}/attention/")  # its heads (and all-reduce if inside)
+        assert attn_next
         waiting = attn_next & reachable_from(users, routed_ar(op_name, opcode, k))
         assert (not waiting) == independent, (k, sorted(op_name[n] for n in waiting)[:5])
 
@@ -204,3 +224,22 @@ def test_next_attention_waits_for_attention_allreduce(compiled):
     for k in range(HLO_LAYERS - 1):
         assert _in_scope(op_name, f"layer_{k + 1}/attention/") & reachable_from(users, attention_ar(op_name, opcode, k))
         assert _in_scope(op_name, f"layer_{k + 1}/moe/") & reachable_from(users, routed_ar(op_name, opcode, k))
+
+
+def test_shared_experts_get_their_own_allreduce_where_nothing_can_carry_them():
+    """FarSkip on the last layer only: layers 0 and 1 are standard (MoE reads R + a), but attention of
+    layer 2 reads N_1 = R_1 - r_1, so s_1 cannot travel with r_1: layers 0 and 1 all-reduce a, s, r
+    separately, layer 2 a + s and r (module doc of parallel/inference.TpEpStep)."""
+    cfg = tiny_cfg(num_layers=HLO_LAYERS, first_k_dense=0)
+    mesh = make_mesh(cfg.mesh)
+    layout = TpEpLayout(mesh, shared="tensor")
+    graphdef, state = abstract_inference_model(cfg, mesh)
+    tokens = jax.ShapeDtypeStruct((2, 8), np.int32, sharding=layout.batch_sharding(2))
+    fs = FarSkipConfig(preset="farskip", layers="last:1")
+    fn = jax.jit(lambda st, t: layout.forward(nnx.merge(graphdef, st), t, farskip=fs).logits)
+    _, op_name, opcode = entry_graph(fn.lower(state, tokens).compile(compiler_options=layout.compiler_options()).as_text())
+    own = [_allreduces(op_name, opcode, f"layer_{k}/moe/shard_map/shared_allreduce") for k in range(HLO_LAYERS)]
+    assert [len(x) for x in own] == [1, 1, 0]
+    assert [len(attention_ar(op_name, opcode, k)) for k in range(HLO_LAYERS)] == [1] * HLO_LAYERS
+    every = {n for n in opcode if opcode[n] in ("all-reduce", "all-reduce-start")}
+    assert len(every) == 3 + 3 + 2 + 1, sorted(op_name[n] for n in every)

@@ -1,4 +1,4 @@
-"""Overlap report for the serving programs of the tp_ep layout (issue 24 part 4): prefill and decode
+"""Overlap report for the serving programs of the tp_ep layout: prefill and decode
 compiled deviceless for GPUs, their all-reduces priced by the two-stream model, standard vs FarSkip.
 
     python -m farskip_jax.analysis.inference_report --config configs/deepseek_v2_lite.yaml \
@@ -12,8 +12,10 @@ compiled deviceless for GPUs, their all-reduces priced by the two-stream model, 
 The programs are eval/serving.prefill_program / decode_program (prefill with the LM head on the last
 slot only: what the first token costs), compiled with LHS_FLAGS + TpEpLayout.compiler_options() (the
 latency-hiding scheduler on, XLA's all-reduce combiners off), on the layout of parallel/inference.py:
-per layer one attention all-reduce (scope attention_allreduce) and one routed all-reduce
-(routed_allreduce), payload batch x tokens x d_model x 2 bytes (bf16). The schedule XLA chose is
+per layer one attention all-reduce (scope attention_allreduce; of a + s under FarSkip with the
+default tensor-parallel shared experts) and one routed all-reduce (routed_allreduce; of s + r under
+standard), payload batch x tokens x d_model x 2 bytes (bf16); shared_allreduce where neither can
+carry the shared experts (parallel/inference.TpEpStep). The schedule XLA chose is
 re-timed by cost_model.simulate on analysis/topology.py's links (intra-node NVLink / Infinity Fabric;
 NICs between nodes, hierarchical all-reduce), prefill with the attention core priced as a causal
 flash kernel per layer (a server's prefill attention; analysis/attention_cost.py), decode with the
@@ -51,8 +53,8 @@ import math
 import sys
 from typing import Optional, Sequence
 
-ROLES = ("attention", "routed", "dense_mlp", "other")
-LAYER_ROLES = ("attention", "routed")
+ROLES = ("attention", "routed", "shared", "dense_mlp", "other")
+LAYER_ROLES = ("attention", "routed", "shared")
 REDUCTIONS = ("all-reduce", "all-gather", "reduce-scatter")
 # XLA's dot merger fuses dots that share an operand (gate and up projections of one token batch) by
 # concatenating their weights in every call: a copy of the weights per step, which a server does once
@@ -62,12 +64,15 @@ NO_WEIGHT_MERGE = ("dot-merger",)
 
 
 def role_of(op_name: str) -> str:
-    """attention | routed | dense_mlp | other (embedding lookup, LM head) of an all-reduce's op_name."""
+    """attention | routed | shared | dense_mlp | other (embedding lookup, LM head) of an all-reduce's
+    op_name (tensor-parallel shared experts ride in the attention or routed one, or have their own)."""
     op_name = op_name or ""
     if "attention_allreduce" in op_name:
         return "attention"
     if "routed_allreduce" in op_name:
         return "routed"
+    if "shared_allreduce" in op_name:
+        return "shared"
     if "dense_mlp" in op_name:
         return "dense_mlp"
     return "other"

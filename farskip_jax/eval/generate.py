@@ -204,7 +204,9 @@ def decode_step(model, tokens: jax.Array, start: jax.Array, cache: tuple, farski
     max_len = (caches[0][0][0][0] if model.scanned else caches[0][0][0]).shape[-3]
     positions, k_pos = slot_positions(start, t, max_len, pad)
     sides = [c if model.scanned else tuple((entry,) for entry in c) for c in caches]
-    out = model(tokens, positions, farskip=farskip, attention=cached_attention_hook(model, positions, k_pos, start, layout),
+    hook = cached_attention_hook(model, positions, k_pos, start, layout)
+    out = model(tokens, positions, farskip=farskip, attention=hook,
+                layer_step=None if layout is None else layout.layer_step(model, hook, farskip),
                 side=sides if m > 1 else sides[0], weights="indexed",
                 scan=model.scanned and scan is not False and model.cfg.moe.num_groups == 1)
     new = [sd if model.scanned else tuple(g[0] for g in sd) for sd in (out.side if m > 1 else [out.side])]

@@ -59,7 +59,7 @@ def cache_entry_shapes(m: ModelConfig, batch: int, max_len: int, layout: TpEpLay
 
 
 def _program(cfg: Config, mesh: Mesh, batch: int, t: int, max_len: int, last_logits: bool = False):
-    layout = TpEpLayout(mesh)
+    layout = TpEpLayout(mesh, shared=cfg.inference.shared_experts)
     graphdef, state = abstract_inference_model(cfg, mesh)
     dt = jnp.dtype(cfg.model.compute_dtype)
     cs = layout.cache_sharding()

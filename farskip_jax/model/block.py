@@ -74,7 +74,8 @@ class Block(nnx.Module):
     def attention(self, x: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array]) -> jax.Array:
         return checkpoint_name(self.attn(self.attn_norm(x), positions, segment_ids), "attention_out")
 
-    def ffn(self, x: jax.Array) -> BlockOutput:
+    def ffn(self, x: jax.Array, shared_fn=None, routed_compute: Optional[RoutedComputeFn] = None) -> BlockOutput:
+        """The MoE (or dense MLP) on its input stream x [b, s, d]; shared_fn / routed_compute: MoEBlock's."""
         h = self.ffn_norm(x)
         zero = jnp.zeros((), jnp.float32)
         if self.moe is None:
@@ -82,7 +83,7 @@ class Block(nnx.Module):
                 s = checkpoint_name(self.mlp(h), "shared_out")
             return BlockOutput(attn=None, shared=s, routed=None, aux_loss=zero, z_loss=zero, load=None,
                                dropped=jnp.zeros((), jnp.int32))
-        o = self.moe(h)
+        o = self.moe(h, shared_fn=shared_fn, routed_compute=routed_compute)
         shared = None if o.shared is None else checkpoint_name(o.shared, "shared_out")
         return BlockOutput(attn=None, shared=shared, routed=checkpoint_name(o.routed, "routed_out"),
                            aux_loss=o.aux_loss, z_loss=o.z_loss, load=o.load, dropped=o.dropped,

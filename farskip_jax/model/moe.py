@@ -53,16 +53,19 @@ class MoEBlock(nnx.Module):
                                   param_dtype=pd, compute_dtype=cd) if cfg.shared_gate and self.shared is not None else None
         self.routed_compute = routed_compute or local_routed_compute
 
-    def __call__(self, x: jax.Array) -> MoEOutput:
+    def __call__(self, x: jax.Array, shared_fn=None, routed_compute: Optional[RoutedComputeFn] = None) -> MoEOutput:
+        """shared_fn(self, x) / routed_compute replace shared_out / the block's routed backend (a layout
+        that returns per-rank partial sums for its own all-reduce, parallel/inference.py)."""
         with jax.named_scope("router"):
             route = self.router(x)
         x_routed = x
         if self.cfg.route_on_input:  # Llama-4: expert(w * x) instead of w * expert(x) (top_k == 1)
             x_routed = (x * route.weights.astype(x.dtype)).astype(x.dtype)
             route = route.replace(weights=jnp.ones_like(route.weights))
-        out = self.routed_compute(x_routed.astype(self.experts.compute_dtype), route, self.experts.weights(self.cfg.gmm),
-                                  self.cfg)
-        return MoEOutput(shared=self.shared_out(x), routed=out.y.astype(x.dtype), aux_loss=route.aux_loss,
+        out = (routed_compute or self.routed_compute)(x_routed.astype(self.experts.compute_dtype), route,
+                                                      self.experts.weights(self.cfg.gmm), self.cfg)
+        shared = self.shared_out(x) if shared_fn is None else shared_fn(self, x)
+        return MoEOutput(shared=shared, routed=out.y.astype(x.dtype), aux_loss=route.aux_loss,
                          z_loss=route.z_loss, load=route.load, dropped=out.dropped, importance=route.importance)
 
     def shared_out(self, x: jax.Array) -> Optional[jax.Array]:

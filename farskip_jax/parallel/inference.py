@@ -11,19 +11,26 @@ tensor) that is `mesh.tensor = 8` (data = fsdp = expert = 1 for the paper's layo
     MoE         every rank holds all tokens (activations replicated), routes them all, runs only its
                 own experts (experts over expert x tensor = the EP group; dropless) and psums the
                 routed sum over that group                             -> scope `routed_allreduce`
-    shared experts, router, norms   replicated (the shared output needs no collective, so FarSkip's
-                partial stream N_k = R_{k-1} + a_k + s_k waits only for the attention all-reduce)
+    shared experts  `inference.shared_experts: tensor` (default; the authors' SGLang layout): hidden
+                units over `tensor` like a dense MLP, their per-rank partial sum added to another
+                all-reduce (TpEpStep): to the attention's where the MoE reads R_{k-1} (FarSkip: one
+                all-reduce of a + s, one of r per layer), to the routed one where every attention reads
+                the full stream (standard: a, then s + r), else their own (`shared_allreduce`).
+                `replicated`: whole on every rank, no collective of their own.
+    router, norms   replicated
     dense MLP layers, embedding, LM head   `mlp` / `vocab` over `tensor` through GSPMD (its own
                 all-reduce / gathers)
     batch       over `data` only (independent replicas); fsdp must be 1
 
-    layout = TpEpLayout(mesh)                              # mesh = make_mesh(cfg.mesh)
+    layout = TpEpLayout(mesh, shared="tensor")             # mesh = make_mesh(cfg.mesh); layout_for(cfg, mesh)
     model = inference_model(cfg, mesh, st)                 # any state, placed for the layout
     out = layout.forward(model, tokens [b, s])             # ModelOutput, = the one-device forward
 
 `layout.forward` is the model's own forward (its streams, DESIGN.md section 1) with each layer's
-attention swapped (the layer loop's `attention` hook) for the shard_map'd tensor-parallel one; the MoE
-runs `ReplicatedEPCompute`, the routed-compute backend the model was built with. So with FarSkip the
+attention swapped (the layer loop's `attention` hook) for the shard_map'd tensor-parallel one and, with
+tensor-parallel shared experts, each layer run by TpEpStep (the loop's `layer_step`), which adds the
+per-rank partial sums before one all-reduce; the MoE runs `ReplicatedEPCompute`, the routed-compute
+backend the model was built with. So with FarSkip the
 compiled program has no path from the attention all-reduce of layer k to the MoE of layer k (which
 reads R_{k-1}), nor from the routed all-reduce of layer k to attention of layer k+1 (which reads
 N_k): XLA may run each all-reduce under the next sub-block (tests/test_inference_layout.py checks
@@ -49,7 +56,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from farskip_jax.config import Config, FarSkipConfig, MoEConfig, ModelConfig
 from farskip_jax.errors import ConfigError
 from farskip_jax.model.attention import attention_core
+from farskip_jax.model.connectivity import moe_stream
 from farskip_jax.model.experts import ExpertWeights, RoutedOutput, expert_swiglu
+from farskip_jax.model.layer_loop import LayerStep
 from farskip_jax.model.router import RouteResult
 from farskip_jax.parallel.sharding import RULES, logical_to_spec
 
@@ -93,6 +102,10 @@ def check_tp_ep(cfg: Config, mesh: Mesh) -> None:
                               f"mesh.tensor = {ep} devices; pick sizes whose product divides the experts")
         if e.capacity_factor is not None:
             raise ConfigError("inference.layout=tp_ep is dropless; set moe.capacity_factor=null")
+        if cfg.inference.shared_experts == "tensor" and e.num_shared_experts and e.resolved_shared_hidden % tp:
+            raise ConfigError(f"inference.shared_experts=tensor splits the {e.resolved_shared_hidden} hidden units of "
+                              f"the shared experts over mesh.tensor={tp}; pick a mesh.tensor that divides them or set "
+                              "inference.shared_experts=replicated")
 
 
 def kv_replicas(m: ModelConfig, tp: int) -> int:
@@ -110,14 +123,16 @@ def tp_ep_rules(m: ModelConfig, tp: int) -> tuple[dict, dict]:
 
 def tp_ep_state_shardings(state, mesh: Mesh, cfg: Config):
     """NamedSharding per Variable of a model state for the tp_ep layout (module doc). Shared experts
-    (path .../moe/shared/...) and the Qwen2 shared gate are replicated."""
+    (path .../moe/shared/...): hidden units over `tensor` (inference.shared_experts=tensor) or
+    replicated; the Qwen2 shared gate is replicated."""
     rules, expert_rules = tp_ep_rules(cfg.model, mesh.shape[TP_AXIS])
+    split_shared = cfg.inference.shared_experts == "tensor"
 
     def one(path, v):
         keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
         axes = v.get_metadata().get("axes")
         shape = tuple(jnp.shape(v.get_value()))
-        if axes is None or ("moe" in keys and ("shared" in keys or "shared_gate" in keys)):
+        if axes is None or ("moe" in keys and ("shared_gate" in keys or ("shared" in keys and not split_shared))):
             return NamedSharding(mesh, P())
         r = expert_rules if "expert" in axes else rules
         return NamedSharding(mesh, logical_to_spec(tuple(axes), shape, mesh, r))
@@ -136,9 +151,11 @@ class ReplicatedEPCompute:
     its data replica [T, d] (all of them), their top-k choices; E_l = E / ep local experts
     (global expert e on EP rank e // E_l). The assignments to local experts are sorted first
     (the rest after them, outside the groups), at most T * min(k, E_l) rows go through the grouped
-    SwiGLU, the weighted outputs are scattered back to their tokens and psum'd over expert x tensor."""
+    SwiGLU, the weighted outputs are scattered back to their tokens and psum'd over expert x tensor
+    (reduce=False: no psum; y is the per-rank partial sums [ep, b, s, d], for TpEpLayout.allreduce)."""
 
     mesh: Mesh
+    reduce: bool = True
 
     def __call__(self, x, route: RouteResult, experts: ExpertWeights, cfg: MoEConfig) -> RoutedOutput:
         b, s, d = x.shape
@@ -164,15 +181,18 @@ class ReplicatedEPCompute:
             with jax.named_scope("local_combine"):
                 wl = jnp.where(mine, w.reshape(-1), 0).astype(ys.dtype)[order]
                 y = jnp.zeros((t, d), ys.dtype).at[order // k].add(ys * wl[:, None])
+            if not self.reduce:
+                return y[None]
             with jax.named_scope("routed_allreduce"):
                 return jax.lax.psum(y, EP_AXES)
 
         tok, wsp = P(DATA_AXIS, None), P(EP_AXES, None, None)
-        fn = jax.shard_map(body, mesh=self.mesh, in_specs=(tok, tok, tok, wsp, wsp, wsp), out_specs=tok,
+        out = tok if self.reduce else P(EP_AXES, DATA_AXIS, None)
+        fn = jax.shard_map(body, mesh=self.mesh, in_specs=(tok, tok, tok, wsp, wsp, wsp), out_specs=out,
                            check_vma=False)  # model code inside (gmm) does not track manual axes
         y = fn(x.reshape(b * s, d), route.indices.reshape(b * s, k), route.weights.reshape(b * s, k),
                experts.w_gate, experts.w_up, experts.w_down)
-        return RoutedOutput(y=y.reshape(b, s, d), dropped=jnp.zeros((), jnp.int32))
+        return RoutedOutput(y=y.reshape(*y.shape[:-2], b, s, d), dropped=jnp.zeros((), jnp.int32))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -195,9 +215,16 @@ def _local_graphdef(cls, m: ModelConfig, layer_idx: int):
 @dataclasses.dataclass(frozen=True)
 class TpEpLayout:
     """The tp_ep inference layout on `mesh` (module doc): tensor-parallel attention for the full
-    forward and for KV-cache decoding, the routed backend, shardings of states, batches and caches."""
+    forward and for KV-cache decoding, the routed backend, shardings of states, batches and caches.
+    shared: "tensor" | "replicated" (inference.shared_experts). With "tensor" the attention functions
+    return per-rank partial sums [tp, b, t, d] and TpEpStep (layer_step) all-reduces them."""
 
     mesh: Mesh
+    shared: str = "tensor"
+
+    @property
+    def partial_attention(self) -> bool:
+        return self.shared == "tensor"
 
     @property
     def tp(self) -> int:
@@ -268,20 +295,25 @@ class TpEpLayout:
     def attention_fn(self, attn, positions: jax.Array, segment_ids: Optional[jax.Array] = None):
         """fn(normalised attention input xn [b, s, d]) -> attention output [b, s, d] (replicated over
         tensor): each rank runs its heads (the layer's own code, model/attention.py) and the output
-        projection's partial sum is psum'd over `tensor`."""
+        projection's partial sum is psum'd over `tensor` (partial_attention: the partial sums
+        [tp, b, s, d], not reduced)."""
         gd, state, specs, fix = self._split_attention(attn)
         bspec = P(DATA_AXIS, None)
+
+        reduce = not self.partial_attention
 
         def body(st, xn, pos, seg):
             local = nnx.merge(gd, fix(st, jax.lax.axis_index(TP_AXIS)))
             o = local(xn, pos, seg)
+            if not reduce:
+                return o[None]
             with jax.named_scope("attention_allreduce"):
                 return jax.lax.psum(o, TP_AXIS)
 
         def fn(xn):
             seg_spec = None if segment_ids is None else bspec
             f = jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P(DATA_AXIS, None, None), bspec, seg_spec),
-                              out_specs=P(DATA_AXIS, None, None), check_vma=False)
+                              out_specs=P(DATA_AXIS, None, None) if reduce else PARTIAL_TP, check_vma=False)
             return f(state, xn, positions, segment_ids)
 
         return fn
@@ -290,7 +322,8 @@ class TpEpLayout:
                          mask: jax.Array, layer: Optional[jax.Array] = None) -> tuple[jax.Array, tuple]:
         """KV-cache attention of one layer: xn [b, t, d] normalised input at positions [b, t]; entry
         (k, v) [b, L, heads, dim] sharded by cache_sharding; new keys/values written at slots
-        [start, start + t); mask [b, 1, t, L] -> (output [b, t, d] after the all-reduce, new entry).
+        [start, start + t); mask [b, 1, t, L] -> (output [b, t, d] after the all-reduce, or the partial
+        sums [tp, b, t, d] under partial_attention; new entry).
         layer (an int or a traced scalar; stacked layers, eval/generate.py): entry is a stacked cache
         [repeats, b, L, heads, dim] (stacked_cache_sharding). Only the layer's row enters the
         shard_map; the new keys/values come back out and are written into the stack after the row
@@ -310,13 +343,17 @@ class TpEpLayout:
                 o = attention_core(q, kc, vc, mask, local.scale)
             with jax.named_scope("attention_out"):
                 o = local.project_out(o, xn)
-            with jax.named_scope("attention_allreduce"):
-                o = jax.lax.psum(o, TP_AXIS)
+            if reduce:
+                with jax.named_scope("attention_allreduce"):
+                    o = jax.lax.psum(o, TP_AXIS)
+            else:
+                o = o[None]
             return (o, kc, vc) if layer is None else (o, k, v)
 
+        reduce = not self.partial_attention
         f = jax.shard_map(body, mesh=self.mesh,
                           in_specs=(specs, b3, P(DATA_AXIS, None), cache, cache, P(), P(DATA_AXIS, None, None, None)),
-                          out_specs=(b3, cache, cache), check_vma=False)
+                          out_specs=(b3 if reduce else PARTIAL_TP, cache, cache), check_vma=False)
         if layer is None:
             o, kc, vc = f(state, xn, positions, entry[0], entry[1], start, mask)
             return o, (kc, vc)
@@ -336,7 +373,120 @@ class TpEpLayout:
         def hook(block, site, side_q):  # site.rows: this micro-batch's rows (model.micro_batches)
             return self.attention_fn(block.attn, site.rows(positions), site.rows(segment_ids)), lambda: side_q
 
-        return model(tokens, positions, segment_ids, farskip=farskip, attention=hook, scan=False, **kw)
+        return model(tokens, positions, segment_ids, farskip=farskip, attention=hook, scan=False,
+                     layer_step=self.layer_step(model, hook, farskip), **kw)
+
+    def layer_step(self, model, attention, farskip: Optional[FarSkipConfig] = None):
+        """The Transformer's `layer_step` on this layout with the attention hook `attention`: TpEpStep
+        with tensor-parallel shared experts, None (the model's own LayerStep) with replicated ones."""
+        if not self.partial_attention:
+            return None
+        fs = farskip if farskip is not None else model.cfg.farskip
+        n = model.cfg.model.num_layers
+        kinds = frozenset(fs.layer_inputs(i, n)[0] for i in range(n))
+        return lambda positions, segment_ids: TpEpStep(self, positions, segment_ids, attention, kinds)
+
+    def shared_partial(self, moe, x: jax.Array) -> jax.Array:
+        """MoEBlock's shared_fn: the shared experts' per-rank partial sums [tp, b, s, d] of x [b, s, d]
+        (each rank its hidden units [h/tp]: gate / up columns, down rows), times the Qwen2 gate."""
+        gd, st = nnx.split(moe.shared)
+        hidden = moe.shared.gate.w.shape[-1]
+        if hidden % self.tp:
+            raise ConfigError(f"inference.shared_experts=tensor splits the {hidden} hidden units of the shared "
+                              f"experts over mesh.tensor={self.tp}; set inference.shared_experts=replicated")
+
+        def spec(v):
+            return P(*[TP_AXIS if a == "mlp" else None for a in (v.get_metadata().get("axes") or ())])
+
+        def body(st, x):
+            return nnx.merge(gd, st)(x)[None]
+
+        with jax.named_scope("shared_experts"):
+            y = jax.shard_map(body, mesh=self.mesh, in_specs=(jax.tree.map(spec, st, is_leaf=_is_var),
+                                                               P(DATA_AXIS, None, None)),
+                              out_specs=PARTIAL_TP, check_vma=False)(st, x)
+            if moe.shared_gate is not None:
+                y = y * jax.nn.sigmoid(moe.shared_gate(x))
+        return y
+
+    def allreduce(self, scope: str, tp_parts: tuple = (), ep_parts: tuple = ()) -> jax.Array:
+        """ONE all-reduce (named scope `scope`) of per-rank partial sums -> [b, s, d]: tp_parts
+        [tp, b, s, d] are partial over `tensor` (attention, shared experts), ep_parts [ep, b, s, d] over
+        expert x tensor (ReplicatedEPCompute(reduce=False)); with both, the sum runs over expert x
+        tensor and the tensor partials count on expert rank 0 only."""
+        def body(tps, eps):
+            t = functools.reduce(jnp.add, [p[0] for p in tps]) if tps else None
+            if eps:
+                e = functools.reduce(jnp.add, [p[0] for p in eps])
+                if t is not None:
+                    e = e + jnp.where(jax.lax.axis_index("expert") == 0, t, jnp.zeros_like(t))
+                t = e
+            with jax.named_scope(scope):
+                return jax.lax.psum(t, EP_AXES if eps else TP_AXIS)
+
+        f = jax.shard_map(body, mesh=self.mesh, in_specs=((PARTIAL_TP,) * len(tp_parts), (PARTIAL_EP,) * len(ep_parts)),
+                          out_specs=P(DATA_AXIS, None, None), check_vma=False)
+        return f(tuple(tp_parts), tuple(ep_parts))
+
+
+PARTIAL_TP = P(TP_AXIS, DATA_AXIS, None, None)  # per-rank partial sums over `tensor` [tp, b, s, d]
+PARTIAL_EP = P(EP_AXES, DATA_AXIS, None, None)  # over expert x tensor [ep, b, s, d]
+
+
+class TpEpStep(LayerStep):
+    """One layer on the tp_ep layout with tensor-parallel shared experts (TpEpLayout.shared = tensor).
+    Attention and shared experts leave per-rank partial sums; each all-reduce sums what can travel
+    together (attn_kinds: the attention inputs of every layer, FarSkipConfig.layer_inputs):
+
+        MoE reads R_{k-1} and no attention reads `outdated`   allreduce(a + s)  allreduce(r)
+        every attention reads the full stream                 allreduce(a)      allreduce(s + r)
+        otherwise                                             allreduce(a)  allreduce(s)  allreduce(r)
+
+    (scopes attention_allreduce / routed_allreduce / shared_allreduce). The BlockOutput then carries
+    a + s as attn (shared None) or s + r as routed: the streams take the same sums, the one-device
+    model's up to the order of additions. Dense layers: allreduce(a), their MLP as placed (GSPMD)."""
+
+    def __init__(self, layout: TpEpLayout, positions, segment_ids, attention, attn_kinds: frozenset):
+        super().__init__(positions, segment_ids, remat="none", attention=attention)
+        self.layout, self.attn_kinds = layout, attn_kinds
+
+    def __call__(self, block, streams, site, side_q=None):
+        attn_kind, moe_kind = site.kinds
+        lay = self.layout
+        fn, get_side = self.attention(block, site, side_q)
+        with jax.named_scope("attention"):
+            a_p = fn(block.attn_norm(streams.attn_input(attn_kind)))
+        side_q = get_side()
+        shared = block.is_moe and block.moe.shared is not None
+        fold = None
+        if shared and moe_kind == "outdated" and "outdated" not in self.attn_kinds:
+            fold = "attention"
+        elif shared and self.attn_kinds == {"full"}:
+            fold = "routed"
+        if fold == "attention":
+            # XLA:GPU would fuse the add of s (which reads R_{k-1}, so waits for the routed all-reduce of
+            # layer k-1) into the output projection's GEMM as its addend: the barrier keeps attention whole
+            a_p = jax.lax.optimization_barrier(a_p)
+            with jax.named_scope("moe"):
+                out = block.ffn(moe_stream(moe_kind, streams.full, None), shared_fn=lay.shared_partial)
+            a = lay.allreduce("attention_allreduce", tp_parts=(a_p, out.shared))
+            out = out.replace(attn=a, shared=None)
+        else:
+            a = lay.allreduce("attention_allreduce", tp_parts=(a_p,))
+            x_moe = moe_stream(moe_kind, streams.full, a)
+            with jax.named_scope("moe" if block.is_moe else "mlp"):
+                if fold == "routed":
+                    out = block.ffn(x_moe, shared_fn=lay.shared_partial,
+                                    routed_compute=ReplicatedEPCompute(lay.mesh, reduce=False))
+                    out = out.replace(shared=None, routed=lay.allreduce("routed_allreduce", tp_parts=(out.shared,),
+                                                                        ep_parts=(out.routed,)))
+                elif shared:
+                    out = block.ffn(x_moe, shared_fn=lay.shared_partial)
+                    out = out.replace(shared=lay.allreduce("shared_allreduce", tp_parts=(out.shared,)))
+                else:
+                    out = block.ffn(x_moe)
+            out = out.replace(attn=a)
+        return streams.update(out.attn, out.shared, out.routed), out, side_q
 
 
 # --------------------------------------------------------------------------------------------------
@@ -370,7 +520,7 @@ def layout_for(cfg: Config, mesh: Optional[Mesh]) -> Optional[TpEpLayout]:
     if mesh is None:
         raise ConfigError("inference.layout=tp_ep needs a device mesh (parallel.make_mesh(cfg.mesh))")
     check_tp_ep(cfg, mesh)
-    return TpEpLayout(mesh)
+    return TpEpLayout(mesh, shared=cfg.inference.shared_experts)
 
 
 def abstract_inference_model(cfg: Config, mesh: Mesh):
