@@ -125,6 +125,8 @@ def timing_at(results, model, gpus, program, batch, tokens, ctx, preset, full_la
 
 
 def rows_of(results, models, gpus_list, points, ctx, full_layers):
+    from farskip_jax.analysis import inference_report as ir
+
     rows = []
     for m in models:
         for g in gpus_list:
