@@ -102,10 +102,16 @@ def check_tp_ep(cfg: Config, mesh: Mesh) -> None:
                               f"mesh.tensor = {ep} devices; pick sizes whose product divides the experts")
         if e.capacity_factor is not None:
             raise ConfigError("inference.layout=tp_ep is dropless; set moe.capacity_factor=null")
-        if cfg.inference.shared_experts == "tensor" and e.num_shared_experts and e.resolved_shared_hidden % tp:
-            raise ConfigError(f"inference.shared_experts=tensor splits the {e.resolved_shared_hidden} hidden units of "
-                              f"the shared experts over mesh.tensor={tp}; pick a mesh.tensor that divides them or set "
-                              "inference.shared_experts=replicated")
+        if cfg.inference.shared_experts == "tensor" and e.num_shared_experts:
+            check_shared_split(e.resolved_shared_hidden, tp)
+
+
+def check_shared_split(hidden: int, tp: int) -> None:
+    """ConfigError unless the shared experts' `hidden` units split over mesh.tensor = tp."""
+    if hidden % tp:
+        raise ConfigError(f"inference.shared_experts=tensor splits the {hidden} hidden units of the shared experts "
+                          f"over mesh.tensor={tp}; pick a mesh.tensor that divides them or set "
+                          "inference.shared_experts=replicated")
 
 
 def kv_replicas(m: ModelConfig, tp: int) -> int:
@@ -299,7 +305,6 @@ class TpEpLayout:
         [tp, b, s, d], not reduced)."""
         gd, state, specs, fix = self._split_attention(attn)
         bspec = P(DATA_AXIS, None)
-
         reduce = not self.partial_attention
 
         def body(st, xn, pos, seg):
@@ -331,6 +336,7 @@ class TpEpLayout:
         (a whole stack through the shard_map, or a write racing the read, made XLA copy the stack)."""
         gd, state, specs, fix = self._split_attention(attn)
         b3, cache = P(DATA_AXIS, None, None), P(DATA_AXIS, None, TP_AXIS, None)
+        reduce = not self.partial_attention
 
         def body(st, xn, pos, kc, vc, start, mask):
             local = nnx.merge(gd, fix(st, jax.lax.axis_index(TP_AXIS)))
@@ -350,7 +356,6 @@ class TpEpLayout:
                 o = o[None]
             return (o, kc, vc) if layer is None else (o, k, v)
 
-        reduce = not self.partial_attention
         f = jax.shard_map(body, mesh=self.mesh,
                           in_specs=(specs, b3, P(DATA_AXIS, None), cache, cache, P(), P(DATA_AXIS, None, None, None)),
                           out_specs=(b3 if reduce else PARTIAL_TP, cache, cache), check_vma=False)
@@ -389,11 +394,8 @@ class TpEpLayout:
     def shared_partial(self, moe, x: jax.Array) -> jax.Array:
         """MoEBlock's shared_fn: the shared experts' per-rank partial sums [tp, b, s, d] of x [b, s, d]
         (each rank its hidden units [h/tp]: gate / up columns, down rows), times the Qwen2 gate."""
+        check_shared_split(moe.shared.gate.w.shape[-1], self.tp)  # a layout built without check_tp_ep
         gd, st = nnx.split(moe.shared)
-        hidden = moe.shared.gate.w.shape[-1]
-        if hidden % self.tp:
-            raise ConfigError(f"inference.shared_experts=tensor splits the {hidden} hidden units of the shared "
-                              f"experts over mesh.tensor={self.tp}; set inference.shared_experts=replicated")
 
         def spec(v):
             return P(*[TP_AXIS if a == "mlp" else None for a in (v.get_metadata().get("axes") or ())])
