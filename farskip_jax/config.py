@@ -499,12 +499,15 @@ class InferenceConfig:
     `training`: the training layout (batch over data x fsdp x expert, EP all-to-alls); `tp_ep`: the
     paper's serving layout, attention heads over mesh.tensor and the experts over
     mesh.expert x mesh.tensor with replicated activations, each sub-block ending in an all-reduce.
+    `foe`: Federation of Experts with each group on its own GPUs (mesh.expert = a multiple of
+    moe.num_groups), tokens replicated over the groups, one cross-group all-reduce per layer
+    (parallel/foe_inference.py).
     `shared_experts` (tp_ep): `tensor` = the shared experts split over mesh.tensor like a dense MLP,
     their partial sum joining the attention all-reduce where the MoE reads R_{k-1} (FarSkip) or the
     routed all-reduce where every attention reads the full stream (the authors' SGLang layout; 1/tensor
     of their weights per GPU); `replicated` = whole shared experts on every GPU, no collective of their own."""
 
-    layout: Literal["training", "tp_ep"] = "training"
+    layout: Literal["training", "tp_ep", "foe"] = "training"
     shared_experts: Literal["tensor", "replicated"] = "tensor"
 
 
@@ -609,7 +612,11 @@ class Config:
                 f"moe.num_experts={e.num_experts} is not divisible by the expert-parallel size "
                 f"mesh.expert={self.mesh.expert}; pick an expert-parallel size that divides the experts",
             )
-        if self.mesh.expert > 1 and self.inference.layout != "tp_ep":  # tp_ep has its own MoE exchange
+        _check(self.inference.layout != "foe" or e.num_groups > 1,
+               "inference.layout=foe runs a Federation of Experts: set moe.num_groups to the number of groups "
+               "(the paper: one per GPU, = mesh.expert)")
+        # tp_ep has its own MoE exchange; foe with one group per device needs none (foe_inference.py checks)
+        if self.mesh.expert > 1 and self.inference.layout not in ("tp_ep", "foe"):
             _check(
                 e.dispatch != "local",
                 f"mesh.expert={self.mesh.expert} needs moe.dispatch: all_to_all or ragged (got 'local')",

@@ -67,11 +67,13 @@ def role_of(op_name: str) -> str:
     """attention | routed | shared | dense_mlp | other (embedding lookup, LM head) of an all-reduce's
     op_name (tensor-parallel shared experts ride in the attention or routed one, or have their own)."""
     op_name = op_name or ""
-    if "attention_allreduce" in op_name:
+    if "moe/group_sum" in op_name:  # Federation of Experts (inference.layout=foe): the routed sum alone
+        return "routed"
+    if "attention_allreduce" in op_name or "group_sum" in op_name:  # FoE: attention (+ routed of k-1)
         return "attention"
     if "routed_allreduce" in op_name:
         return "routed"
-    if "shared_allreduce" in op_name:
+    if "shared_allreduce" in op_name or "shared_experts" in op_name:  # FoE: GSPMD's sum of the split shared experts
         return "shared"
     if "dense_mlp" in op_name:
         return "dense_mlp"
@@ -105,17 +107,25 @@ def serving_shape(cfg, num_devices: int, gpus_per_node: Optional[int] = None) ->
 
 
 def serving_config(cfg, preset: str, num_devices: int, gpus_per_node: Optional[int] = None,
-                   layers: Optional[int] = None, scan_layers: Optional[bool] = None):
+                   layers: Optional[int] = None, scan_layers: Optional[bool] = None, micro_batches: int = 1,
+                   foe_groups: Optional[int] = None):
     """cfg on the tp_ep layout of num_devices GPUs (serving_shape), connectivity `preset`, bf16, no
     remat; `layers` cuts the depth (model.num_layers); scan_layers: the stacked, scanned program
-    (eval/generate.py) or per-layer weights unrolled (default: the config's model.scan_layers)."""
+    (eval/generate.py) or per-layer weights unrolled (default: the config's model.scan_layers);
+    micro_batches: 2 = two-batch overlap (model.micro_batches). foe_groups = H: the Federation-of-
+    Experts layout instead (inference.layout=foe, moe.num_groups = H over the num_devices GPUs)."""
     from farskip_jax.config import replace
 
-    expert, tensor = serving_shape(cfg, num_devices, gpus_per_node)
-    over = {"inference.layout": "tp_ep", "mesh.data": 1, "mesh.fsdp": 1, "mesh.expert": expert,
-            "mesh.tensor": tensor, "moe.capacity_factor": None, "farskip.preset": preset,
-            "model.remat": "none", "model.compute_dtype": "bfloat16", "model.param_dtype": "bfloat16",
-            "moe.dispatch": "all_to_all" if expert > 1 else "local"}
+    if foe_groups:
+        over = {"inference.layout": "foe", "mesh.data": 1, "mesh.fsdp": 1, "mesh.expert": num_devices,
+                "mesh.tensor": 1, "moe.num_groups": foe_groups,
+                "moe.dispatch": "local" if foe_groups == num_devices else "all_to_all"}
+    else:
+        expert, tensor = serving_shape(cfg, num_devices, gpus_per_node)
+        over = {"inference.layout": "tp_ep", "mesh.data": 1, "mesh.fsdp": 1, "mesh.expert": expert,
+                "mesh.tensor": tensor, "moe.dispatch": "all_to_all" if expert > 1 else "local"}
+    over.update({"moe.capacity_factor": None, "farskip.preset": preset, "model.micro_batches": micro_batches,
+                 "model.remat": "none", "model.compute_dtype": "bfloat16", "model.param_dtype": "bfloat16"})
     if scan_layers is not None:
         over["model.scan_layers"] = bool(scan_layers)
     if layers is not None:
@@ -173,7 +183,11 @@ def balanced_grouped_gemm(fraction: float):
 
 def useful_fraction(cfg, mesh) -> float:
     """Real rows / buffer rows of ReplicatedEPCompute at a balanced router: T * k / EP of the
-    T * min(k, E / EP) rows per device."""
+    T * min(k, E / EP) rows per device. Federation of Experts with one group per device (the local
+    path: the group's T * k / H rows, all real): 1; with a dropless all-to-all inside a group the
+    buffer holds T_l rows per local expert, of which T_l * k / E are real."""
+    if cfg.inference.layout == "foe":
+        return 1.0 if cfg.moe.dispatch == "local" else cfg.moe.top_k / cfg.moe.num_experts
     ep = mesh.shape["expert"] * mesh.shape["tensor"]
     k, e = cfg.moe.top_k, cfg.moe.num_experts
     if not e:
@@ -238,6 +252,7 @@ class ServingTiming:
     sync_collectives: float = 0.0  # collectives XLA left synchronous (priced as memory ops by the model)
     row_copy_us: float = 0.0  # scanned programs: the copies of one layer's row out of a stacked weight / cache
     inplace_us: float = 0.0  # time_us with those copies free (the GEMMs reading the rows in place); 0: no copies
+    compute_by_scope: dict = dataclasses.field(default_factory=dict)  # named scope -> compute us (full speed)
 
     @property
     def time_inplace_us(self) -> float:
@@ -280,8 +295,10 @@ def topology_for(node_of_devices: Sequence[int], hardware: str, **links_over):
 
 
 def score_elements(cfg, mesh, batch: int, tokens: int, max_len: int) -> int:
-    """Elements of one device's attention scores [b, heads / TP, t, L] (prefill: t = L = the prompt)."""
-    return batch * (cfg.model.num_heads // mesh.shape["tensor"]) * tokens * max_len
+    """Elements of one device's attention scores [b, heads / TP, t, L] (prefill: t = L = the prompt);
+    Federation of Experts: the heads of the device's groups."""
+    split = mesh.shape["tensor"] if cfg.inference.layout != "foe" else min(cfg.moe.num_groups, cfg.mesh.expert)
+    return batch * (cfg.model.num_heads // split) * tokens * max_len
 
 
 def flash_scores(schedule, scores: int):
@@ -344,7 +361,7 @@ def time_serving(schedule, node_of_devices: Sequence[int], hardware: str = "h200
                          ar_us=tot["duration"], ar_hidden_us=tot["hidden"], layer_ar_us=lay_us,
                          layer_ar_hidden_us=lay_hid, ar_count=len(ars), ar_bytes=float(sum(p.bytes for p in ars)),
                          by_role=by_role, other_collective_us=other, sync_collectives=sync, row_copy_us=copy_us,
-                         inplace_us=inplace)
+                         inplace_us=inplace, compute_by_scope=dict(rep.compute_by_scope))
 
 
 def extrapolate(a: ServingTiming, la: int, b: ServingTiming, lb: int, layers: int) -> ServingTiming:
@@ -355,7 +372,7 @@ def extrapolate(a: ServingTiming, la: int, b: ServingTiming, lb: int, layers: in
 
     def lin(x, y):
         if isinstance(x, dict):
-            return {k: lin(x[k], y[k]) for k in x}
+            return {k: lin(x.get(k, 0.0), y.get(k, 0.0)) for k in set(x) | set(y)}
         return x + (y - x) * f
 
     da, db = dataclasses.asdict(a), dataclasses.asdict(b)

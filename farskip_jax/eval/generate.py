@@ -33,6 +33,8 @@ Every row writes slot P + n at decode step n. The prefill handles all P slots in
 On a mesh (`layout`, parallel/inference.py TpEpLayout, the paper's TP-attention / replicated-MoE
 serving layout): the model must come from parallel.inference.inference_model; attention heads and
 the cache's heads are split over `tensor`, rows over `data`; the decode step is the same program.
+Federation of Experts on its own GPUs per group (parallel/foe_inference.FoELayout, model from
+foe_inference_model): the cache rows of group h on its devices, the model's own FoE attention.
 A dropless MoE (capacity_factor null) gives exactly the full forward; with a capacity, tokens routed
 together can drop differently than in a full-sequence forward.
 """
@@ -166,7 +168,7 @@ def cached_attention_hook(model, positions: jax.Array, k_pos: jax.Array, start: 
         mask = _cache_mask(model, block.layer_idx, qp, kp)  # alike layers of a stack share it
 
         def fn(xn):
-            if layout is not None:
+            if layout is not None and layout.tensor_parallel_attention:
                 o, sink["entry"] = layout.cached_attention(attn, xn, pos, entry, start, mask, layer=row)
                 return o
             q, k, v = attn.qkv(xn, pos) if hg == 1 else attn.qkv(xn, pos, hg)

@@ -2,6 +2,7 @@
 decode programs as abstract (deviceless-lowerable) jitted functions.
 
     model, layout = serving_model(cfg, graphdef, st)          # layout None = the training layout
+                                                              # tp_ep: TpEpLayout; foe: FoELayout
     out = generate(model, [ids_a, ids_b], 32, layout=layout)  # eval/generate.py, ragged prompts
 
     mesh = jax.sharding.Mesh(...)                            # e.g. over analysis.deviceless.gpu_devices
@@ -10,10 +11,12 @@ decode programs as abstract (deviceless-lowerable) jitted functions.
     compiled = fn.lower(*args).compile(compiler_options=TpEpLayout.compiler_options())
 
 Both programs are `make_decode_fn` of eval/generate.py (the same step `generate` runs) on the tp_ep
-layout (parallel/inference.py): state, tokens [b, t], start [], cache, pad [b] as ShapeDtypeStructs
+layout (parallel/inference.py), or with inference.layout=foe on the Federation-of-Experts layout
+(parallel/foe_inference.py: one group per GPU, cache rows by group): state, tokens [b, t], start [], cache, pad [b] as ShapeDtypeStructs
 with their shardings, so nothing is materialised and a CPU host can compile them for 8 GPUs. Under
 model.scan_layers the programs are the scanned decode of eval/generate.py (the stacked cache:
-per stack, per block, [repeats, b, max_len, heads, dim]).
+per stack, per block, [repeats, b, max_len, heads, dim]). model.micro_batches = m > 1 (two-batch
+overlap): the cache is a tuple of m such caches of batch / m rows (eval/generate.init_cache).
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from farskip_jax.config import Config, MeshConfig, ModelConfig
 from farskip_jax.eval.generate import decode_step, make_decode_fn, stacked_cache_shapes
+from farskip_jax.errors import ConfigError
+from farskip_jax.parallel.foe import foe_mesh_from
+from farskip_jax.parallel.foe_inference import (FoELayout, abstract_foe_inference_model, check_foe_inference,
+                                                foe_inference_model)
 from farskip_jax.parallel.inference import TpEpLayout, abstract_inference_model, inference_model, layout_for
 from farskip_jax.parallel.mesh import make_mesh
 
@@ -39,38 +46,67 @@ def restore_mesh(devices=None) -> Mesh:
 
 def serving_model(cfg: Config, graphdef, st: dict, mesh: Optional[Mesh] = None):
     """(model, layout) for generation with cfg.inference.layout: `training` -> the model as loaded
-    and None; `tp_ep` -> inference_model on `mesh` (default make_mesh(cfg.mesh)) and its TpEpLayout.
+    and None; `tp_ep` -> inference_model on `mesh` (default make_mesh(cfg.mesh)) and its TpEpLayout;
+    `foe` -> foe_inference_model on the FoE mesh of `mesh` and its FoELayout.
     st: {params, bias, rest} (eval/loading.py)."""
+    if cfg.inference.layout == "foe":
+        layout = serving_layout(cfg, mesh or make_mesh(cfg.mesh))
+        return foe_inference_model(cfg, layout.mesh, st), layout
     if cfg.inference.layout != "tp_ep":
         return nnx.merge(graphdef, st["params"], st["bias"], st["rest"]), None
     layout = layout_for(cfg, mesh or make_mesh(cfg.mesh))
     return inference_model(cfg, layout.mesh, st), layout
 
 
-def cache_entry_shapes(m: ModelConfig, batch: int, max_len: int, layout: TpEpLayout) -> tuple:
-    """Global (k, v) shapes of one layer's cache on the layout (GQA: kv heads, MLA: decompressed heads)."""
+def serving_layout(cfg: Config, mesh: Mesh):
+    """The layout object of cfg.inference.layout on `mesh` (a plain mesh; foe: split into its FoE mesh)."""
+    if cfg.inference.layout == "foe":
+        check_foe_inference(cfg, mesh)
+        return FoELayout(foe_mesh_from(mesh, cfg.moe.num_groups))
+    if cfg.inference.layout == "tp_ep":
+        return layout_for(cfg, mesh)
+    raise ConfigError(f"serving programs need inference.layout=tp_ep or foe (got {cfg.inference.layout!r})")
+
+
+def cache_entry_shapes(m: ModelConfig, batch: int, max_len: int, layout, groups: int = 1) -> tuple:
+    """Global (k, v) shapes of one layer's cache on the layout (GQA: kv heads, MLA: decompressed heads;
+    Federation of Experts with H = groups: rows H * batch of kv / H heads)."""
     if m.attention == "mla":
         k = (batch, max_len, m.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim)
         v = (batch, max_len, m.num_heads, m.v_head_dim)
     else:
         h = layout.cache_heads(m, m.num_kv_heads)
-        k = v = (batch, max_len, h, m.resolved_head_dim)
+        k = v = (batch * groups, max_len, h // groups, m.resolved_head_dim)
     return k, v
 
 
-def _program(cfg: Config, mesh: Mesh, batch: int, t: int, max_len: int, last_logits: bool = False):
-    layout = TpEpLayout(mesh, shared=cfg.inference.shared_experts)
-    graphdef, state = abstract_inference_model(cfg, mesh)
+def _abstract_cache(cfg: Config, layout, rows: int, max_len: int):
+    """The ShapeDtypeStructs of a KV cache of `rows` requests on the layout (eval/generate.init_cache)."""
     dt = jnp.dtype(cfg.model.compute_dtype)
     cs = layout.cache_sharding()
-    ks, vs = cache_entry_shapes(cfg.model, batch, max_len, layout)
+    ks, vs = cache_entry_shapes(cfg.model, rows, max_len, layout, cfg.moe.num_groups)
     if cfg.model.scan_layers:  # the stacked cache of eval/generate.py: per stack, per block, [repeats, ...]
         ss = layout.stacked_cache_sharding()
-        cache = tuple(tuple(tuple(jax.ShapeDtypeStruct(x, dt, sharding=ss) for x in kv) for kv in stack)
-                      for stack in stacked_cache_shapes(cfg, lambda layer: (ks, vs)))
+        return tuple(tuple(tuple(jax.ShapeDtypeStruct(x, dt, sharding=ss) for x in kv) for kv in stack)
+                     for stack in stacked_cache_shapes(cfg, lambda layer: (ks, vs)))
+    return tuple((jax.ShapeDtypeStruct(ks, dt, sharding=cs), jax.ShapeDtypeStruct(vs, dt, sharding=cs))
+                 for _ in range(cfg.model.num_layers))
+
+
+def _program(cfg: Config, mesh: Mesh, batch: int, t: int, max_len: int, last_logits: bool = False):
+    if cfg.inference.layout == "foe":
+        layout = serving_layout(cfg, mesh)
+        graphdef, state = abstract_foe_inference_model(cfg, layout.mesh)
+        mesh = layout.mesh
     else:
-        cache = tuple((jax.ShapeDtypeStruct(ks, dt, sharding=cs), jax.ShapeDtypeStruct(vs, dt, sharding=cs))
-                      for _ in range(cfg.model.num_layers))
+        layout = TpEpLayout(mesh, shared=cfg.inference.shared_experts)
+        graphdef, state = abstract_inference_model(cfg, mesh)
+    mb = cfg.model.micro_batches
+    if batch % mb:
+        raise ConfigError(f"model.micro_batches={mb} needs a batch that is a multiple of {mb}, got {batch} rows")
+    cache = _abstract_cache(cfg, layout, batch // mb, max_len)
+    if mb > 1:  # two-batch overlap: one cache per micro-batch
+        cache = (cache,) * mb
     args = (state, jax.ShapeDtypeStruct((batch, t), jnp.int32, sharding=layout.batch_sharding(2)),
             jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())), cache,
             jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=layout.batch_sharding(1)))

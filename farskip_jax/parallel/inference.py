@@ -227,6 +227,7 @@ class TpEpLayout:
 
     mesh: Mesh
     shared: str = "tensor"
+    tensor_parallel_attention = True  # generate's cached attention is this layout's cached_attention
 
     @property
     def partial_attention(self) -> bool:
