@@ -148,15 +148,26 @@ def node_of(mesh) -> tuple[int, ...]:
     return tuple(int(d.process_index) for d in mesh.devices.flat)
 
 
+USED_EXPERTS = "used_expert_weights"  # the proxy's slice of the experts that get rows (not a device op)
+
+
 def _balanced_grouped_gemm(fraction: float):
     def proxy(lhs, rhs, group_sizes):
+        import jax
         import jax.numpy as jnp
 
         m, k = lhs.shape
         g = rhs.shape[0]
         rhs = rhs.astype(lhs.dtype)
+        real = max(1, math.ceil(m * fraction))
+        if real < g:  # fewer real rows than local experts: `real` experts with one row each, only their
+            with jax.named_scope(USED_EXPERTS):  # weights read (the slice's copy is priced free: time_serving)
+                rhs = rhs[:real]
+            g = real
+        if m < g:
+            lhs = jnp.pad(lhs, ((0, g - m), (0, 0)))
         per = max(1, math.ceil(m * fraction / g))  # rows per local expert at balance
-        u = min(per * g, m - m % g) if m >= g else m
+        u = min(per * g, lhs.shape[0] - lhs.shape[0] % g)
         per = max(u // g, 1)
         x = lhs[: per * g] + jnp.zeros((), lhs.dtype) * group_sizes.sum().astype(lhs.dtype)  # keep the dependency
         # output in the input dtype: a bf16 x bf16 -> f32 dot of few rows compiles (XLA:GPU) to f32
@@ -165,7 +176,7 @@ def _balanced_grouped_gemm(fraction: float):
             y = jnp.dot(x, rhs[0])
         else:
             y = jnp.einsum("gmk,gkn->gmn", x.reshape(g, per, k), rhs).reshape(g * per, -1)
-        return jnp.pad(y, ((0, m - g * per), (0, 0)))
+        return jnp.pad(y, ((0, max(m - g * per, 0)), (0, 0)))[:m]
 
     return proxy
 
@@ -175,7 +186,10 @@ def balanced_grouped_gemm(fraction: float):
     (model/ops.py; lhs [M, K], rhs [G, K, N], sizes) is a batched GEMM of ceil(M * fraction) rows
     split evenly over the G groups (each group's weights read once, the useful FLOPs of a balanced
     grouped GEMM), zero-padded to M rows. Analysis compiles only: the values are wrong, the costs,
-    shapes and dependencies are a balanced grouped GEMM's (as analysis/programs.grouped_gemm_proxy)."""
+    shapes and dependencies are a balanced grouped GEMM's (as analysis/programs.grouped_gemm_proxy).
+    With fewer real rows than groups only that many experts' weights are read (a grouped GEMM skips
+    experts without rows): the proxy slices them out under the scope USED_EXPERTS, a copy that
+    time_serving prices free (the grouped GEMM reads them in place)."""
     from farskip_jax.model import ops
 
     return ops.registered_while(ops.GROUPED_MATMUL, "ragged_dot", ops.Backend(_balanced_grouped_gemm(fraction), platform=None))
@@ -331,19 +345,21 @@ def time_serving(schedule, node_of_devices: Sequence[int], hardware: str = "h200
     from farskip_jax.analysis.report import analyze
 
     copies = row_copy_ops(schedule)  # before flash_scores renames op_names
+    proxy = frozenset(o.id for o in schedule.ops if o.kind == "compute" and USED_EXPERTS in (o.op_name or ""))
     if program == "prefill" and scores:
         schedule = flash_scores(schedule, scores)
     topo = topology_for(node_of_devices, hardware, **links_over)
     hw = with_contention(HARDWARE[hardware], contention)
     kw = dict(topology=topo, fused_attention=program == "prefill", in_place_updates=True)
-    sched, durs = simulate(schedule, hw, **kw)
+    free = OptimizerStep(ops=proxy, pairs=frozenset()) if proxy else None
+    sched, durs = simulate(schedule, hw, free=free, **kw)
     rep = analyze(sched, durs, kinds=("all-reduce",), with_bound=False)
     inplace, copy_us = 0.0, 0.0
     if copies:
         copy_us = sum(o.end - o.start for o in sched.ops if o.id in copies)
-        s2, d2 = simulate(schedule, hw, free=OptimizerStep(ops=copies, pairs=frozenset()), **kw)
+        s2, d2 = simulate(schedule, hw, free=OptimizerStep(ops=copies | proxy, pairs=frozenset()), **kw)
         inplace = analyze(s2, d2, kinds=("all-reduce",), with_bound=False).step_time
-    serial, _ = simulate(schedule, hw, serialize=REDUCTIONS, **kw)
+    serial, _ = simulate(schedule, hw, serialize=REDUCTIONS, free=free, **kw)
     ars = [p for p in schedule.pairs if p.collective == "all-reduce"]
     by_role = {r: {"count": 0, "us": 0.0, "hidden_us": 0.0, "bytes": 0.0} for r in ROLES}
     for p, s in zip(ars, rep.stats):

@@ -171,7 +171,8 @@ def cached_attention_hook(model, positions: jax.Array, k_pos: jax.Array, start: 
             if layout is not None and layout.tensor_parallel_attention:
                 o, sink["entry"] = layout.cached_attention(attn, xn, pos, entry, start, mask, layer=row)
                 return o
-            q, k, v = attn.qkv(xn, pos) if hg == 1 else attn.qkv(xn, pos, hg)
+            with jax.named_scope("attention_qkv"):  # the scopes of Attention.__call__ (the cost model's)
+                q, k, v = attn.qkv(xn, pos) if hg == 1 else attn.qkv(xn, pos, hg)
             if row is None:
                 kc = jax.lax.dynamic_update_slice(entry[0], k.astype(entry[0].dtype), (0, start, 0, 0))
                 vc = jax.lax.dynamic_update_slice(entry[1], v.astype(entry[1].dtype), (0, start, 0, 0))
@@ -182,8 +183,10 @@ def cached_attention_hook(model, positions: jax.Array, k_pos: jax.Array, start: 
                 kl = jax.lax.dynamic_index_in_dim(kc, row, 0, keepdims=False)
                 vl = jax.lax.dynamic_index_in_dim(vc, row, 0, keepdims=False)
             sink["entry"] = (kc, vc)
-            o = attention_core(q, kl, vl, mask, attn.scale)
-            return attn.project_out(o, xn) if hg == 1 else attn.project_out(o, xn, hg)
+            with jax.named_scope("attention_core"):
+                o = attention_core(q, kl, vl, mask, attn.scale)
+            with jax.named_scope("attention_out"):
+                return attn.project_out(o, xn) if hg == 1 else attn.project_out(o, xn, hg)
 
         return fn, lambda: sink["entry"]
 

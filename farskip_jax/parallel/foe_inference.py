@@ -10,7 +10,8 @@ mesh.expert = H (the paper's setting: H = GPUs) every GPU holds one group:
                 data replica to its own experts (tokens over data, replicated over `group`)
     shared experts, dense MLPs   hidden units over `group` (GSPMD sums their partial outputs: one
                 all-reduce each, which runs beside the routed experts)
-    norms, embedding, LM head   replicated
+    embedding, LM head   vocabulary over `group` (as tp_ep splits it over `tensor`)
+    norms       replicated
     per layer   standard: ONE all-reduce over `group`, of sum_h (m^h_{k-1} + a^h_k) (scope
                 `group_sum`; the routed sum of layer k-1 rides in layer k's attention sum), on the
                 critical path; next to a FarSkip layer the attention sum (`group_sum`) and the routed
@@ -47,7 +48,7 @@ from farskip_jax.parallel.sharding import logical_to_spec
 
 # attention heads over the device groups (each GPU its group's heads), the rest as FoE training
 SERVING_RULES = {**FOE_RULES, "heads": (GROUP_AXIS, "tensor"), "kv_heads": (GROUP_AXIS, "tensor"),
-                 "mlp": (GROUP_AXIS, "tensor")}
+                 "mlp": (GROUP_AXIS, "tensor"), "vocab": (GROUP_AXIS, "tensor")}
 SERVING_EXPERT_RULES = {**FOE_EXPERT_RULES, "heads": (GROUP_AXIS, "tensor"), "kv_heads": (GROUP_AXIS, "tensor")}
 ROWS = (GROUP_AXIS, *BATCH_AXES)  # cache rows h*b + j: group-major, then the batch axes
 

@@ -1,0 +1,101 @@
+"""benchmarks/compare_serving.py: the serving comparison's rows are the programs they claim (TBO: two
+micro-batches and twice the all-reduces; FoE: the foe layout, no all-to-all, its cross-group sums
+priced as attention / routed all-reduces), one cost model, speedups split exactly. A 2-layer tiny GQA
+MoE compiled deviceless for 8 GPUs (prefill; skipped without the compile-only CUDA plugin); the
+n/a reasons and verdicts on hand-made inputs."""
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+gpu = pytest.mark.skipif(not HAS_CUDA_PLUGIN and not os.environ.get("CI"),
+                         reason="needs the compile-only CUDA plugin (jax-cuda12-plugin) for deviceless compiles")
+
+
+def _module():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    spec = importlib.util.spec_from_file_location("compare_serving", os.path.join(ROOT, "benchmarks",
+                                                                                   "compare_serving.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _tiny(*extra):
+    from farskip_jax.config import load_config
+
+    return load_config(None, ["model.num_layers=2", "model.first_k_dense=0", "model.d_model=128",
+                              "model.num_heads=8", "model.num_kv_heads=8", "model.vocab_size=256",
+                              "model.max_seq_len=256", "moe.num_experts=16", "moe.top_k=8", "moe.expert_hidden=64",
+                              "moe.num_shared_experts=1", *extra])
+
+
+def test_not_applicable_reasons():
+    m = _module()
+    cfg = _tiny()
+    assert m.not_applicable("foe", cfg, 8, "prefill", 16) is None and m.foe_groups_for(cfg, 8) == (8, None)
+    why = m.not_applicable("foe_farskip", cfg, 16, "prefill", 16)
+    assert why.startswith("n/a: H = 16 groups") and "8 heads" in why and "top-8" in why
+    assert "TBO splits the 3 requests" in m.not_applicable("standard_tbo", cfg, 8, "decode", 3)
+    assert m.not_applicable("farskip_tbo", cfg, 8, "decode", 4) is None
+    assert "MLA" in m.foe_groups_for(_tiny("model.attention=mla", "model.kv_lora_rank=64"), 8)[1]
+
+
+def test_verdicts_name_the_winner_and_whether_they_add_up():
+    m = _module()
+
+    def row(name, ms):
+        return {"row": name, "label": m.LABELS[name], "time_ms": ms}
+
+    rows = [row("standard", 100.0), row("standard_tbo", 95.0), row("farskip", 90.0), row("farskip_tbo", 88.0),
+            row("foe", 97.0), row("foe_farskip", 86.0)]
+    lines = m.verdicts(rows, 0.3)
+    assert lines[0].startswith("FarSkip is faster") and "1.056x" in lines[0]
+    assert lines[1].startswith("adds up") and "applies here" in lines[1]
+    assert lines[2].startswith("fastest row: FoE + FarSkip 86.00 ms")
+    rows[3]["time_ms"] = 92.0
+    assert m.verdicts(rows, 0.1)[1].startswith("does NOT add up") and "only at >= 20%" in m.verdicts(rows, 0.1)[1]
+
+
+@gpu
+def test_rows_are_the_programs_they_claim(tmp_path):
+    m = _module()
+    cfg = _tiny()
+    log = lambda s: None  # noqa: E731
+    compiled = {v: m.compile_point(cfg, "tiny", 8, "prefill", 4, 128, 128, v, str(tmp_path), log)
+                for v in ("standard", "standard_tbo", "farskip", "foe", "foe_farskip")}
+    timed = {v: m.time_point(c, "prefill", "h200", None) for v, c in compiled.items()}
+    rows = m.rows_of(timed, {"farskip_tbo": "n/a: w"})
+    by = {r["row"]: r for r in rows}
+    assert [r["row"] for r in rows] == list(m.ROWS) and by["farskip_tbo"]["na"] == "n/a: w"
+    # what each row was compiled as
+    assert by["standard_tbo"]["micro_batches"] == 2 and by["standard"]["micro_batches"] == 1
+    assert {by[v]["layout"] for v in ("standard", "standard_tbo", "farskip")} == {"tp_ep"}
+    assert by["foe"]["layout"] == by["foe_farskip"]["layout"] == "foe" and by["foe"]["num_groups"] == 8
+    assert by["foe_farskip"]["preset"] == "farskip" and by["foe"]["preset"] == "standard"
+    # TBO: every layer all-reduce twice (one per micro-batch)
+    role = lambda v, r: timed[v]["by_role"][r]["count"]  # noqa: E731
+    for r in ("attention", "routed"):
+        assert role("standard_tbo", r) == 2 * role("standard", r) > 0
+    # FoE: no all-to-all; standard one cross-group sum per layer (+ the last routed one, synchronous or
+    # not), FarSkip an attention and a routed sum per layer; shared experts summed beside them
+    for v in ("foe", "foe_farskip"):
+        assert not [p for p in compiled[v]["schedule"].pairs if p.collective == "all-to-all"]
+        assert role(v, "attention") == 2 and role(v, "shared") == 2
+    # (the last layer's attention and routed sums are read only by the final norm: XLA's all-reduce
+    # reassociation adds them first and sums once)
+    assert role("foe_farskip", "routed") == 1 and role("foe", "routed") <= 1
+    # FoE attention is priced as the tp_ep one (flash kernel scopes present in the cached attention)
+    assert timed["foe"]["compute_by_scope"].get("attention_core", 0) > 0
+    # one cost model, exact split, no-overlap = standard re-timed with synchronous all-reduces
+    assert len({(t["nodes"], t["time_us"] > 0) for t in timed.values()}) == 1
+    assert by["no_overlap"]["time_ms"] >= by["standard"]["time_ms"]
+    assert by["no_overlap"]["compute_ms"] == pytest.approx(by["standard"]["compute_ms"], rel=1e-9)
+    for r in rows:
+        if "time_ms" in r:
+            assert r["speedup"] == pytest.approx(r["hiding"] * r["compute"], rel=1e-9)
+            assert r["speedup"] == pytest.approx(by["standard"]["time_ms"] / r["time_ms"], rel=1e-9)
