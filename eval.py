@@ -85,9 +85,9 @@ def run(a) -> dict:
         raise ConfigError("pass exactly one of --run RUN_DIR or --hf HF_FOLDER")
     if a.run:
         which = int(a.which) if a.which.isdigit() else a.which
-        # the tp_ep inference layout restores replicated, then eval/serving.py reshards onto its mesh
+        # the tp_ep / foe inference layouts restore replicated, then eval/serving.py reshards onto their mesh
         mesh = None
-        if a.mode == "generate" and ov.get("inference.layout", "") == "tp_ep":
+        if a.mode == "generate" and ov.get("inference.layout", "") in ("tp_ep", "foe"):
             from farskip_jax.eval.serving import restore_mesh
 
             mesh = restore_mesh()
@@ -125,7 +125,7 @@ def run(a) -> dict:
         from farskip_jax.eval.generate import generate
         from farskip_jax.eval.serving import serving_model
 
-        model, layout = serving_model(cfg, graphdef, st)  # inference.layout=tp_ep: the paper's TP/EP mesh
+        model, layout = serving_model(cfg, graphdef, st)  # inference.layout=tp_ep / foe: their meshes
         head = [tok.bos_id] if getattr(tok, "bos_id", None) is not None else []
         prompts = a.prompt or [""]
         ids = [head + [int(t) for t in tok.encode(p)] for p in prompts]  # ragged: left-padded by generate

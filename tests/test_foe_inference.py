@@ -139,3 +139,33 @@ def test_farskip_sub_blocks_do_not_wait_for_the_cross_group_sums(decode_hlo, fs)
         routed_sum = _ops(graph, f"layer_{k}/moe/group_sum", True)
         attn_next = _ops(graph, f"layer_{k + 1}/attention")
         assert routed_sum and attn_next and not attn_next & reachable_from(users, routed_sum)
+
+
+def test_eval_generate_on_the_foe_layout_from_an_hf_folder(tmp_path, capsys):
+    """eval.py --hf DIR --mode generate with inference.layout=foe (4 groups, one per device, 2 data
+    replicas on the 8 devices) = one-device generation of the same folder imported as a 4-group FoE."""
+    import json
+
+    import eval as eval_entry
+    from farskip_jax.convert import export_hf, import_hf
+    from farskip_jax.data.tokenizer import ByteTokenizer
+    from test_inference_layout import reference as random_model
+
+    cfg = load_config(None, ["model.vocab_size=320", "model.d_model=32", "model.num_layers=2", "model.num_heads=4",
+                             "model.num_kv_heads=4", "model.mlp_hidden=64", "model.first_k_dense=0",
+                             "moe.num_experts=8", "moe.top_k=4", "moe.expert_hidden=16", "moe.num_shared_experts=0",
+                             "farskip.preset=farskip"])
+    with pytest.warns(UserWarning, match="standard connectivity"):  # Mixtral itself has no FarSkip
+        out = export_hf(random_model(cfg), cfg, str(tmp_path / "hf"), family="mixtral")
+    prompts = ["def main(", "import os"]
+    foe = ["moe.num_groups=4", "model.scan_layers=false"]
+    argv = ["--hf", out, "--tokenizer", "byte", "--mode", "generate", "--prompt", prompts[0], "--prompt", prompts[1],
+            "eval.max_new_tokens=3", "inference.layout=foe", "mesh.data=2", "mesh.expert=4", "moe.dispatch=local", *foe]
+    assert eval_entry.main(argv) == 0
+    res = json.loads(capsys.readouterr().out)
+    tok = ByteTokenizer()
+    ids = [[tok.bos_id] + list(tok.encode(p)) for p in prompts]
+    icfg, imported = import_hf(out, overrides=foe)
+    g = generate(imported, ids, 3, farskip=icfg.farskip, eos_id=tok.eos_id)
+    assert res["layout"] == "foe" and res["farskip"]["preset"] == "farskip"
+    assert res["completions"] == [tok.decode(g.completion(i)) for i in range(2)]

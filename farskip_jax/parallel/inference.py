@@ -86,7 +86,7 @@ def check_tp_ep(cfg: Config, mesh: Mesh) -> None:
                           f"(got {mesh.shape['fsdp']}) and put the devices on mesh.tensor")
     if e.num_groups > 1:
         raise ConfigError("inference.layout=tp_ep does not run a Federation of Experts (moe.num_groups > 1); "
-                          "use inference.layout=training")
+                          "use inference.layout=foe (one group per GPU) or training")
     if m.num_heads % tp:
         raise ConfigError(f"inference.layout=tp_ep splits the model.num_heads={m.num_heads} attention heads over "
                           f"mesh.tensor={tp}; pick a mesh.tensor that divides the heads")
