@@ -4,27 +4,14 @@ the plain program has one), so the table cannot compare identical programs. A 2-
 compiled deviceless for 8 GPUs (forward program; skipped without the compile-only CUDA plugin); the verdict lines on
 hand-made rows."""
 
-import importlib.util
-import os
-import sys
-
 import pytest
 
 from farskip_jax.errors import ConfigError
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-gpu = pytest.mark.skipif(not HAS_CUDA_PLUGIN and not os.environ.get("CI"),
-                         reason="needs the compile-only CUDA plugin (jax-cuda12-plugin) for deviceless compiles")
+from benchmark_loader import gpu, load_benchmark
 
 
 def _module():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    spec = importlib.util.spec_from_file_location("compare_overlap", os.path.join(ROOT, "benchmarks",
-                                                                                   "compare_overlap.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("compare_overlap")
 
 
 def _tiny():

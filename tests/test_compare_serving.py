@@ -4,25 +4,13 @@ priced as attention / routed all-reduces), one cost model, speedups split exactl
 MoE compiled deviceless for 8 GPUs (prefill; skipped without the compile-only CUDA plugin); the
 n/a reasons and verdicts on hand-made inputs."""
 
-import importlib.util
-import os
-import sys
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-gpu = pytest.mark.skipif(not HAS_CUDA_PLUGIN and not os.environ.get("CI"),
-                         reason="needs the compile-only CUDA plugin (jax-cuda12-plugin) for deviceless compiles")
+from benchmark_loader import gpu, load_benchmark
 
 
 def _module():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    spec = importlib.util.spec_from_file_location("compare_serving", os.path.join(ROOT, "benchmarks",
-                                                                                   "compare_serving.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("compare_serving")
 
 
 def _tiny(*extra):
