@@ -10,7 +10,8 @@ A setting is (model, EP size, per-GPU tokens list). For each per-GPU token shape
 sequences of s tokens per GPU; the global batch is b * EP) the train step (default) is compiled
 deviceless for EP GPUs (8 per node; EP 16 / 32 span 2 / 4 hosts as benchmarks/multinode_scaling.py
 compiles them) with the cuda_hopper preset and the latency-hiding scheduler, layers scanned, the
-routed experts traced as a grouped GEMM's cost proxy, and re-timed by the two-stream cost model of
+routed experts traced as a grouped GEMM's cost proxy where the config's moe.gmm resolves to ragged_dot
+(a config's moe.gmm=tiled runs its tiled walk), and re-timed by the two-stream cost model of
 analysis/overlap.run_overlap (contention at the hardware's default unless --contention; attention
 priced as flash kernels; several nodes: analysis/topology.py). Rows (each variant one compile):
 

@@ -151,10 +151,11 @@ def rows_of(results, models, gpus_list, points, ctx, full_layers):
                     "std_hidden": std.layer_hidden_frac, "fs_hidden": fs.layer_hidden_frac,
                     "std_hidden_all": std.hidden_frac, "fs_hidden_all": fs.hidden_frac,
                     "ar_share": std.ar_us / std.serial_us, "ar_ms": std.ar_us / 1e3,
-                    "ar_per_layer_us": sum(std.by_role[r]["us"] for r in ir.LAYER_ROLES)
-                    / max(sum(std.by_role[r]["count"] for r in ir.LAYER_ROLES), 1),
+                    "ar_per_layer_us": sum(std.by_role.get(r, {}).get("us", 0.0) for r in ir.LAYER_ROLES)
+                    / max(sum(std.by_role.get(r, {}).get("count", 0) for r in ir.LAYER_ROLES), 1),
                     "layer_ar_bytes": raw["layer_ar_bytes"], "expected_ar_bytes": raw["expected_ar_bytes"],
                     "compute_ms": std.compute_us / 1e3,
+                    "contention": raw.get("contention"),  # None: timed before contention was modelled
                 })
     return rows
 
@@ -162,8 +163,8 @@ def rows_of(results, models, gpus_list, points, ctx, full_layers):
 def table_md(rows) -> str:
     out = ["| model | GPUs (nodes) | mesh E x T | program | batch x tokens | depth | standard ms | farskip ms | "
            "speedup | vs sync AR | ceiling | AR share | AR hidden std / farskip | MB per AR | "
-           "rows in place: std / farskip ms, speedup |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "rows in place: std / farskip ms, speedup | contention |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         what = "TTFT" if r["program"] == "prefill" else f"TPOT (ctx {r['context']})"
         bt = f"{r['batch']} x {r['tokens']}" if r["program"] == "prefill" else f"{r['batch']} x 1"
@@ -172,7 +173,8 @@ def table_md(rows) -> str:
                    f"{r['mesh']['tensor']} | {what} | {bt} | {r['depth']} | {r['standard_ms']:.3f} | "
                    f"{r['farskip_ms']:.3f} | **{r['speedup']:.3f}x** | {r['speedup_vs_serial']:.3f}x | "
                    f"{r['ceiling_speedup']:.3f}x | {100 * r['ar_share']:.1f}% | {100 * r['std_hidden']:.1f}% / "
-                   f"{100 * r['fs_hidden']:.1f}% | {mb} | {inplace_cell(r)} |")
+                   f"{100 * r['fs_hidden']:.1f}% | {mb} | {inplace_cell(r)} | "
+                   f"{'none (before 2026-12-03)' if r.get('contention') is None else format(r['contention'], '.2f')} |")
     return "\n".join(out)
 
 

@@ -4,9 +4,11 @@ priced as attention / routed all-reduces), one cost model, speedups split exactl
 MoE compiled deviceless for 8 GPUs (prefill; skipped without the compile-only CUDA plugin); the
 n/a reasons and verdicts on hand-made inputs."""
 
+import os
+
 import pytest
 
-from benchmark_loader import gpu, load_benchmark
+from benchmark_loader import ROOT, gpu, load_benchmark
 
 
 def _module():
@@ -87,3 +89,18 @@ def test_rows_are_the_programs_they_claim(tmp_path):
         if "time_ms" in r:
             assert r["speedup"] == pytest.approx(r["hiding"] * r["compute"], rel=1e-9)
             assert r["speedup"] == pytest.approx(by["standard"]["time_ms"] / r["time_ms"], rel=1e-9)
+
+
+def test_serving_programs_compile_a_servers_kernels():
+    """A training config's memory choices (moe.gmm=tiled, blockwise attention) do not reach the serving
+    analysis: it prices the grouped GEMM (balanced proxy) and the platform's attention core."""
+    from farskip_jax.analysis.inference_report import serving_config
+    from farskip_jax.config import load_config
+
+    base = load_config(os.path.join(ROOT, "configs", "deepseek_v2_lite.yaml"))
+    assert base.moe.gmm == "tiled" and base.model.attention_impl == "blockwise"
+    for kw in ({}, {"micro_batches": 2}):
+        cfg = serving_config(base, "farskip", 8, **kw)
+        assert cfg.moe.gmm == "auto" and cfg.model.attention_impl == "auto" and cfg.inference.layout == "tp_ep"
+    foe = serving_config(_tiny(), "standard", 8, foe_groups=8)
+    assert foe.inference.layout == "foe" and foe.moe.gmm == "auto" and foe.moe.dispatch == "local"

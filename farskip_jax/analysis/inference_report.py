@@ -110,7 +110,7 @@ def serving_config(cfg, preset: str, num_devices: int, gpus_per_node: Optional[i
                    layers: Optional[int] = None, scan_layers: Optional[bool] = None, micro_batches: int = 1,
                    foe_groups: Optional[int] = None):
     """cfg on the tp_ep layout of num_devices GPUs (serving_shape), connectivity `preset`, bf16, no
-    remat; `layers` cuts the depth (model.num_layers); scan_layers: the stacked, scanned program
+    remat, moe.gmm and model.attention_impl auto (a server's kernels); `layers` cuts the depth (model.num_layers); scan_layers: the stacked, scanned program
     (eval/generate.py) or per-layer weights unrolled (default: the config's model.scan_layers);
     micro_batches: 2 = two-batch overlap (model.micro_batches). foe_groups = H: the Federation-of-
     Experts layout instead (inference.layout=foe, moe.num_groups = H over the num_devices GPUs)."""
@@ -124,8 +124,12 @@ def serving_config(cfg, preset: str, num_devices: int, gpus_per_node: Optional[i
         expert, tensor = serving_shape(cfg, num_devices, gpus_per_node)
         over = {"inference.layout": "tp_ep", "mesh.data": 1, "mesh.fsdp": 1, "mesh.expert": expert,
                 "mesh.tensor": tensor, "moe.dispatch": "all_to_all" if expert > 1 else "local"}
+    # a server's kernels: the grouped GEMM (ragged_dot, traced as compile_serving's balanced proxy) and the
+    # platform's attention, whatever a training config picked for memory (moe.gmm=tiled walks weight
+    # tiles over the padded rows of the replicated MoE; blockwise attention loops over key blocks)
     over.update({"moe.capacity_factor": None, "farskip.preset": preset, "model.micro_batches": micro_batches,
-                 "model.remat": "none", "model.compute_dtype": "bfloat16", "model.param_dtype": "bfloat16"})
+                 "model.remat": "none", "model.compute_dtype": "bfloat16", "model.param_dtype": "bfloat16",
+                 "moe.gmm": "auto", "model.attention_impl": "auto"})
     if scan_layers is not None:
         over["model.scan_layers"] = bool(scan_layers)
     if layers is not None:
