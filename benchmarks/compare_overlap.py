@@ -36,7 +36,6 @@ without compiling); the table goes to stdout and OUT/<model>_ep<EP>_<program>.{j
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -380,7 +379,7 @@ def main(argv=None) -> int:
         if a.full_layers is not None and (layers is None or layers - 2 < 2 or a.full_layers <= layers):
             raise ConfigError(f"--full-layers {a.full_layers}: needs --layers L >= 4 (compiled at L - 2 and L) and a "
                               f"full depth above L; got --layers {layers}")
-        over = [f"mesh.data=1", f"mesh.expert={a.ep}", "moe.dispatch=all_to_all", "moe.capacity_factor=1.0",
+        over = ["mesh.data=1", f"mesh.expert={a.ep}", "moe.dispatch=all_to_all", "moe.capacity_factor=1.0",
                 f"model.max_seq_len={max([4096] + [s for _, s in tokens])}", "model.remat=none",
                 "model.scan_layers=true"]
         over += [f"model.num_layers={layers}"] if layers else []
