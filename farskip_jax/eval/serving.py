@@ -34,7 +34,7 @@ from farskip_jax.errors import ConfigError
 from farskip_jax.parallel.foe import foe_mesh_from
 from farskip_jax.parallel.foe_inference import (FoELayout, abstract_foe_inference_model, check_foe_inference,
                                                 foe_inference_model)
-from farskip_jax.parallel.inference import TpEpLayout, abstract_inference_model, inference_model, layout_for
+from farskip_jax.parallel.inference import abstract_inference_model, inference_model, layout_for
 from farskip_jax.parallel.mesh import make_mesh
 
 
@@ -49,13 +49,11 @@ def serving_model(cfg: Config, graphdef, st: dict, mesh: Optional[Mesh] = None):
     and None; `tp_ep` -> inference_model on `mesh` (default make_mesh(cfg.mesh)) and its TpEpLayout;
     `foe` -> foe_inference_model on the FoE mesh of `mesh` and its FoELayout.
     st: {params, bias, rest} (eval/loading.py)."""
-    if cfg.inference.layout == "foe":
-        layout = serving_layout(cfg, mesh or make_mesh(cfg.mesh))
-        return foe_inference_model(cfg, layout.mesh, st), layout
-    if cfg.inference.layout != "tp_ep":
+    if cfg.inference.layout == "training":
         return nnx.merge(graphdef, st["params"], st["bias"], st["rest"]), None
-    layout = layout_for(cfg, mesh or make_mesh(cfg.mesh))
-    return inference_model(cfg, layout.mesh, st), layout
+    layout = serving_layout(cfg, mesh or make_mesh(cfg.mesh))
+    place = foe_inference_model if cfg.inference.layout == "foe" else inference_model
+    return place(cfg, layout.mesh, st), layout
 
 
 def serving_layout(cfg: Config, mesh: Mesh):
@@ -94,13 +92,10 @@ def _abstract_cache(cfg: Config, layout, rows: int, max_len: int):
 
 
 def _program(cfg: Config, mesh: Mesh, batch: int, t: int, max_len: int, last_logits: bool = False):
-    if cfg.inference.layout == "foe":
-        layout = serving_layout(cfg, mesh)
-        graphdef, state = abstract_foe_inference_model(cfg, layout.mesh)
-        mesh = layout.mesh
-    else:
-        layout = TpEpLayout(mesh, shared=cfg.inference.shared_experts)
-        graphdef, state = abstract_inference_model(cfg, mesh)
+    layout = serving_layout(cfg, mesh)
+    mesh = layout.mesh
+    abstract = abstract_foe_inference_model if cfg.inference.layout == "foe" else abstract_inference_model
+    graphdef, state = abstract(cfg, mesh)
     mb = cfg.model.micro_batches
     if batch % mb:
         raise ConfigError(f"model.micro_batches={mb} needs a batch that is a multiple of {mb}, got {batch} rows")

@@ -44,7 +44,7 @@ from farskip_jax.errors import ConfigError
 from farskip_jax.parallel.foe import FOE_EXPERT_RULES, FOE_RULES, GROUP_AXIS, FoECompute, foe_mesh_from
 from farskip_jax.parallel.inference import NO_COMBINER_PASSES
 from farskip_jax.parallel.mesh import BATCH_AXES, make_mesh
-from farskip_jax.parallel.sharding import logical_to_spec
+from farskip_jax.parallel.sharding import abstract_state, logical_to_spec
 
 # attention heads over the device groups (each GPU its group's heads), the rest as FoE training
 SERVING_RULES = {**FOE_RULES, "heads": (GROUP_AXIS, "tensor"), "kv_heads": (GROUP_AXIS, "tensor"),
@@ -154,10 +154,4 @@ def abstract_foe_inference_model(cfg: Config, mesh: Mesh):
     """(graphdef, state) of cfg's foe-layout model, every leaf a ShapeDtypeStruct with its sharding
     (deviceless lowering for compile-only GPUs, eval/serving.py)."""
     graphdef, state = _foe_graph(cfg, mesh)
-    shardings = serving_state_shardings(state, mesh)
-
-    def one(v, s):
-        x = v.get_value()
-        return v.replace(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s))
-
-    return graphdef, jax.tree.map(one, state, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return graphdef, abstract_state(state, serving_state_shardings(state, mesh))

@@ -60,7 +60,7 @@ from farskip_jax.model.connectivity import moe_stream
 from farskip_jax.model.experts import ExpertWeights, RoutedOutput, expert_swiglu
 from farskip_jax.model.layer_loop import LayerStep
 from farskip_jax.model.router import RouteResult
-from farskip_jax.parallel.sharding import RULES, logical_to_spec
+from farskip_jax.parallel.sharding import RULES, abstract_state, logical_to_spec
 
 TP_AXIS = "tensor"
 EP_AXES = ("expert", "tensor")  # the expert-parallel group: every device of a data replica
@@ -537,10 +537,4 @@ def abstract_inference_model(cfg: Config, mesh: Mesh):
     cfg = config_on(cfg, mesh)
     rc = ReplicatedEPCompute(mesh)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), routed_compute=rc)))
-    shardings = tp_ep_state_shardings(state, mesh, cfg)
-
-    def one(v, s):
-        x = v.get_value()
-        return v.replace(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s))
-
-    return graphdef, jax.tree.map(one, state, shardings, is_leaf=_is_var)
+    return graphdef, abstract_state(state, tp_ep_state_shardings(state, mesh, cfg))

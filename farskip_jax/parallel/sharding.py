@@ -135,3 +135,14 @@ def place_state(state: Any, mesh: Optional[Mesh]) -> Any:
         return jax.device_put(x, rep)
 
     return jax.tree.map(put, state)
+
+
+def abstract_state(state, shardings):
+    """`state` (an nnx.State of Variables) with every value a ShapeDtypeStruct carrying its sharding
+    from `shardings` (the same tree of NamedShardings): lowers for any devices, allocates nothing."""
+
+    def one(v, sh):
+        x = v.get_value()
+        return v.replace(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh))
+
+    return jax.tree.map(one, state, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
