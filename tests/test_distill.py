@@ -96,19 +96,27 @@ def test_distill_step_trains_student_and_leaves_teacher():
 @pytest.mark.parametrize("remat", ["minimal", "full"])
 def test_distill_step_under_remat_equals_no_remat(remat):
     """The frozen teacher goes into rematerialised blocks (configs/distill_hf.yaml uses remat=minimal):
-    one step gives the same loss and student as without remat."""
+    the loss and the student's gradient equal those without remat (fp32, 1e-5 of each leaf's largest
+    entry), and one jitted step runs. The updated parameters are not compared: Adam's first update is
+    lr * g / (|g| + eps), which turns a 1e-12 reordering difference of a near-zero gradient entry into a
+    1e-6 parameter difference."""
     from farskip_jax.config import replace
 
     out = {}
     for r in ("none", remat):
         cfg = replace(tiny_cfg(), **{"model.remat": r})
         graphdef, state, teacher, tx, schedule = student_and_teacher(cfg)
-        step = jax.jit(make_distill_step(graphdef, cfg, tx, schedule), donate_argnums=0)
-        state, m = step(state, teacher, tiny_batch())
-        out[r] = (float(m["loss"]), jax.tree.leaves(jax.tree.map(np.asarray, state["params"])))
+        loss_fn = make_distill_loss_fn(graphdef, cfg)
+        (loss, _), g = jax.jit(jax.value_and_grad(
+            lambda p: loss_fn(p, state["bias"], state["rest"], teacher, tiny_batch()), has_aux=True))(state["params"])
+        out[r] = (float(loss), jax.tree.leaves(jax.tree.map(np.asarray, g)))
+        if r == remat:
+            step = jax.jit(make_distill_step(graphdef, cfg, tx, schedule), donate_argnums=0)
+            _, m = step(state, teacher, tiny_batch())
+            np.testing.assert_allclose(float(m["loss"]), float(loss), rtol=1e-5)
     np.testing.assert_allclose(out[remat][0], out["none"][0], rtol=1e-5)
     for a, b in zip(out[remat][1], out["none"][1]):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * max(float(np.abs(b).max()), 1e-12))
 
 
 def test_early_stopping_patience():
