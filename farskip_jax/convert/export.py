@@ -42,6 +42,7 @@ from flax import nnx
 
 from farskip_jax.config import Config
 from farskip_jax.convert.families import family_by_name, family_for, farskip_native, text_part
+from farskip_jax.convert.families.common import rope_notes
 from farskip_jax.convert.reader import TOKENIZER_FILES, read_hf_config
 from farskip_jax.convert.safetensors_io import write_file
 from farskip_jax.convert.fit import connectivity_notes, families_that_fit, family_problems, native_keys
@@ -180,7 +181,7 @@ def export_hf(model: Transformer, cfg: Config, out_dir: str, *, base_config: Opt
     if base_config is None and src and os.path.isfile(os.path.join(src, "config.json")):
         tokenizer_dir = tokenizer_dir or src  # the folder the model was imported from
     hf_cfg["dtype"] = dtype
-    for line in connectivity_notes(cfg, hf_cfg):
+    for line in connectivity_notes(cfg, hf_cfg) + rope_notes(cfg):
         (report or (lambda m: warnings.warn(m, stacklevel=3)))(line)
     specs = fam.specs(cfg)
     values = per_layer_values(dict(nnx.to_flat_state(nnx.state(model))),
