@@ -436,6 +436,9 @@ class DataConfig:
     shuffle: bool = True  # shuffle training documents (deterministic from train.seed)
     shard_by: Literal["rows", "docs"] = "rows"  # multi-process split: rows of each global batch, or documents
     prefetch: int = 2  # training batches a background thread prepares ahead of the step (0: none)
+    # jsonl / arrayrecord records that do not read (bad JSON, no text field, bad token ids): false = one error
+    # naming the first (file, line / record, what is wrong) before the run starts; true = drop them, with a count
+    skip_bad_records: bool = False
 
     def __post_init__(self):
         _check(0.0 < self.val_fraction < 1.0, "data.val_fraction must be in (0, 1)")
