@@ -113,7 +113,7 @@ def arrayrecord_bad(files: Sequence[str], vocab: int, tokenizer, *, skip: bool, 
                             ids = np.frombuffer(rec, "<i4")
                             off = ids[(ids < 0) | (ids >= vocab)]
                             if off.size:
-                                why = (f"holds token id {int(off[0])}, outside {whose} vocabulary [0, {vocab}): "
+                                why = (f"holds token id {int(off[0])} that lies outside {whose} vocabulary [0, {vocab}): "
                                        "re-tokenize the data with the model's tokenizer (python -m "
                                        "farskip_jax.data.prepare --tokenizer ...)")
                         if why is not None:
