@@ -13,8 +13,13 @@ from cli_helpers import qwen3_hf, snapshot
 
 from farskip_jax.config import dump_config, load_config
 from farskip_jax.errors import ConfigError
-from farskip_jax.folders import MARKER, folder_kind
 from farskip_jax.train import rundir
+
+
+def folder_kind(path):
+    from farskip_jax.folders import folder_kind
+
+    return folder_kind(path)
 
 TINY = ["model.num_layers=1", "train.steps=2", "train.tensorboard=false"]
 
@@ -67,9 +72,9 @@ def test_a_run_folder_of_a_version_without_the_marker_is_kept_and_marked(tmp_pat
     cfg = _cfg(old)
     (old / "config.yaml").write_text(dump_config(cfg))  # what 02f767d leaves: config.yaml + .owner, no marker
     (old / ".owner").write_text("123 on host")
-    assert folder_kind(str(old)).kind == "run" and not folder_kind(str(old)).marked
     folder = rundir.check_run_dir(cfg)
     assert folder.resume and "marked" in folder.note
+    assert folder_kind(str(old)).kind == "run" and not folder_kind(str(old)).marked
     rundir.claim_run_dir(cfg, folder)
     rundir.release_run_dir(str(old))
     assert folder_kind(str(old)).marked
@@ -144,6 +149,8 @@ def test_distill_export_inside_the_run_is_refused_before_anything_is_written(tmp
 
 
 def test_the_marker_is_written_only_by_the_project_and_names_the_kind(tmp_path):
+    from farskip_jax.folders import MARKER
+
     run = _a_run(str(tmp_path / "run"))
     with open(os.path.join(run, MARKER)) as f:
         assert json.load(f)["kind"] == "run"
