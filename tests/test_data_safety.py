@@ -83,3 +83,17 @@ def test_a_bad_arrayrecord_record_is_named_by_its_index(tmp_path):
                        "train", tok, report=notes.append)
     assert 13 not in src.indices and len(notes) == 1 and "left out 1 bad record(s)" in notes[0]
     assert all(len(src[i]) == 40 for i in range(len(src)))
+
+
+def test_prepare_replaces_only_its_own_output(tmp_path, capsys):
+    from farskip_jax.data.prepare import main as prepare_main
+
+    (tmp_path / "a.txt").write_text("def f(x):\n    return x\n" * 20)
+    (tmp_path / "b.txt").write_text("class A:\n    pass\n" * 20)
+    mine = tmp_path / "mine.bin"
+    mine.write_bytes(b"my data")
+    assert prepare_main(["--source", "text", "--paths", str(tmp_path / "*.txt"), "--out", str(mine)]) == 2
+    assert "already exists and was not written by prepare" in capsys.readouterr().err and mine.read_bytes() == b"my data"
+    out = str(tmp_path / "c.array_record")
+    assert prepare_main(["--source", "text", "--paths", str(tmp_path / "*.txt"), "--out", out]) == 0
+    assert prepare_main(["--source", "text", "--paths", str(tmp_path / "*.txt"), "--out", out]) == 0  # its own: replaced

@@ -137,13 +137,17 @@ class Checkpointer:
 
     def _seal(self) -> None:
         """Orbax's hook, after a step's files are final and before it renames the step into place:
-        process 0 writes the step's digest (so a committed step always has one)."""
-        step = self._sealing.popleft()
-        if self.process != 0:
-            return
-        tmp = [d for d in os.listdir(self.dir) if d.startswith(f"{step}.orbax-checkpoint-tmp")]
-        root = os.path.join(self.dir, tmp[0] if len(tmp) == 1 else str(step))
-        write_digest(self._digest_path(step), digest_files(self._files(step, root)))
+        process 0 writes the step's digest (so a committed step always has one). The step is the
+        oldest pending one whose temporary folder is there (orbax finalizes saves in order)."""
+        tmp = {int(d.split(".")[0]): d for d in os.listdir(self.dir) if ".orbax-checkpoint-tmp" in d
+               and d.split(".")[0].isdigit()}
+        step = next((s for s in self._sealing if s in tmp), self._sealing[0])
+        while self._sealing and self._sealing[0] != step:
+            self._sealing.popleft()
+        self._sealing.popleft()
+        if self.process == 0:
+            root = os.path.join(self.dir, tmp.get(step, str(step)))
+            write_digest(self._digest_path(step), digest_files(self._files(step, root)))
 
     def sealed(self) -> bool:
         """Whether every committed step of this folder has a digest (a folder this version started)."""
@@ -171,8 +175,9 @@ class Checkpointer:
             os.replace(tmp, path)
             self._maybe_seal_folder()
             self._sealing.append(step)
-            self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(flatten_state(state))),
-                           force=force)
+            if not self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(flatten_state(state))),
+                                  force=force):
+                self._sealing.remove(step)  # orbax chose not to save it: no digest will be due
             if self.sync:
                 self.mngr.wait_until_finished()
         except Exception as e:  # noqa: BLE001 -- orbax and the OS raise many types; all mean "not written"
