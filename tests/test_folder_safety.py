@@ -155,3 +155,19 @@ def test_the_marker_is_written_only_by_the_project_and_names_the_kind(tmp_path):
     with open(os.path.join(run, MARKER)) as f:
         assert json.load(f)["kind"] == "run"
     assert folder_kind(str(tmp_path)).kind is None
+
+
+def test_a_run_folder_under_a_file_says_so(tmp_path):
+    (tmp_path / "notes").write_text("a file")
+    with pytest.raises(ConfigError, match=r"cannot be created: .*notes is a file, not a folder"):
+        rundir.check_run_dir(_cfg(tmp_path / "notes" / "run"))
+
+
+def test_convert_help_prints_the_usage_whole(capsys):
+    from farskip_jax.convert.__main__ import main as convert
+
+    with pytest.raises(SystemExit):
+        convert(["--help"])
+    out = capsys.readouterr().out
+    assert "    python -m farskip_jax.convert import HF_DIR OUT_DIR [--dtype bfloat16] [--overwrite] [key=value ...]\n" in out
+    assert "--overwrite replaces an existing output folder only when farskip_jax wrote it" in out
