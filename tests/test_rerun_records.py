@@ -54,10 +54,16 @@ def test_a_preempted_run_names_the_step_of_its_validation_loss(tmp_path):
 
 
 def test_a_run_that_diverges_before_any_checkpoint_says_there_is_none(tmp_path, monkeypatch):
-    monkeypatch.setattr(step_module, "NAN_AT_STEPS", (1, 2))
+    from test_train_step import _cfg as step_cfg  # the program of its divergence test: compiled once
+
+    from farskip_jax.config import DataConfig, replace
+
+    monkeypatch.setattr(step_module, "NAN_AT_STEPS", (3, 6, 7, 8))  # as there: stops at step 8
+    cfg = replace(step_cfg(batch_size=8, max_nonfinite=3, checkpoint_every=0, log_every=5, eval_every=0,
+                           tensorboard=False, run_dir=str(tmp_path / "run")),
+                  data=DataConfig(tokenizer="byte", max_docs=50))
     out = io.StringIO()
-    res = train(_cfg(tmp_path / "run", "train.steps=5", "train.max_nonfinite=2", "train.checkpoint_every=0",
-                     "train.eval_every=0"), stream=out)
+    res = train(replace(cfg, **{"model.vocab_size": 259}), stream=out)
     assert res.status == "diverged"
     assert "last good checkpoint (None)" not in out.getvalue()
     assert "no checkpoint was saved before" in out.getvalue() and "train.overwrite=true" in out.getvalue()
