@@ -62,7 +62,7 @@ def _index_file(path: str, field: str) -> tuple[list, list]:
                 off += len(line)
     except OSError as e:
         raise DataError(f"cannot read JSONL file {path!r}: {e.strerror or e}") from None
-    for k in [k for k in _CACHE if k[0] == path]:  # an older version of the file
+    for k in [k for k in _CACHE if k[0] == path or len(_CACHE) > 256]:  # an older version of the file; bounded
         del _CACHE[k]
     _CACHE[key] = (good, bad)
     return good, bad
