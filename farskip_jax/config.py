@@ -33,6 +33,10 @@ def _check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 # --------------------------------------------------------------------------------------------------
 # Sections
 # --------------------------------------------------------------------------------------------------
@@ -402,7 +406,8 @@ class TrainConfig:
     run_dir: str = "runs/default"
     overwrite: bool = False
     checkpoint_every: int = 0  # 0 = only at the end
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = 3  # >= 1: the newest checkpoints kept (the final one always among them)
+    resume_step: Optional[int] = None  # resume from this checkpoint step instead of the newest (newer ones are dropped)
     max_nonfinite: int = 5
     peak_flops: Optional[float] = None  # per device, for MFU
     tensorboard: bool = True
@@ -415,6 +420,15 @@ class TrainConfig:
         for k in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_batches"):
             _check(getattr(self, k) >= 1, f"train.{k} must be >= 1, got {getattr(self, k)}")
         _check(self.lr > 0, "train.lr must be > 0")
+        _check(_is_int(self.keep_checkpoints) and self.keep_checkpoints >= 1,
+               f"train.keep_checkpoints={self.keep_checkpoints!r}: keep at least 1 checkpoint (the run's final one); "
+               "set it to 1 or more")
+        _check(_is_int(self.checkpoint_every) and self.checkpoint_every >= 0,
+               f"train.checkpoint_every={self.checkpoint_every!r}: give the steps between checkpoints (an int >= 1), "
+               "or 0 to save only at the end")
+        _check(self.resume_step is None or (_is_int(self.resume_step) and self.resume_step >= 0),
+               f"train.resume_step={self.resume_step!r}: give a checkpoint step of the run (an int >= 0), or null for "
+               "the newest")
         _check(self.batch_size % self.grad_accum == 0, "train.grad_accum must divide train.batch_size")
         _check(self.loss_chunk is None or (isinstance(self.loss_chunk, int) and not isinstance(self.loss_chunk, bool)
                                            and self.loss_chunk >= 0),
@@ -436,6 +450,9 @@ class DataConfig:
     shuffle: bool = True  # shuffle training documents (deterministic from train.seed)
     shard_by: Literal["rows", "docs"] = "rows"  # multi-process split: rows of each global batch, or documents
     prefetch: int = 2  # training batches a background thread prepares ahead of the step (0: none)
+    # jsonl / arrayrecord records that do not read (bad JSON, no text field, bad token ids): false = one error
+    # naming the first (file, line / record, what is wrong) before the run starts; true = drop them, with a count
+    skip_bad_records: bool = False
 
     def __post_init__(self):
         _check(0.0 < self.val_fraction < 1.0, "data.val_fraction must be in (0, 1)")

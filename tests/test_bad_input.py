@@ -158,9 +158,12 @@ def test_truncated_checkpoint_step_is_named_and_nothing_is_written(run_folder, c
 def test_folder_of_a_run_that_never_finished_a_step_is_reclaimed(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
-    # what a run that died while compiling leaves: config.yaml of another config, a metrics file without steps
+    # what a run that died while compiling leaves: the run marker, config.yaml of another config, a metrics
+    # file without steps
     from farskip_jax.config import dump_config, load_config
+    from farskip_jax.folders import write_marker
 
+    write_marker(str(run), "run")
     (run / "config.yaml").write_text(dump_config(load_config("configs/tiny.yaml", ["model.num_layers=1"])))
     (run / "metrics.jsonl").write_text(json.dumps({"kind": "event", "step": 0}) + "\n")
     assert train_entry.main(_train(str(run))) == 0

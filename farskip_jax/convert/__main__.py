@@ -1,12 +1,12 @@
-"""CLI: python -m farskip_jax.convert import HF_DIR OUT_DIR | export CKPT_DIR HF_DIR (progress per tensor).
+"""python -m farskip_jax.convert: import an HF folder, or export a farskip_jax folder as an HF folder.
 
-    import HF_DIR OUT_DIR [--dtype bfloat16] [--overwrite] [key=value ...]
+    python -m farskip_jax.convert import HF_DIR OUT_DIR [--dtype bfloat16] [--overwrite] [key=value ...]
         HF folder -> our folder (config.yaml, params.safetensors, hf_config.json, tokenizer files),
         streamed tensor by tensor; key=value overrides the imported config (farskip.preset=farskip).
         The connectivity is the one an export saved in config.json ("farskip_jax"), else the family's
         (standard; FarSkip-native keys), overrides win; one line names it and its source.
-    export CKPT_DIR HF_DIR [--which best|latest|STEP] [--dtype bfloat16] [--family MODEL_TYPE]
-                           [--max-shard-size 5GB] [--overwrite]
+    python -m farskip_jax.convert export SRC_DIR HF_DIR [--which best|latest|STEP] [--dtype bfloat16]
+                                        [--family MODEL_TYPE] [--max-shard-size 5GB] [--overwrite]
         our import folder, or a run folder, -> an HF folder that transformers loads, with our FarSkip
         settings in config.json and what it holds (source, checkpoint, step) in farskip_export.json.
         --which (run folders): default best for an FCSD run (it keeps best/), latest otherwise.
@@ -14,7 +14,11 @@
         the model (naming what does not fit and the families that can); instella_moe writes the
         FarSkip-native layout of a DeepSeek-V3-family model. A warning names connectivity the
         target's readers will not run.
-Errors of the project (bad folder, missing tensor, shape mismatch, ...) print one line and exit 2.
+
+--overwrite replaces an existing output folder only when farskip_jax wrote it as the same kind (an
+import folder for import, an export for export); a training run folder, the files a run writes and
+any other folder are never replaced. Errors of the project (bad folder, missing tensor, shape
+mismatch, ...) print one `error:` line and exit 2.
 """
 
 from __future__ import annotations
@@ -67,26 +71,32 @@ def _load_ckpt(path: str, which: Optional[str], family: Optional[str]):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m farskip_jax.convert", description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    pi = sub.add_parser("import", help="HF folder -> farskip_jax folder")
-    pi.add_argument("hf_dir")
-    pi.add_argument("out_dir")
-    pi.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
-    pi.add_argument("--overwrite", action="store_true")
-    pi.add_argument("overrides", nargs="*", help="config overrides key=value")
-    pe = sub.add_parser("export", help="farskip_jax folder or run folder -> HF folder")
-    pe.add_argument("ckpt_dir")
-    pe.add_argument("hf_dir")
-    pe.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap = argparse.ArgumentParser(prog="python -m farskip_jax.convert", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{import,export}")
+    pi = sub.add_parser("import", help="HF folder -> farskip_jax import folder",
+                        description="Import an HF checkpoint folder into a farskip_jax import folder.")
+    pi.add_argument("hf_dir", metavar="HF_DIR", help="HF checkpoint folder (config.json + *.safetensors)")
+    pi.add_argument("out_dir", metavar="OUT_DIR", help="the import folder to write (a new folder)")
+    pi.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="parameter dtype (default: the source's)")
+    pi.add_argument("--overwrite", action="store_true",
+                    help="replace OUT_DIR when it is an import folder farskip_jax wrote (never anything else)")
+    pi.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. farskip.preset=farskip")
+    pe = sub.add_parser("export", help="farskip_jax import folder or run folder -> HF folder",
+                        description="Export a farskip_jax import folder or a checkpoint of a run folder as an HF folder.")
+    pe.add_argument("ckpt_dir", metavar="SRC_DIR", help="an import folder or a run folder (train.run_dir)")
+    pe.add_argument("hf_dir", metavar="HF_DIR", help="the HF folder to write (a new folder)")
+    pe.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="tensor dtype (default float32)")
     pe.add_argument("--which", default=None,
                     help="run folders: best | latest | a step number (default: best for an FCSD run, which keeps "
                          "best/; latest otherwise)")
     pe.add_argument("--family", default=None,
                     help="HF model_type to write (default: the source's config.json); instella_moe: the FarSkip-native "
                          "layout of a DeepSeek-V3-family model")
-    pe.add_argument("--max-shard-size", type=_size, default=None)
-    pe.add_argument("--overwrite", action="store_true")
+    pe.add_argument("--max-shard-size", type=_size, default=None, metavar="SIZE",
+                    help="split the weights into shards of at most SIZE (e.g. 5GB; default: one file)")
+    pe.add_argument("--overwrite", action="store_true",
+                    help="replace HF_DIR when it is an export farskip_jax wrote (never a run folder or anything else)")
     a = ap.parse_args(argv)
     t0 = time.time()
     try:
@@ -103,9 +113,9 @@ def main(argv=None) -> int:
                   f"farskip preset {cfg.farskip.preset}) in {time.time() - t0:.1f}s")
         else:
             from farskip_jax.convert.export import export_hf
+            from farskip_jax.folders import check_output
 
-            if os.path.exists(a.hf_dir) and not a.overwrite:  # before any checkpoint is read
-                raise CheckpointError(f"{os.path.abspath(a.hf_dir)} already exists; pass --overwrite or choose a new folder")
+            check_output(a.hf_dir, "export", overwrite=a.overwrite, what="the export folder")  # before any reading
             cfg, model, hf, source = _load_ckpt(a.ckpt_dir, a.which, a.family)
             what = (f"checkpoint {source['checkpoint']} (step {source['step']}) of the run" if "run" in source
                     else "the import folder")

@@ -16,11 +16,15 @@ An export whose readers will not run the student's connectivity is reported (`re
 warnings.warn). `source` (e.g. {"run": RUN_DIR, "checkpoint": "best", "step": 120}) is written to
 farskip_export.json: what the folder holds. Tensors are written by a streaming safetensors writer
 (sharded past `max_shard_bytes`, with an index). Everything goes to a temporary folder renamed into
-place at the end: on failure OUT_DIR is not created. A model with `model.scan_layers` exports the
-same folder: each stacked parameter is sliced per layer on device (model/stacking.per_layer_values).
+place at the end: on failure OUT_DIR is not created. The folder is marked as an export
+(folders.write_marker); an existing OUT_DIR is replaced (overwrite=True) only when it is an export
+farskip_jax wrote, never a run folder or the files a run writes (folders.check_output, checked before
+anything is read and again before the rename). A model with `model.scan_layers` exports the same
+folder: each stacked parameter is sliced per layer on device (model/stacking.per_layer_values).
 
 `run_export_dir(export_hf, run_dir)` is where a run's `distill.export_hf` goes: a relative path is
-inside the run folder; an existing folder that is not this run's export is refused.
+inside the run folder; the run folder itself, what the run writes in it (checkpoints, best, ...), a
+folder holding the run, and an existing folder that is not this run's export are refused.
 """
 
 from __future__ import annotations
@@ -38,10 +42,12 @@ from flax import nnx
 
 from farskip_jax.config import Config
 from farskip_jax.convert.families import family_by_name, family_for, farskip_native, text_part
+from farskip_jax.convert.families.common import rope_notes
 from farskip_jax.convert.reader import TOKENIZER_FILES, read_hf_config
 from farskip_jax.convert.safetensors_io import write_file
 from farskip_jax.convert.fit import connectivity_notes, families_that_fit, family_problems, native_keys
 from farskip_jax.errors import CheckpointError, ConfigError
+from farskip_jax.folders import RUN_ENTRIES, check_output, write_marker
 from farskip_jax.model.stacking import per_layer_values, plan_segments
 from farskip_jax.model.transformer import Transformer
 
@@ -122,21 +128,29 @@ def export_target(cfg: Config, base_config: Optional[dict] = None, family: Optio
 def run_export_dir(export_hf: str, run_dir: str) -> str:
     """The folder a run's `distill.export_hf` names: a relative path is inside the run folder (one that
     already leads into it from the working directory is taken as it is); an absolute path is used as
-    given. ConfigError when the folder exists, lies outside the run folder and is not this run's
-    export (its farskip_export.json names another source, or it has none)."""
+    given. ConfigError when the export would replace the run folder, a folder holding it or what the
+    run writes in it (checkpoints, best, ...), or an existing folder that is not this run's export."""
     run_dir = os.path.abspath(run_dir)
     p = os.path.expanduser(export_hf)
     inside = lambda q: os.path.commonpath([q, run_dir]) == run_dir  # noqa: E731
     out = os.path.abspath(p) if os.path.isabs(p) or inside(os.path.abspath(p)) else os.path.join(run_dir, p)
     out = os.path.normpath(out)
+    what = f"distill.export_hf={export_hf!r}:"
+    if os.path.commonpath([out, run_dir]) == out:
+        raise ConfigError(f"{what} {out} is the run folder {run_dir} or holds it; the export replaces its folder: "
+                          "set distill.export_hf to a new folder inside the run (a relative path, e.g. hf)")
+    if inside(out) and os.path.relpath(out, run_dir).split(os.sep)[0] in RUN_ENTRIES:
+        top = os.path.relpath(out, run_dir).split(os.sep)[0]
+        raise ConfigError(f"{what} {out} lies in {os.path.join(run_dir, top)}, which the run writes itself; set "
+                          "distill.export_hf to a new folder inside the run (a relative path, e.g. hf)")
     if os.path.exists(out) and not inside(out):
         info = read_export_info(out)
         if (info or {}).get("run") != run_dir:
             whose = f"the export of {info.get('run')}" if info and info.get("run") else "not an export of this run"
-            raise ConfigError(f"distill.export_hf={export_hf!r}: {out} already exists and is {whose}; a run writes its "
+            raise ConfigError(f"{what} {out} already exists and is {whose}; a run writes its "
                               f"export only into its own folder or a new one: set distill.export_hf to a path inside "
                               f"the run folder (a relative one, e.g. hf) or to a new folder, or delete {out}")
-    return out
+    return check_output(out, "export", overwrite=True, what=what, flag="the FCSD export (distill.export_hf)")
 
 
 def read_export_info(folder: str) -> Optional[dict]:
@@ -161,15 +175,13 @@ def export_hf(model: Transformer, cfg: Config, out_dir: str, *, base_config: Opt
               max_shard_bytes: Optional[int] = None, overwrite: bool = False, progress=None,
               report: Optional[Callable[[str], None]] = None, source: Optional[dict] = None) -> str:
     """Write `model` as an HF checkpoint folder at out_dir; returns its path (module docstring)."""
-    out_dir = os.path.abspath(out_dir)
-    if os.path.exists(out_dir) and not overwrite:
-        raise CheckpointError(f"{out_dir} already exists; pass overwrite=True (CLI: --overwrite) or choose a new folder")
+    out_dir = check_output(out_dir, "export", overwrite=overwrite, what="the export folder")
     hf_cfg, fam = export_target(cfg, base_config, family)
     src = cfg.init_from_hf
     if base_config is None and src and os.path.isfile(os.path.join(src, "config.json")):
         tokenizer_dir = tokenizer_dir or src  # the folder the model was imported from
     hf_cfg["dtype"] = dtype
-    for line in connectivity_notes(cfg, hf_cfg):
+    for line in connectivity_notes(cfg, hf_cfg) + rope_notes(cfg):
         (report or (lambda m: warnings.warn(m, stacklevel=3)))(line)
     specs = fam.specs(cfg)
     values = per_layer_values(dict(nnx.to_flat_state(nnx.state(model))),
@@ -245,7 +257,9 @@ def export_hf(model: Transformer, cfg: Config, out_dir: str, *, base_config: Opt
                 src = os.path.join(tokenizer_dir, fn)
                 if os.path.isfile(src):
                     shutil.copy(src, os.path.join(tmp, fn))
+        write_marker(tmp, "export")
         os.chmod(tmp, 0o755)
+        check_output(out_dir, "export", overwrite=overwrite, what="the export folder")  # it may have changed since
         if os.path.exists(out_dir):
             shutil.rmtree(out_dir)
         os.rename(tmp, out_dir)

@@ -4,8 +4,11 @@
     OUT_DIR/params.safetensors   one tensor per parameter, named by its NNX path ("layers.0.attn.q_proj.w")
     OUT_DIR/hf_config.json       the source config.json (export uses it as the base)
     OUT_DIR/tokenizer.json ...   copied from the HF folder when present
+    OUT_DIR/.farskip_jax         the marker of an import folder (folders.py)
 
-`write_native_from_hf` converts tensor by tensor straight from the HF memory map (no JAX arrays);
+`write_native_from_hf` converts tensor by tensor straight from the HF memory map (no JAX arrays)
+into a temporary folder renamed into place at the end; an existing OUT_DIR is replaced (overwrite)
+only when it is an import folder farskip_jax wrote, never a run folder (folders.check_output);
 `load_native` streams it back onto devices/a mesh like import_hf does, its overrides applied with
 import_hf's connectivity rules (convert/connectivity.py: the folder's farskip section stands for an
 exported one). It is read by `python -m farskip_jax.convert export` and `eval.py --hf`; a run folder
@@ -33,8 +36,8 @@ from farskip_jax.convert.loader import (abstract_model, import_config, open_chec
 from farskip_jax.convert.reader import read_json
 from farskip_jax.convert.safetensors_io import read_header, MappedTensor, write_file
 from farskip_jax.errors import CheckpointError
+from farskip_jax.folders import check_output, write_marker
 from farskip_jax.model.transformer import Transformer
-
 
 
 def _key(path) -> str:
@@ -42,9 +45,9 @@ def _key(path) -> str:
 
 
 def _commit(tmp: str, out_dir: str, overwrite: bool) -> None:
+    write_marker(tmp, "import")
+    check_output(out_dir, "import", overwrite=overwrite, what="the import folder")  # it may have changed since
     if os.path.exists(out_dir):
-        if not overwrite:
-            raise CheckpointError(f"{out_dir} already exists; pass --overwrite or choose a new folder")
         shutil.rmtree(out_dir)
     os.chmod(tmp, 0o755)
     os.rename(tmp, out_dir)
@@ -57,9 +60,7 @@ def write_native_from_hf(hf_dir: str, out_dir: str, overrides=None, *, dtype: Op
 
     The connectivity is import_config's (an exported "farskip_jax" section, else the family's;
     overrides win); `report` gets the line naming it and its source before any tensor is read."""
-    out_dir = os.path.abspath(out_dir)
-    if os.path.exists(out_dir) and not overwrite:
-        raise CheckpointError(f"{out_dir} already exists; pass --overwrite or choose a new folder")
+    out_dir = check_output(out_dir, "import", overwrite=overwrite, what="the import folder")
     ckpt = open_checkpoint(hf_dir)
     ov = list(overrides or []) + ([f"model.param_dtype={dtype}"] if dtype else [])
     cfg, origin = import_config(ckpt.config, ov, source=ckpt.path)

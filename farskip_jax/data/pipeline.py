@@ -103,17 +103,18 @@ class _CheckIds:
 
 def make_dataset(cfg: DataConfig, split: str, *, batch_size: int, seq_len: int, seed: int,
                  process_index: int = 0, process_count: int = 1, tokenizer=None,
-                 vocab_size: Optional[int] = None) -> grain.IterDataset:
+                 vocab_size: Optional[int] = None, report=None) -> grain.IterDataset:
     """Batched grain IterDataset for `split`; `batch_size` is the GLOBAL batch (rows over all processes).
 
     Train: shuffled by `seed`, repeated forever. Val: file order, repeated (the evaluator takes the
     first `eval_batches` batches of a fresh iterator, so the validation set is fixed).
     vocab_size: every batch is checked to hold ids below it (DataError naming the source otherwise).
+    report: gets the line counting records left out by data.skip_bad_records (data/records.py).
     """
     if batch_size % process_count:
         raise DataError(f"global batch {batch_size} is not divisible by the {process_count} processes")
     tok = tokenizer or load_tokenizer(cfg.tokenizer)
-    source = build_source(cfg, split, tok)
+    source = build_source(cfg, split, tok, vocab_size=vocab_size, report=report)
     local = batch_size // process_count
     shuffle_seed = seed if (split == "train" and cfg.shuffle) else None
     if cfg.shard_by == "docs" and process_count > 1:

@@ -7,7 +7,8 @@
 
 Every document of the source is written (both splits: training later splits ArrayRecord by record
 index with data.val_fraction). A `<out>.meta.json` records the tokenizer so training refuses a
-mismatched data.tokenizer. Train on it with `data.source=arrayrecord data.paths=[<out>]`.
+mismatched data.tokenizer. Train on it with `data.source=arrayrecord data.paths=[<out>]`. An existing
+<out> is replaced only when prepare wrote it (its meta.json is there); anything else is refused.
 """
 
 from __future__ import annotations
@@ -49,10 +50,23 @@ class Progress:
         self.stream.flush()
 
 
+def _ours(out: str) -> bool:
+    """Whether file `out` was written by prepare: a regular file with the meta.json prepare writes."""
+    try:
+        with open(out + ".meta.json") as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return os.path.isfile(out) and isinstance(meta, dict) and "tokenizer" in meta and "documents" in meta
+
+
 def prepare(cfg: DataConfig, out: str, *, stream=None) -> dict:
     """Write every document of `cfg` (train and val splits) to ArrayRecord `out`. Returns the meta dict."""
     from array_record.python.array_record_module import ArrayRecordWriter
 
+    if os.path.exists(out) and not _ours(out):
+        raise DataError(f"--out {out} already exists and was not written by prepare (no {out}.meta.json naming a "
+                        "tokenizer); choose a new --out, or move that file away yourself")
     tok = load_tokenizer(cfg.tokenizer)
     sources = []
     for split in ("train", "val"):

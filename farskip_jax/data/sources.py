@@ -13,6 +13,13 @@
     jsonl        JSON-lines files; one line = one document (its `data.text_field`); split by record
     arrayrecord  ArrayRecord files written by `python -m farskip_jax.data.prepare` (already tokenized)
 
+Records are validated when the corpus is indexed, before a run touches its folder (data/records.py):
+every JSONL line must be a JSON object whose `data.text_field` is a string; every ArrayRecord record
+whole int32 ids inside the vocabulary (a file whose `<file>.meta.json` from prepare names the same
+tokenizer and record count is trusted without reading its records). A bad record is one DataError
+naming the file, the line (record) and what is wrong, or with `data.skip_bad_records: true` it is
+left out and counted (`report` gets one line from the training split).
+
 The split is deterministic (SHA-1 of a stable key, not Python's salted hash; byte offsets for a split
 inside files) and independent of the shuffle seed, so validation text never leaks into training.
 Empty or unreadable input raises DataError.
@@ -31,6 +38,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from farskip_jax.config import DataConfig
+from farskip_jax.data.records import arrayrecord_bad, index_jsonl, skipped_line
 from farskip_jax.errors import DataError
 
 
@@ -183,44 +191,30 @@ class TextFileSource:
 
 
 class JsonlSource:
-    """One document per JSON line; an index of (file, byte offset) is built once at construction."""
+    """One document per JSON line; `records` = (file, byte offset, line number) of each (records.index_jsonl)."""
 
-    def __init__(self, records: Sequence[tuple[str, int]], text_field: str, tokenizer):
+    def __init__(self, records: Sequence[tuple[str, int, int]], text_field: str, tokenizer):
         self.records = list(records)
         self.text_field = text_field
         self.tokenizer = tokenizer
-
-    @staticmethod
-    def index(files: Sequence[str]) -> list[tuple[str, int]]:
-        recs = []
-        for path in files:
-            try:
-                with open(path, "rb") as f:
-                    off = 0
-                    for line in f:
-                        if line.strip():
-                            recs.append((path, off))
-                        off += len(line)
-            except OSError as e:
-                raise DataError(f"cannot read JSONL file {path!r}: {e.strerror or e}") from None
-        return recs
 
     def __len__(self) -> int:
         return len(self.records)
 
     def __getitem__(self, i: int) -> np.ndarray:
-        path, off = self.records[int(i)]
+        path, off, line_no = self.records[int(i)]
         with open(path, "rb") as f:
             f.seek(off)
             line = f.readline()
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(f"{path} at byte {off}: not valid JSON ({e.msg})") from None
-        if not isinstance(obj, dict) or self.text_field not in obj:
-            keys = list(obj) if isinstance(obj, dict) else type(obj).__name__
-            raise DataError(f"{path} at byte {off}: no field {self.text_field!r} (found {keys}); set data.text_field")
-        return self.tokenizer.encode_document(str(obj[self.text_field]))
+            raise DataError(f"{path} line {line_no}: not valid JSON ({e.msg}); the file changed after the run "
+                            "indexed it") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get(self.text_field), str):
+            raise DataError(f"{path} line {line_no}: no string field {self.text_field!r}; the file changed after "
+                            "the run indexed it")
+        return self.tokenizer.encode_document(obj[self.text_field])
 
     def __repr__(self) -> str:
         return f"JsonlSource({len(self.records)} records)"
@@ -260,11 +254,14 @@ def check_arrayrecord_meta(files: Sequence[str], tokenizer) -> None:
                             "set data.tokenizer to match")
 
 
-def build_source(cfg: DataConfig, split: str, tokenizer):
-    """The documents of `split` ('train' | 'val') for `cfg`, as a random-access source."""
+def build_source(cfg: DataConfig, split: str, tokenizer, *, vocab_size: Optional[int] = None, report=None):
+    """The documents of `split` ('train' | 'val') for `cfg`, as a random-access source. `vocab_size`:
+    the model's (ArrayRecord ids must lie below it; default the tokenizer's). `report` gets one line
+    when bad records were skipped (data.skip_bad_records), from the training split."""
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     vf = cfg.val_fraction
+    bad: list = []  # (split key, description) of skipped records
     if cfg.source in ("stdlib", "text"):
         if cfg.source == "stdlib":
             keyed = stdlib_files()
@@ -283,7 +280,8 @@ def build_source(cfg: DataConfig, split: str, tokenizer):
         src = TextFileSource(chosen, tokenizer)
     elif cfg.source == "jsonl":
         files = expand_paths(cfg.paths, "jsonl")
-        recs = [r for r in JsonlSource.index(files) if split_of(f"{os.path.basename(r[0])}:{r[1]}", vf) == split]
+        good, bad = index_jsonl(files, cfg.text_field, skip=cfg.skip_bad_records)
+        recs = [r for r in good if split_of(f"{os.path.basename(r[0])}:{r[1]}", vf) == split]
         if cfg.max_docs is not None:
             recs = recs[: cfg.max_docs]
         src = JsonlSource(recs, cfg.text_field, tokenizer)
@@ -296,12 +294,18 @@ def build_source(cfg: DataConfig, split: str, tokenizer):
             n = len(grain.sources.ArrayRecordDataSource(files))
         except Exception as e:
             raise DataError(f"cannot open ArrayRecord files {files}: {e}") from None
-        idx = [i for i in range(n) if split_of(f"record:{i}", vf) == split]
+        bad = arrayrecord_bad(files, vocab_size or tokenizer.vocab_size, tokenizer, skip=cfg.skip_bad_records,
+                              model_vocab=vocab_size is not None)
+        dropped = {i for i, _ in bad}
+        idx = [i for i in range(n) if i not in dropped and split_of(f"record:{i}", vf) == split]
+        bad = [(f"record:{i}", what) for i, what in bad]
         if cfg.max_docs is not None:
             idx = idx[: cfg.max_docs]
         src = ArrayRecordSource(files, idx)
     else:  # pragma: no cover - the config Literal forbids it
         raise DataError(f"unknown data.source {cfg.source!r}")
+    if bad and report is not None and split == "train":
+        report(skipped_line(bad, lambda key: split_of(key, vf)))
     if len(src) == 0:
         raise DataError(f"data.source={cfg.source!r} has no documents in the {split!r} split ({src!r}); "
                         "add data or change data.val_fraction"

@@ -8,7 +8,9 @@ an import folder.
 
 A run folder is read with the pieces of the trainer: its config.yaml rebuilds the model
 (parallel.build.create_model) and the optimizer (train.optimizer), whose fresh train state is the
-template that train.checkpoint.Checkpointer restores into. Distillation runs keep their best
+template that train.checkpoint.Checkpointer restores into, after checking the step against the digest
+written when it was saved (a damaged step: one CheckpointError naming the newest earlier good step and
+`hint(it)`, by default how eval.py and export read it). Distillation runs keep their best
 checkpoint in `<run>/best/checkpoints` (same format); `default_which` is "best" for such a run and
 "latest" otherwise. An HF folder is imported by convert.import_hf, which places the model on a given
 mesh as create_model does (the FoE mesh for FoE with expert parallelism). An import folder (config.yaml
@@ -19,7 +21,8 @@ reads it.
 from __future__ import annotations
 
 import os
-from typing import Optional, Union
+import warnings
+from typing import Callable, Optional, Union
 
 import yaml
 
@@ -71,8 +74,15 @@ def checkpoint_step(run_dir: str, which: Union[str, int]) -> Optional[int]:
     return int(which) if int(which) in steps else None
 
 
-def restore_train_state(cfg: Config, ckpt_root: str, which: Union[str, int] = "latest", mesh=None):
-    """(graphdef, full train state) restored from `<ckpt_root>/checkpoints` (a run folder or its best/)."""
+def read_hint(step: int) -> str:
+    """How eval.py and `convert export` read checkpoint `step` of a run instead."""
+    return f"read that one instead (eval.py and python -m farskip_jax.convert export: --which {step})"
+
+
+def restore_train_state(cfg: Config, ckpt_root: str, which: Union[str, int] = "latest", mesh=None,
+                        hint: Callable[[int], str] = read_hint):
+    """(graphdef, full train state) restored from `<ckpt_root>/checkpoints` (a run folder or its best/),
+    verified against its digest (Checkpointer.restore; `hint` says how to use an earlier good step)."""
     from farskip_jax.train.checkpoint import Checkpointer
     from farskip_jax.train.optimizer import make_optimizer
     from farskip_jax.train.step import init_state
@@ -90,18 +100,22 @@ def restore_train_state(cfg: Config, ckpt_root: str, which: Union[str, int] = "l
         step = steps[-1] if which in ("latest", "best") else int(which)
         if step not in steps:
             raise CheckpointError(f"checkpoint step {step} not in {ckpt_root!r} (have {steps})")
-        state, _ = ck.restore(step, template)
+        state, _ = ck.restore(step, template, hint=hint)
+        if ck.verified is False:
+            warnings.warn(f"checkpoint step {step} of {ckpt_root} was written by a farskip_jax that wrote no digests: "
+                          "read without verification", stacklevel=2)
     finally:
         ck.close()
     return graphdef, state
 
 
 def load_run(run_dir: str, which: Union[str, int] = "latest", mesh=None,
-             config_overrides: Optional[dict] = None) -> tuple[Config, object, dict]:
+             config_overrides: Optional[dict] = None, hint: Callable[[int], str] = read_hint) -> tuple[Config, object, dict]:
     """(cfg, graphdef, {params, bias, rest}) of a pretraining or distillation run folder.
 
     which: "latest" | "best" (a distillation run's best checkpoint) | a step number.
-    config_overrides: dotted keys applied to the run's config before building (e.g. {"moe.dispatch": ...})."""
+    config_overrides: dotted keys applied to the run's config before building (e.g. {"moe.dispatch": ...}).
+    hint: how to use an earlier good step when the one read is damaged (restore_train_state)."""
     run_dir = os.path.abspath(run_dir)
     cfg = read_run_config(run_dir)
     if config_overrides:
@@ -112,7 +126,7 @@ def load_run(run_dir: str, which: Union[str, int] = "latest", mesh=None,
         raise CheckpointError(f"{run_dir} has no best checkpoint: only FCSD runs (train.mode: distill) keep one, in "
                               f"best/, from their first evaluation; choose latest or a step number"
                               + (f" (it has steps {have})" if have else ""))
-    graphdef, state = restore_train_state(cfg, root, which, mesh)
+    graphdef, state = restore_train_state(cfg, root, which, mesh, hint)
     return cfg, graphdef, model_state(state)
 
 

@@ -246,9 +246,10 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     tok = load_tokenizer(cfg.data.tokenizer)
     check_vocab(tok, cfg.model.vocab_size,
                 f"the model to convert ({cfg.init_from_hf or cfg.distill.init_from_run})")
+    notes: list = []  # records left out by data.skip_bad_records: logged once the run folder is open
     train_ds = make_dataset(cfg.data, "train", batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed,
                             process_index=jax.process_index(), process_count=jax.process_count(), tokenizer=tok,
-                            vocab_size=cfg.model.vocab_size)
+                            vocab_size=cfg.model.vocab_size, report=notes.append)
     first_batches(train_ds)
     val = val_batches(cfg, t.eval_batches, mesh=mesh, tokenizer=tok)
     plan, plan_reused, auto_request = None, False, None
@@ -262,6 +263,9 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
         task_score = lambda st: float(np.mean([r["acc"] for r in score_tasks(
             graphdef, st, cfg.eval.tasks, tok, cfg.farskip).values()]))
     folder = check_run_dir(cfg)
+    if t.resume_step is not None and not folder.resume:
+        raise ConfigError(f"train.resume_step={t.resume_step}: {folder.path} holds no run of this config to resume; "
+                          "drop train.resume_step to start it")
 
     tx, schedule = make_optimizer(t)
     model = nnx.merge(graphdef, src["params"], src["bias"], src["rest"])
@@ -273,11 +277,12 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     mode = "max" if d.metric == "task" else "min"
     es = EarlyStopper(mode, d.patience, d.max_drop)
     es_path = os.path.join(folder.path, "early_stopping.json")
-    step, ckpt = 0, None
+    step, start, ckpt = 0, None, None
     if folder.resume:  # restored before anything is written: an unreadable checkpoint fails cleanly
         ckpt = Checkpointer(folder.path, keep=t.keep_checkpoints)
-        if ckpt.latest_step() is not None:
-            step = ckpt.latest_step()
+        start = ckpt.resume_step(t.resume_step)
+        if start is not None:
+            step = start
             state, data_state = ckpt.restore(step, state)
             train_it.set_state(data_state)
             if os.path.isfile(es_path):
@@ -286,6 +291,8 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
                 es.load_state_dict(saved, upto=step)
     ckpt, log = open_run(cfg, folder, ckpt, step, stream)
     run_dir = folder.path
+    for line in notes + ckpt.after_resume(start, t.resume_step):
+        log.print(line)
     best = Checkpointer(os.path.join(run_dir, "best"), keep=1, async_save=False)
     if plan is not None:
         if not plan_reused:

@@ -60,7 +60,9 @@ def load_source(cfg: Config, mesh) -> tuple[Config, object, dict]:
                               "(and data.source / data.paths for the text to distil on)")
         merged = merge_checkpoint_shape(cfg, src)  # the source run's shape with the user's runtime keys (dispatch on this mesh)
         ov = {"model": merged.model, "moe": merged.moe, "mesh": cfg.mesh}
-        src_cfg, graphdef, st = load_run(cfg.distill.init_from_run, "latest", mesh, config_overrides=ov)
+        hint = (lambda p: f"distill.init_from_run reads the newest step: resume that run from step {p} "  # noqa: E731
+                f"(train.resume_step={p} in its own command) to replace the damaged one")
+        src_cfg, graphdef, st = load_run(cfg.distill.init_from_run, "latest", mesh, config_overrides=ov, hint=hint)
     else:
         raise ConfigError("train.mode=distill needs the weights to convert: set init_from_hf: <HF folder> or "
                           "distill.init_from_run: <run folder of a pretraining run>")

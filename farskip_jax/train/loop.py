@@ -64,12 +64,13 @@ class LoopResult:
 
 
 def open_run(cfg: Config, folder: RunFolder, ckpt: Optional[Checkpointer], restored: Optional[int],
-             stream=None) -> tuple[Checkpointer, RunLogger]:
-    """Claim the run folder (process 0; the others wait for it), drop the metrics of steps after the
-    restored one, and open the checkpointer (unless restoring made one) and the logger."""
+             stream=None, *, keep_config: bool = False) -> tuple[Checkpointer, RunLogger]:
+    """Claim the run folder (process 0; the others wait for it; `keep_config`: leave its config.yaml
+    as it is), drop the metrics of steps after the restored one, and open the checkpointer (unless
+    restoring made one) and the logger."""
     primary = jax.process_index() == 0
     if primary:
-        claim_run_dir(cfg, folder)
+        claim_run_dir(cfg, folder, write_config=not keep_config)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
@@ -134,8 +135,12 @@ def run_loop(task: Task, cfg: Config, state, train_it, ckpt: Checkpointer, log: 
                           f"({int(rec['nonfinite_streak'])} in a row, {int(rec['nonfinite_total'])} total)")
                 if rec["nonfinite_streak"] >= t.max_nonfinite:
                     status = "diverged"
-                    log.print(f"stopping: {t.max_nonfinite} non-finite steps in a row; the last good checkpoint "
-                              f"({ckpt.latest_step()}) is left intact")
+                    good = ckpt.latest_step()
+                    log.print(f"stopping: {t.max_nonfinite} non-finite steps in a row; "
+                              + (f"the last good checkpoint (step {good}) is left intact: re-running resumes from it"
+                                 if good is not None else
+                                 "no checkpoint was saved before (train.checkpoint_every sets how often one is): "
+                                 "lower train.lr or raise train.warmup_steps and re-run with train.overwrite=true"))
                     break
             stop_as = task.after_step(step, state, train_it, step == max_steps)
             if stop_as is not None:

@@ -5,7 +5,10 @@
 status: "done" (reached train.steps), "preempted" (SIGTERM: saved at the step boundary),
 "time_limit" (train.time_limit_s: saved), "diverged" (train.max_nonfinite non-finite steps in a row:
 nothing saved, the last good checkpoint is intact). A run folder that already holds this run resumes
-from its newest complete checkpoint (params, optimizer, step, RNG, data iterator state).
+from its newest complete checkpoint, or `train.resume_step` (params, optimizer, step, RNG, data
+iterator state). A run re-run when it already reached train.steps runs nothing and rewrites nothing
+(its config.yaml, evaluations and summary stay as they were). val_step: the update whose weights
+gave val_loss.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from farskip_jax.parallel.sharding import place_state, shard_batch
 from farskip_jax.train.checkpoint import Checkpointer
 from farskip_jax.train.flops import total_params, train_flops_per_token
 from farskip_jax.train.host_memory_check import check_host_memory
+from farskip_jax.train.logger import read_metrics
 from farskip_jax.train.loop import Task, matmul_peak, open_run, run_loop
 from farskip_jax.train.optimizer import make_optimizer, schedule_change_warning
 from farskip_jax.train.rundir import check_run_dir, release_run_dir
@@ -43,6 +47,7 @@ class TrainResult:
     mfu: Optional[float]
     nonfinite_total: int
     losses: list
+    val_step: Optional[int] = None
 
 
 def shape_from_hf(cfg: Config) -> Config:
@@ -87,11 +92,12 @@ class PretrainTask(Task):
     def __init__(self, step_fn, eval_fn, cfg: Config, mesh, val_ds, log):
         self.step_fn, self.eval_fn, self.cfg, self.mesh, self.val_ds, self.log = step_fn, eval_fn, cfg, mesh, val_ds, log
         self.val_loss: Optional[float] = None
+        self.val_step: Optional[int] = None
 
     def after_step(self, step: int, state, train_it, last: bool) -> Optional[str]:
         every = self.cfg.train.eval_every
         if every and step % every == 0 and not last:
-            self.val_loss = evaluate(self.eval_fn, state, self.cfg, self.mesh, self.val_ds)
+            self.val_loss, self.val_step = evaluate(self.eval_fn, state, self.cfg, self.mesh, self.val_ds), step
             self.log.print(f"step {step:>6d} | val loss {self.val_loss:.4f}")
             self.log.write("eval", step, {"val_loss": self.val_loss})
         return None
@@ -112,11 +118,15 @@ def train(cfg: Config, *, stream=None) -> TrainResult:
     check_vocab(tok, cfg.model.vocab_size, f"the model ({cfg.init_from_hf or 'model.vocab_size'})")
     ds_kw = dict(batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed, process_index=pi, process_count=pc,
                  tokenizer=tok, vocab_size=cfg.model.vocab_size)
-    train_ds = make_dataset(cfg.data, "train", **ds_kw)
+    notes: list = []  # records left out by data.skip_bad_records: logged once the run folder is open
+    train_ds = make_dataset(cfg.data, "train", **ds_kw, report=notes.append)
     val_ds = make_dataset(cfg.data, "val", **ds_kw)
     probe, _ = first_batches(train_ds, val_ds)
     check_host_memory(cfg, "this run")
     folder = check_run_dir(cfg)
+    if t.resume_step is not None and not folder.resume:
+        raise ConfigError(f"train.resume_step={t.resume_step}: {folder.path} holds no run of this config to resume; "
+                          "drop train.resume_step to start it")
 
     model, mesh = build_model_and_mesh(cfg)
     shard_batch(probe, mesh)  # the batch splits over the mesh's batch axes
@@ -128,21 +138,25 @@ def train(cfg: Config, *, stream=None) -> TrainResult:
     start, ckpt = None, None
     if folder.resume:  # restored before anything is written: an unreadable checkpoint fails cleanly
         ckpt = Checkpointer(folder.path, keep=t.keep_checkpoints)
-        start = ckpt.latest_step()
+        start = ckpt.resume_step(t.resume_step)
         if start is not None:
             state, data_state = ckpt.restore(start, state)
             train_it.set_state(data_state)
-    ckpt, log = open_run(cfg, folder, ckpt, start, stream)
+    finished = start is not None and start >= t.steps  # nothing to run: nothing is rewritten
+    ckpt, log = open_run(cfg, folder, ckpt, start, stream, keep_config=finished)
     run_dir = folder.path
+    for line in notes + ckpt.after_resume(start, t.resume_step):
+        log.print(line)
     shardings = jax.tree.map(lambda x: x.sharding, state)
     step_fn = jax.jit(make_train_step(graphdef, cfg, tx, schedule), donate_argnums=0,
                       out_shardings=(shardings, None) if mesh is not None else None)
     eval_fn = jax.jit(make_eval_step(graphdef, cfg))
     if start is not None:
         log.print(f"resumed from checkpoint step {start} in {run_dir}")
-        if folder.saved_steps is not None and folder.saved_steps != t.steps:
+        if folder.saved_steps is not None and folder.saved_steps != t.steps and not finished:
             log.print(schedule_change_warning(folder.saved_steps, t, start))
-        log.write("event", start, {"event": "resume"})
+        if not finished:
+            log.write("event", start, {"event": "resume"})
     step = int(state["step"])
     peak = matmul_peak(cfg, log)
     flops_tok = train_flops_per_token(cfg, t.seq_len)
@@ -152,23 +166,31 @@ def train(cfg: Config, *, stream=None) -> TrainResult:
     task = PretrainTask(step_fn, eval_fn, cfg, mesh, val_ds, log)
     state, res = run_loop(task, cfg, state, train_it, ckpt, log, start=step, max_steps=t.steps,
                           flops_per_token=flops_tok, peak=peak, mesh=mesh)
-    status, step, val_loss = res.status, res.step, task.val_loss
-    if status == "done":
-        val_loss = evaluate(eval_fn, state, cfg, mesh, val_ds)
+    status, step, val_loss, val_step, last = res.status, res.step, task.val_loss, task.val_step, res.last
+    logged = read_metrics(run_dir, None) if finished else []  # every process: all take the same branches
+    if finished:  # how the run ended, from its own records: nothing is logged twice
+        last = next((r for r in reversed(logged) if r["kind"] == "train"), {})
+        ev = [r for r in logged if r["kind"] == "eval" and r["step"] == step and "val_loss" in r]
+        val_loss, val_step = (ev[-1]["val_loss"], step) if ev else (val_loss, val_step)
+    if status == "done" and val_step != step:
+        val_loss, val_step = evaluate(eval_fn, state, cfg, mesh, val_ds), step
         log.print(f"step {step:>6d} | val loss {val_loss:.4f}")
         log.write("eval", step, {"val_loss": val_loss})
     ckpt.close()
     close_iterator(train_it)
     tps, mfu, data_frac = res.tokens_per_s, res.mfu, res.data_wait_frac
-    summary = {"status": status, "tokens_per_s": tps, "mfu": mfu, "val_loss": val_loss, "data_wait_frac": data_frac,
-               "final_loss": res.last.get("loss", math.nan), "wall_s": res.wall_s}
-    log.write("event", step, summary)
+    final_loss = last.get("loss")
+    summary = {"status": status, "tokens_per_s": tps, "mfu": mfu, "val_loss": val_loss, "val_loss_step": val_step,
+               "data_wait_frac": data_frac, "final_loss": final_loss, "wall_s": res.wall_s}
+    if not (finished and any(r["kind"] == "event" and "status" in r and r["step"] == step for r in logged)):
+        log.write("event", step, summary)
     speed = (f"mean {tps:,.0f} tokens/s" + (f", MFU {100 * mfu:.1f}%" if mfu else "")
              + (f", {100 * data_frac:.1f}% of the step time waiting for data" if data_frac is not None else "")) if tps else \
         f"no steps left to run (train.steps={t.steps}; raise it to train further)"
-    log.print(f"{status} at step {step}: {speed}" + (f", val loss {val_loss:.4f}" if val_loss is not None else ""))
+    val = "" if val_loss is None else f", val loss {val_loss:.4f}" + (f" (at step {val_step})" if val_step != step else "")
+    log.print(f"{status} at step {step}: {speed}{val}")
     log.close()
     release_run_dir(run_dir)
-    return TrainResult(status=status, step=step, final_loss=float(res.last.get("loss", math.nan)), val_loss=val_loss,
-                       run_dir=run_dir, tokens_per_s=tps, mfu=mfu,
-                       nonfinite_total=int(state["nonfinite_total"]), losses=res.losses)
+    return TrainResult(status=status, step=step, final_loss=math.nan if final_loss is None else float(final_loss),
+                       val_loss=val_loss, run_dir=run_dir, tokens_per_s=tps, mfu=mfu,
+                       nonfinite_total=int(state["nonfinite_total"]), losses=res.losses, val_step=val_step)

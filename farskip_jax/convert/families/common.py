@@ -3,12 +3,16 @@
 A family module defines `MODEL_TYPES`, `ARCHITECTURE`, `config_tree(hf: dict) -> dict` (sections
 model/moe/farskip of our Config), `specs(cfg: Config) -> list[TensorSpec]`, `hf_config(cfg, base) -> dict`
 (the config.json written on export) and optionally `ignored(name) -> bool` for HF tensors we skip.
-HF Linear weights are [out, in]; ours are [in, out] (spec kind `t`).
+HF Linear weights are [out, in]; ours are [in, out] (spec kind `t`). RoPE is read from either form and
+written in both: transformers-5 `rope_parameters` and the 4.x `rope_theta` + `rope_scaling` (which 4.x
+readers, DeepSeek's and Instella-MoE's own modeling code included, read; transformers 5 prefers
+`rope_scaling` when both are present, so the two hold the same values).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from farskip_jax.config import Config
 from farskip_jax.convert.spec import TensorSpec, experts_t, part, same, t
@@ -60,6 +64,31 @@ def hf_rope(cfg: Config) -> dict:
         if s.attention_factor is not None:
             out["attention_factor"] = s.attention_factor
     return out
+
+
+def hf_rope_legacy(cfg: Config) -> tuple[float, Optional[dict]]:
+    """The transformers-4.x form of hf_rope: (rope_theta, rope_scaling or None). rope_scaling carries
+    `rope_type` and, for linear and yarn, the older `type` key DeepSeek's own modeling code reads;
+    YaRN keeps mscale / mscale_all_dim (DeepSeek's attention scale)."""
+    rp = hf_rope(cfg)
+    theta = rp.pop("rope_theta")
+    if rp["rope_type"] == "default":
+        return theta, None
+    if rp["rope_type"] in ("linear", "yarn"):
+        rp["type"] = rp["rope_type"]
+    return theta, rp
+
+
+def rope_notes(cfg: Config) -> list[str]:
+    """Readers that may run another RoPE than this model: YaRN whose factor is not
+    max_position_embeddings / original_max_position_embeddings (some transformers 4.x releases derive
+    the factor from that ratio)."""
+    m, s = cfg.model, cfg.model.rope_scaling
+    if s.type == "yarn" and m.max_seq_len != s.factor * s.original_max_position:
+        return [f"YaRN factor {s.factor:g} != max_position_embeddings / original_max_position_embeddings = "
+                f"{m.max_seq_len} / {s.original_max_position}: transformers 4.x releases that derive the YaRN factor "
+                "from that ratio will run other rotary frequencies than this model"]
+    return []
 
 
 def base_model_tree(hf: dict, *, default_theta: float = 10000.0, tie_default: bool = False) -> dict:
@@ -210,8 +239,7 @@ def common_hf(cfg: Config, base: dict) -> dict:
                num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads, rms_norm_eps=m.norm_eps,
                max_position_embeddings=m.max_seq_len, tie_word_embeddings=m.tie_embeddings,
                rope_parameters=hf_rope(cfg), intermediate_size=m.mlp_hidden, initializer_range=m.init_std)
-    out.pop("rope_scaling", None)
-    out.pop("rope_theta", None)
+    out["rope_theta"], out["rope_scaling"] = hf_rope_legacy(cfg)
     if m.head_dim is not None:
         out["head_dim"] = m.head_dim
     return out
