@@ -132,6 +132,15 @@ def run_overlap(cfg, presets: Sequence[str] = ("standard", "farskip"), programs:
     from farskip_jax.analysis.topology import LINKS, Topology
     from farskip_jax.config import replace
 
+    from farskip_jax.errors import ConfigError
+
+    bad = [p for p in programs if p not in PROGRAMS]
+    if bad:
+        raise ConfigError(f"programs {bad} are unknown; choose from {list(PROGRAMS)}")
+    if (batch is not None and batch < 1) or (seq is not None and seq < 1):
+        raise ConfigError(f"batch={batch}, seq={seq}: each must be >= 1 (None: the config's train.batch_size / seq_len)")
+    if hardware and hardware not in HARDWARE:
+        raise ConfigError(f"hardware {hardware!r} is unknown; choose one of {sorted(HARDWARE)} (None: XLA's model only)")
     log = log or (lambda m: None)
     hw = with_contention(HARDWARE[hardware], contention) if hardware else None
     if flags is None:
@@ -238,6 +247,11 @@ def target_lines(reports: dict[str, OverlapReport], min_of_bound: float = 0.95, 
     fs, std = reports.get("farskip"), reports.get("standard")
     if fs is None:
         return []
+    if not fs.totals("all")["count"]:  # nothing to hide: every verdict below would be vacuous
+        ratio = f"; the step-time ratio farskip/standard {std.step_time / fs.step_time:.3f}x here is scheduling " \
+                "and compute, not all-to-all overlap" if std is not None and fs.step_time else ""
+        return [f"N/A farskip: the program holds no all-to-all, so there is nothing for FarSkip to hide and the "
+                f"overlap targets do not apply{ratio}. {NO_ALL_TO_ALL_FIX}"]
     out = []
     for d in ("fwd", "bwd"):
         t = fs.totals(d)
@@ -279,6 +293,16 @@ def target_lines(reports: dict[str, OverlapReport], min_of_bound: float = 0.95, 
             out.extend(split_lines(split_speedup(serial, fs), "farskip / standard without overlap",
                                    ref="standard without overlap"))
     return out
+
+
+NO_ALL_TO_ALL_FIX = ("The expert-parallel all-to-alls need experts split over devices: add moe.dispatch=all_to_all "
+                     "mesh.data=1 mesh.expert=8 (or a real-shape config such as configs/deepseek_v2_lite.yaml)")
+
+
+def has_all_to_alls(cfg) -> bool:
+    """Whether cfg's programs exchange tokens between devices: routed experts split over mesh.expert > 1
+    with an all-to-all dispatch (the training layout; the serving layouts are analysis/inference_report.py)."""
+    return bool(cfg.moe.num_experts) and cfg.mesh.expert > 1 and cfg.moe.dispatch != "local"
 
 
 def to_json(results: Sequence[ProgramResult]) -> dict:
@@ -398,7 +422,7 @@ def format_results(results: Sequence[ProgramResult], programs: Sequence[str], ta
                 h = with_contention(HARDWARE[hw], std.contention)
                 kw = dict(fused_attention=std.fused_attention)
                 paper = implied_bandwidth(std.schedule, fs.schedule, h, 1.11, num_devices, **kw)
-                bws = sorted({float(x) * 1e9 for x in sweep_bw.split(",")} | {h.a2a_bw} | set(paper))
+                bws = sorted({x * 1e9 for x in _bandwidths(sweep_bw)} | {h.a2a_bw} | set(paper))
                 sweep = bandwidth_sweep(std.schedule, fs.schedule, h, bws, num_devices, **kw)
                 marks = {h.a2a_bw / 1e9: f"<- {hw} default"}
                 marks.update({bw / 1e9: "<- paper's 1.11x (farskip vs no-overlap baseline)" for bw in paper})
@@ -482,6 +506,78 @@ def _contentions(text: Optional[str]) -> list[float]:
     return out
 
 
+def _bandwidths(text: Optional[str]) -> list[float]:
+    """--sweep-bw's values (GB/s); ConfigError naming a bad one."""
+    from farskip_jax.errors import ConfigError
+
+    out = []
+    for x in (text or "").split(","):
+        if not x.strip():
+            continue
+        try:
+            v = float(x)
+        except ValueError:
+            raise ConfigError(f"--sweep-bw: {x!r} is not a number; give all-to-all bandwidths in GB/s per GPU, "
+                              "e.g. 25,50,100,200") from None
+        if not v > 0 or v == float("inf"):
+            raise ConfigError(f"--sweep-bw: {v:g} is not a bandwidth; give positive GB/s per GPU, e.g. 25,50,100")
+        out.append(v)
+    if text is not None and not out:
+        raise ConfigError("--sweep-bw names no bandwidth; give GB/s per GPU, e.g. 25,50,100,200")
+    return out
+
+
+def check_out_folder(out: Optional[str], flag: str = "--out") -> None:
+    """ConfigError when `out` cannot become the report's folder: it or a folder above it is a file."""
+    from farskip_jax.errors import ConfigError
+
+    if not out:
+        return
+    p = os.path.abspath(out)
+    while True:
+        if os.path.exists(p):
+            if not os.path.isdir(p):
+                raise ConfigError(f"{flag} {out}: {p} is a file, not a folder; name a folder for the report "
+                                  "(report.json and the timeline pictures go inside it)")
+            if not os.access(p, os.W_OK | os.X_OK):
+                raise ConfigError(f"{flag} {out}: no write permission in {p}; name a folder you can write")
+            return
+        parent = os.path.dirname(p)
+        if parent == p:
+            return
+        p = parent
+
+
+def check_args(a, presets: Sequence[str], progs: Sequence[str]) -> None:
+    """ConfigError for a command line that cannot run as asked, before anything is compiled."""
+    from farskip_jax.config import PRESETS as CONNECTIVITY
+    from farskip_jax.errors import ConfigError
+
+    for flag, v in (("--batch", a.batch), ("--seq", a.seq)):
+        if v is not None and v < 1:
+            raise ConfigError(f"{flag} {v} must be >= 1 (leave it out for the config's "
+                              f"train.{'batch_size' if flag == '--batch' else 'seq_len'})")
+    if a.devices < 1:
+        raise ConfigError(f"--devices {a.devices} must be >= 1")
+    if a.gpus_per_node is not None and (a.gpus_per_node < 1 or a.devices % a.gpus_per_node):
+        raise ConfigError(f"--gpus-per-node {a.gpus_per_node} must divide --devices {a.devices} (e.g. --devices 32 "
+                          "--gpus-per-node 8: 4 nodes)")
+    if a.memory_gb is not None and not a.memory_gb > 0:
+        raise ConfigError(f"--memory-gb {a.memory_gb} must be > 0 (GB of device memory)")
+    bad = [p for p in presets if p not in CONNECTIVITY]
+    if bad or not presets:
+        raise ConfigError(f"--presets: unknown {bad or presets}; choose from {sorted(CONNECTIVITY)} (comma separated)")
+    if not progs:
+        raise ConfigError(f"--programs names no program; choose from {list(PROGRAMS)}")
+    for kv in a.xla:
+        if "=" not in kv or not kv.partition("=")[0].strip("- "):
+            raise ConfigError(f"--xla {kv!r} must look like FLAG=VALUE, e.g. --xla "
+                              "xla_gpu_enable_latency_hiding_scheduler=true")
+    if a.sweep_bw is not None and not {"standard", "farskip"} <= set(presets):
+        raise ConfigError("--sweep-bw compares farskip with standard: keep both in --presets")
+    check_out_folder(a.out)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m farskip_jax.analysis.overlap", description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=None, help="YAML config (default: built-in defaults)")
@@ -530,6 +626,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             k, _, v = kv.partition("=")
             flags[k.lstrip("-")] = _parse_value(v)
         progs = [p.strip() for p in a.programs.split(",") if p.strip()]
+        presets = [p.strip() for p in a.presets.split(",") if p.strip()]
+        check_args(a, presets, progs)
+        _bandwidths(a.sweep_bw)  # every value a bandwidth, before anything compiles
         from farskip_jax.analysis.cost_model import HARDWARE, with_contention
 
         if a.hardware and a.hardware.lower() == "none":
@@ -547,7 +646,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if a.contention is not None:
             with_contention(HARDWARE[a.hardware], a.contention)  # validates
         log = lambda m: print(m, file=sys.stderr, flush=True)
-        results = run_overlap(cfg, [p.strip() for p in a.presets.split(",")], progs, a.batch, a.seq, a.target,
+        if not has_all_to_alls(cfg):
+            log(f"[overlap] NOTE: this config runs no expert-parallel all-to-all (moe.num_experts="
+                f"{cfg.moe.num_experts}, mesh.expert={cfg.mesh.expert}, moe.dispatch={cfg.moe.dispatch}): the report "
+                f"has nothing to hide. {NO_ALL_TO_ALL_FIX}")
+        results = run_overlap(cfg, presets, progs, a.batch, a.seq, a.target,
                               a.devices, flags, a.hardware, log, gpus_per_node=a.gpus_per_node,
                               memory_gb=a.memory_gb, grouped_gemm=a.grouped_gemm, contention=a.contention,
                               fused_attention=a.attention == "fused")
