@@ -140,6 +140,11 @@ def run(a) -> dict:
 
     check_args(a)
     ov = _overrides(a.overrides)  # generate honours model.scan_layers (stacked layers decode as a scan)
+    if a.run and a.teacher_run:  # both configs, before any weights are read
+        from farskip_jax.config import replace
+        from farskip_jax.eval.loading import read_run_config
+
+        check_teacher_shape(replace(read_run_config(os.path.abspath(a.run)), **ov), a.teacher_run)
     if a.run:
         which = int(a.which) if a.which.isdigit() else a.which
         # the tp_ep / foe inference layouts restore replicated, then eval/serving.py reshards onto their mesh
@@ -155,7 +160,7 @@ def run(a) -> dict:
         cfg, graphdef, st = load_hf(a.hf, overrides=ov or None)  # an exported connectivity, then the overrides
     tok = load_tokenizer(a.tokenizer or cfg.data.tokenizer)
     check_vocab(tok, cfg.model.vocab_size, f"the model of {a.run or a.hf}")
-    if a.teacher_run:
+    if a.teacher_run and not a.run:  # an HF or import folder's architecture is known once it is read
         check_teacher_shape(cfg, a.teacher_run)
     res: dict = {"mode": a.mode, "source": a.run or a.hf, "farskip": dataclasses.asdict(cfg.farskip)}
     n_batches, batches_from = val_batch_count(a, ov, cfg)

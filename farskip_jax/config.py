@@ -422,6 +422,8 @@ class TrainConfig:
                f"train.b1 and train.b2 (AdamW moment decays) must be in [0, 1), got {self.b1}, {self.b2}")
         for k in ("weight_decay", "grad_clip", "eval_every", "checkpoint_every"):
             _check(getattr(self, k) >= 0, f"train.{k} must be >= 0 (0 turns it off), got {getattr(self, k)}")
+        _check(0 <= self.seed < 2**32, f"train.seed must be in [0, 2**32) (it seeds the weights and the data order), "
+                                       f"got {self.seed}")
         _check(self.peak_flops is None or self.peak_flops > 0,
                f"train.peak_flops must be > 0 (FLOP/s per device) or null (measured on CPU), got {self.peak_flops}")
         _check(self.time_limit_s is None or self.time_limit_s > 0,
