@@ -62,6 +62,11 @@ def check_args(a) -> None:
 
     if bool(a.run) == bool(a.hf):
         raise ConfigError("pass exactly one of --run RUN_DIR or --hf HF_FOLDER")
+    if a.hf and os.path.isfile(os.path.join(a.hf, "config.yaml")) and os.path.isdir(os.path.join(a.hf, "checkpoints")):
+        raise ConfigError(f"--hf {a.hf} is a farskip_jax run folder (config.yaml, checkpoints/): pass it as --run {a.hf}")
+    if a.run and os.path.isfile(os.path.join(a.run, "config.json")) and not os.path.isfile(os.path.join(a.run,
+                                                                                                       "config.yaml")):
+        raise ConfigError(f"--run {a.run} is an HF checkpoint folder (config.json): pass it as --hf {a.run}")
     if a.which not in ("latest", "best") and not a.which.isdigit():
         raise ConfigError(f"--which {a.which!r}: use latest, best (a distillation run's best checkpoint) or a step "
                           "number")

@@ -115,6 +115,13 @@ class ModelConfig:
     v_head_dim: int = 128  # MLA: per-head value dim
 
     def __post_init__(self):
+        for k in ("vocab_size", "d_model", "mlp_hidden", "max_seq_len"):
+            _check(getattr(self, k) >= 1, f"model.{k} must be >= 1, got {getattr(self, k)}")
+        _check(self.head_dim is None or self.head_dim >= 1, f"model.head_dim must be >= 1 or null (d_model / num_heads), "
+                                                            f"got {self.head_dim}")
+        _check(self.init_std >= 0 and self.norm_eps > 0 and self.rope_theta > 0,
+               f"model.init_std must be >= 0, model.norm_eps and model.rope_theta > 0 (got {self.init_std}, "
+               f"{self.norm_eps}, {self.rope_theta})")
         _check(self.num_layers >= 1, f"model.num_layers must be >= 1, got {self.num_layers}")
         _check(self.num_heads >= 1 and self.num_kv_heads >= 1, "model.num_heads and model.num_kv_heads must be >= 1")
         _check(
@@ -193,7 +200,13 @@ class MoEConfig:
 
     def __post_init__(self):
         _check(self.num_experts >= 0, "moe.num_experts must be >= 0")
+        _check(self.num_shared_experts >= 0, f"moe.num_shared_experts must be >= 0, got {self.num_shared_experts}")
+        for k in ("aux_loss_weight", "z_loss_weight", "bias_update_rate"):
+            _check(getattr(self, k) >= 0, f"moe.{k} must be >= 0, got {getattr(self, k)}")
         if self.num_experts:
+            _check(self.expert_hidden >= 1, f"moe.expert_hidden must be >= 1, got {self.expert_hidden}")
+            _check(self.shared_hidden is None or self.shared_hidden >= 1,
+                   f"moe.shared_hidden must be >= 1 or null (expert_hidden x num_shared_experts), got {self.shared_hidden}")
             _check(
                 1 <= self.top_k <= self.num_experts,
                 f"moe.top_k={self.top_k} must be between 1 and moe.num_experts={self.num_experts}",
@@ -452,6 +465,8 @@ class DataConfig:
 
     def __post_init__(self):
         _check(0.0 < self.val_fraction < 1.0, "data.val_fraction must be in (0, 1)")
+        _check(self.max_docs is None or self.max_docs >= 1,
+               f"data.max_docs must be >= 1 or null (every document), got {self.max_docs}")
         _check(self.prefetch >= 0, "data.prefetch must be >= 0 (batches prepared ahead; 0 turns it off)")
         _check(self.source == "stdlib" or len(self.paths) > 0, f"data.source={self.source!r} needs data.paths")
 

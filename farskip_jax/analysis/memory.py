@@ -672,12 +672,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg = load_config(a.config, a.overrides)
         modes = [m.strip() for m in a.mode.split(",") if m.strip()]
         bad = [m for m in modes if m not in MODES]
-        if bad:
-            raise FarSkipError(f"--mode: unknown {bad}; choose from {list(MODES)}")
+        if bad or not modes:
+            raise FarSkipError(f"--mode: {f'unknown {bad}' if bad else 'no mode named'}; choose from {list(MODES)} "
+                               "(comma separated)")
         remats = [r.strip() for r in (a.remat or cfg.model.remat).split(",") if r.strip()]
         bad = [r for r in remats if r not in REMAT_ORDER]
-        if bad or not remats:
-            raise FarSkipError(f"--remat: unknown {bad or remats}; choose from {list(REMAT_ORDER)}")
+        if bad:
+            raise FarSkipError(f"--remat: unknown {bad}; choose from {list(REMAT_ORDER)}")
         seq = a.seq or cfg.train.seq_len
         depths = default_depths(cfg) if a.depths is None else _ints(a.depths, "--depths")
         batches = _ints(a.batches, "--batches")

@@ -566,7 +566,8 @@ def check_args(a, presets: Sequence[str], progs: Sequence[str]) -> None:
         raise ConfigError(f"--memory-gb {a.memory_gb} must be > 0 (GB of device memory)")
     bad = [p for p in presets if p not in CONNECTIVITY]
     if bad or not presets:
-        raise ConfigError(f"--presets: unknown {bad or presets}; choose from {sorted(CONNECTIVITY)} (comma separated)")
+        raise ConfigError(f"--presets: {f'unknown {bad}' if bad else 'no preset named'}; choose from "
+                          f"{sorted(CONNECTIVITY)} (comma separated)")
     if not progs:
         raise ConfigError(f"--programs names no program; choose from {list(PROGRAMS)}")
     for kv in a.xla:
