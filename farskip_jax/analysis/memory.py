@@ -48,6 +48,7 @@ import time
 from typing import Optional, Sequence
 
 from farskip_jax.analysis import peak_buffers as pb
+from farskip_jax.analysis.cli_checks import check_out_file, int_list, read_json_object
 
 GiB = 2**30
 
@@ -558,57 +559,6 @@ def default_depths(cfg) -> list[int]:
     return [2, 3]
 
 
-def _ints(s: str, flag: str = "", low: int = 1) -> list[int]:
-    """Comma-separated integers >= low; ConfigError naming `flag` and the bad value."""
-    from farskip_jax.errors import ConfigError
-
-    out = []
-    for x in s.split(","):
-        if not x.strip():
-            continue
-        try:
-            v = int(x)
-        except ValueError:
-            raise ConfigError(f"{flag} {s!r}: {x.strip()!r} is not an integer; give comma-separated integers, "
-                              "e.g. 1,2") from None
-        if v < low:
-            raise ConfigError(f"{flag} {s!r}: {v} must be >= {low}")
-        out.append(v)
-    return out
-
-
-def _check_file_path(path: Optional[str], flag: str, what: str) -> None:
-    """ConfigError when `path` cannot be written as a file: it is a folder, or a folder above it is a file."""
-    from farskip_jax.errors import ConfigError
-
-    if not path:
-        return
-    p = os.path.abspath(path)
-    if os.path.isdir(p):
-        raise ConfigError(f"{flag} {path} is a folder; name the JSON file to write {what} to, e.g. {path.rstrip('/')}/plan.json")
-    parent = os.path.dirname(p)
-    while not os.path.exists(parent) and os.path.dirname(parent) != parent:
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise ConfigError(f"{flag} {path}: {parent} is a file, not a folder; name a path in a folder")
-
-
-def _read_cache(path: str, flag: str) -> dict:
-    """The compiled points of a cache file; ConfigError when it is not one."""
-    from farskip_jax.errors import ConfigError
-
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{flag} {path} is not a cache of compiled points (a JSON object this tool wrote): "
-                          f"{getattr(e, 'msg', None) or e}; name another file (a new one is created)") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{flag} {path} holds a JSON {type(data).__name__}, not the object of compiled points this "
-                          "tool writes; name another file")
-    return data
-
-
 def check_plan_args(a, cfg, depths: Sequence[int], batches: Sequence[int]) -> None:
     """ConfigError for a memory-plan command line that cannot run as asked, before anything compiles."""
     from farskip_jax.errors import ConfigError
@@ -629,8 +579,8 @@ def check_plan_args(a, cfg, depths: Sequence[int], batches: Sequence[int]) -> No
             raise ConfigError(f"{flag} {v} must be >= 1")
     if a.top < 0:
         raise ConfigError(f"--top {a.top} must be >= 0 (0: no buffer list)")
-    _check_file_path(a.out, "--out", "the plan")
-    _check_file_path(a.cache, "--cache", "the compiled points")
+    check_out_file(a.out, "--out", "the plan")
+    check_out_file(a.cache, "--cache", "the compiled points")
     for path in (a.read_cache or "").split(","):
         if path.strip() and not os.path.isfile(path.strip()):
             raise ConfigError(f"--read-cache {path.strip()} does not exist; name cache files an earlier plan wrote "
@@ -680,15 +630,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if bad:
             raise FarSkipError(f"--remat: unknown {bad}; choose from {list(REMAT_ORDER)}")
         seq = a.seq or cfg.train.seq_len
-        depths = default_depths(cfg) if a.depths is None else _ints(a.depths, "--depths")
-        batches = _ints(a.batches, "--batches")
+        depths = default_depths(cfg) if a.depths is None else int_list(a.depths, "--depths")
+        batches = int_list(a.batches, "--batches")
         check_plan_args(a, cfg, depths, batches)
-        fsdps = _ints(a.fsdp, "--fsdp") if a.fsdp else [cfg.mesh.fsdp]
-        bound_fsdps = _ints(a.bound_fsdp, "--bound-fsdp")
+        fsdps = int_list(a.fsdp, "--fsdp") if a.fsdp else [cfg.mesh.fsdp]
+        bound_fsdps = int_list(a.bound_fsdp, "--bound-fsdp")
         cache: dict = {}
         for path in [p.strip() for p in (a.read_cache or "").split(",")] + [a.cache or ""]:
             if path and os.path.exists(path):
-                cache.update(_read_cache(path, "--cache" if path == a.cache else "--read-cache"))
+                cache.update(read_json_object(path, "--cache" if path == a.cache else "--read-cache",
+                                              "a cache of compiled points"))
 
         class Saving(dict):  # write the cache after every new compile: a long run can be resumed
             def __setitem__(self, k, v):

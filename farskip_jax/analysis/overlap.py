@@ -42,6 +42,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from farskip_jax.analysis.cli_checks import check_out_folder, number_list
 from farskip_jax.analysis.deviceless import (LHS_FLAGS, collective_durations, compile_deviceless, gpu_devices,
                                              preset_options)
 from farskip_jax.analysis.report import (ALL_TO_ALLS, OverlapReport, analyze, format_collectives,
@@ -489,63 +490,14 @@ def write_timelines(results: Sequence[ProgramResult], programs: Sequence[str], o
 
 
 def _contentions(text: Optional[str]) -> list[float]:
-    """--contention-sweep's values; ConfigError naming a bad one."""
-    from farskip_jax.errors import ConfigError
-
-    out = []
-    for x in (text or "").split(","):
-        if not x.strip():
-            continue
-        try:
-            v = float(x)
-        except ValueError:
-            raise ConfigError(f"--contention-sweep: {x!r} is not a number; give fractions in (0, 1], e.g. 1,0.9,0.8")
-        if not 0.0 < v <= 1.0:
-            raise ConfigError(f"--contention-sweep: {v} is outside (0, 1]; give fractions of compute speed, e.g. 1,0.8")
-        out.append(v)
-    return out
+    """--contention-sweep's values, fractions in (0, 1]; ConfigError naming a bad one."""
+    return number_list(text or None, "--contention-sweep", "fractions of compute speed in (0, 1]", high=1.0,
+                       example="1,0.9,0.8")
 
 
 def _bandwidths(text: Optional[str]) -> list[float]:
-    """--sweep-bw's values (GB/s); ConfigError naming a bad one."""
-    from farskip_jax.errors import ConfigError
-
-    out = []
-    for x in (text or "").split(","):
-        if not x.strip():
-            continue
-        try:
-            v = float(x)
-        except ValueError:
-            raise ConfigError(f"--sweep-bw: {x!r} is not a number; give all-to-all bandwidths in GB/s per GPU, "
-                              "e.g. 25,50,100,200") from None
-        if not v > 0 or v == float("inf"):
-            raise ConfigError(f"--sweep-bw: {v:g} is not a bandwidth; give positive GB/s per GPU, e.g. 25,50,100")
-        out.append(v)
-    if text is not None and not out:
-        raise ConfigError("--sweep-bw names no bandwidth; give GB/s per GPU, e.g. 25,50,100,200")
-    return out
-
-
-def check_out_folder(out: Optional[str], flag: str = "--out") -> None:
-    """ConfigError when `out` cannot become the report's folder: it or a folder above it is a file."""
-    from farskip_jax.errors import ConfigError
-
-    if not out:
-        return
-    p = os.path.abspath(out)
-    while True:
-        if os.path.exists(p):
-            if not os.path.isdir(p):
-                raise ConfigError(f"{flag} {out}: {p} is a file, not a folder; name a folder for the report "
-                                  "(report.json and the timeline pictures go inside it)")
-            if not os.access(p, os.W_OK | os.X_OK):
-                raise ConfigError(f"{flag} {out}: no write permission in {p}; name a folder you can write")
-            return
-        parent = os.path.dirname(p)
-        if parent == p:
-            return
-        p = parent
+    """--sweep-bw's values (GB/s per GPU); ConfigError naming a bad one."""
+    return number_list(text, "--sweep-bw", "all-to-all bandwidths in GB/s per GPU", example="25,50,100,200")
 
 
 def check_args(a, presets: Sequence[str], progs: Sequence[str]) -> None:
