@@ -47,7 +47,7 @@ def plot_layer_timelines(items: Sequence[tuple[str, Schedule, OverlapReport]], l
 
     width_in = 13.0
     fig, axes = plt.subplots(len(items), 1, figsize=(width_in, 2.2 * len(items) + 0.6), squeeze=False)
-    used: dict = {}  # legend key -> colour, in first-drawn order (only what the figure shows)
+    used: dict = {}  # legend key -> colour of what the figure shows (listed in COLORS order)
     faded = False
     for ax, (label, sched, rep) in zip(axes[:, 0], items):
         t0, t1 = _layer_span(rep, layer, direction)
@@ -89,7 +89,7 @@ def plot_layer_timelines(items: Sequence[tuple[str, Schedule, OverlapReport]], l
         ax.set_yticks([0.5, 1.5], [lane, "compute"])
         ax.set_xlim(lo, hi)
         ax.set_xlabel("modelled time (us)")
-    handles = [matplotlib.patches.Patch(color=c, label=k) for k, c in used.items()]
+    handles = [matplotlib.patches.Patch(color=c, label=k) for k, c in COLORS.items() if k in used]
     if faded:
         handles.append(matplotlib.patches.Patch(facecolor=COLORS["attention"], alpha=FADED,
                                                 label="faded = other layers"))
