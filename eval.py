@@ -6,8 +6,10 @@ generation, the first-N/last-N conversion sweep, or lm-eval-harness tasks.
     python eval.py --run runs/distill_tiny --which best --mode compare --teacher-run runs/tiny
     python eval.py --run runs/distill_tiny --which best --mode tasks --tasks data/task.jsonl
     python eval.py --run runs/tiny --mode generate --prompt "def main(" eval.max_new_tokens=64
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 \
     python eval.py --run runs/tiny --mode generate --prompt "def main(" --prompt "import " \
-        inference.layout=tp_ep mesh.data=1 mesh.expert=2 mesh.tensor=4     # TP attention, EP 8 MoE
+        inference.layout=tp_ep mesh.data=1 mesh.expert=2 mesh.tensor=4     # TP attention, EP 8 MoE: 8 devices
+                                                                           # (the flag makes 8 on one CPU)
     python eval.py --run runs/tiny --mode sweep --out runs/tiny/sweep              # CSV + PNG
     python eval.py --hf path/to/hf_folder --mode lm_eval --lm-eval-tasks hellaswag --limit 100
 
@@ -31,6 +33,11 @@ import sys
 MODES = ("loss", "compare", "tasks", "generate", "sweep", "lm_eval")
 
 
+# options read by one mode only -> that mode (given with another mode they would be ignored silently)
+MODE_OPTIONS = {"teacher_run": "compare", "tasks": "tasks", "prompt": "generate", "lm_eval_tasks": "lm_eval",
+                "num_fewshot": "lm_eval", "limit": "lm_eval"}
+
+
 def _overrides(items) -> dict:
     import yaml
 
@@ -41,14 +48,70 @@ def _overrides(items) -> dict:
         if "=" not in it:
             raise ConfigError(f"override {it!r} must look like section.key=value")
         k, _, v = it.partition("=")
-        out[k.strip()] = yaml.safe_load(v) if v != "" else ""
+        try:
+            out[k.strip()] = yaml.safe_load(v) if v != "" else ""
+        except yaml.YAMLError:  # as load_config reads it: the text as it is
+            out[k.strip()] = v
     return out
+
+
+def check_args(a) -> None:
+    """ConfigError for arguments that cannot mean what they say, before any weights are read: exactly one
+    source, --which latest|best|STEP, counts >= 1, options of another mode, an --out that is a file."""
+    from farskip_jax.errors import ConfigError
+
+    if bool(a.run) == bool(a.hf):
+        raise ConfigError("pass exactly one of --run RUN_DIR or --hf HF_FOLDER")
+    if a.hf and os.path.isfile(os.path.join(a.hf, "config.yaml")) and os.path.isdir(os.path.join(a.hf, "checkpoints")):
+        raise ConfigError(f"--hf {a.hf} is a farskip_jax run folder (config.yaml, checkpoints/): pass it as --run {a.hf}")
+    if a.run and os.path.isfile(os.path.join(a.run, "config.json")) and not os.path.isfile(os.path.join(a.run,
+                                                                                                       "config.yaml")):
+        raise ConfigError(f"--run {a.run} is an HF checkpoint folder (config.json): pass it as --hf {a.run}")
+    if a.which not in ("latest", "best") and not a.which.isdigit():
+        raise ConfigError(f"--which {a.which!r}: use latest, best (a distillation run's best checkpoint) or a step "
+                          "number")
+    if a.hf and a.which != "latest":
+        raise ConfigError(f"--which {a.which} picks a checkpoint of a run folder; an HF or import folder (--hf) holds "
+                          "one set of weights: drop --which")
+    for name, flag in (("batches", "--batches"), ("limit", "--limit")):
+        v = getattr(a, name)
+        if v is not None and v < 1:
+            raise ConfigError(f"{flag} {v} must be >= 1" + (" (validation batches; leave it out for the run's own "
+                                                            "train.eval_batches)" if name == "batches" else ""))
+    if a.num_fewshot is not None and a.num_fewshot < 0:
+        raise ConfigError(f"--num-fewshot {a.num_fewshot} must be >= 0")
+    for name, mode in MODE_OPTIONS.items():
+        if getattr(a, name) not in (None, []) and a.mode != mode:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} is read by --mode {mode} only (this is --mode {a.mode}); add --mode {mode} or "
+                              f"drop {flag}")
+    if a.out and os.path.exists(a.out) and not os.path.isdir(a.out):
+        raise ConfigError(f"--out {a.out} is a file; name a folder (results.json goes inside it)")
+
+
+def check_teacher_shape(cfg, teacher_run: str) -> None:
+    """ConfigError when the run of --teacher-run holds another architecture than the model evaluated (the
+    weights could not be compared token by token); runtime keys (dtype, remat, dispatch, ...) may differ."""
+    from farskip_jax.config import RUNTIME_MODEL_KEYS, RUNTIME_MOE_KEYS, to_dict
+    from farskip_jax.errors import ConfigError
+    from farskip_jax.eval.loading import read_run_config
+
+    teacher = read_run_config(os.path.abspath(teacher_run))
+    diff = []
+    for section, runtime in (("model", RUNTIME_MODEL_KEYS), ("moe", RUNTIME_MOE_KEYS)):
+        mine, theirs = to_dict(getattr(cfg, section)), to_dict(getattr(teacher, section))
+        diff += [f"{section}.{k} {mine[k]!r} vs {theirs[k]!r}" for k in mine if k not in runtime and mine[k] != theirs[k]]
+    if diff:
+        raise ConfigError(f"--teacher-run {teacher_run} holds another architecture than the model evaluated (evaluated "
+                          f"vs teacher: {'; '.join(diff[:6])}{' ...' if len(diff) > 6 else ''}); compare weights of "
+                          "one architecture: the teacher a student was distilled from, or leave --teacher-run out "
+                          "(the same weights under standard connectivity)")
 
 
 def val_batch_count(a, ov: dict, cfg) -> tuple[int, str]:
     """(validation batches, where the count comes from): --batches, an eval.batches override, the run's
     train.eval_batches (what its training evaluated), else eval.batches."""
-    if a.batches:
+    if a.batches is not None:
         return a.batches, "--batches"
     if "eval.batches" in ov:
         return cfg.eval.batches, "eval.batches override"
@@ -80,9 +143,13 @@ def run(a) -> dict:
     from farskip_jax.eval.metrics import (STANDARD, evaluate_loss, evaluate_pair, make_compare_fn, make_loss_fn,
                                           val_batches)
 
+    check_args(a)
     ov = _overrides(a.overrides)  # generate honours model.scan_layers (stacked layers decode as a scan)
-    if bool(a.run) == bool(a.hf):
-        raise ConfigError("pass exactly one of --run RUN_DIR or --hf HF_FOLDER")
+    if a.run and a.teacher_run:  # both configs, before any weights are read
+        from farskip_jax.config import replace
+        from farskip_jax.eval.loading import read_run_config
+
+        check_teacher_shape(replace(read_run_config(os.path.abspath(a.run)), **ov), a.teacher_run)
     if a.run:
         which = int(a.which) if a.which.isdigit() else a.which
         # the tp_ep / foe inference layouts restore replicated, then eval/serving.py reshards onto their mesh
@@ -98,6 +165,8 @@ def run(a) -> dict:
         cfg, graphdef, st = load_hf(a.hf, overrides=ov or None)  # an exported connectivity, then the overrides
     tok = load_tokenizer(a.tokenizer or cfg.data.tokenizer)
     check_vocab(tok, cfg.model.vocab_size, f"the model of {a.run or a.hf}")
+    if a.teacher_run and not a.run:  # an HF or import folder's architecture is known once it is read
+        check_teacher_shape(cfg, a.teacher_run)
     res: dict = {"mode": a.mode, "source": a.run or a.hf, "farskip": dataclasses.asdict(cfg.farskip)}
     n_batches, batches_from = val_batch_count(a, ov, cfg)
     if a.mode in ("loss", "compare", "sweep"):
@@ -166,7 +235,7 @@ def main(argv=None) -> int:
     p.add_argument("--tasks", nargs="*", help="tasks: JSONL files {context, choices, label}")
     p.add_argument("--prompt", action="append", help="generate: a prompt (repeat for a batch of requests)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batches", type=int, default=0,
+    p.add_argument("--batches", type=int, default=None,
                    help="validation batches (default: a run's train.eval_batches, else eval.batches)")
     p.add_argument("--tokenizer", help="tokenizer (default data.tokenizer of the config)")
     p.add_argument("--out", help="folder for results.json (and the sweep's CSV/PNG)")

@@ -119,6 +119,13 @@ class ModelConfig:
     v_head_dim: int = 128  # MLA: per-head value dim
 
     def __post_init__(self):
+        for k in ("vocab_size", "d_model", "mlp_hidden", "max_seq_len"):
+            _check(getattr(self, k) >= 1, f"model.{k} must be >= 1, got {getattr(self, k)}")
+        _check(self.head_dim is None or self.head_dim >= 1, f"model.head_dim must be >= 1 or null (d_model / num_heads), "
+                                                            f"got {self.head_dim}")
+        _check(self.init_std >= 0 and self.norm_eps > 0 and self.rope_theta > 0,
+               f"model.init_std must be >= 0, model.norm_eps and model.rope_theta > 0 (got {self.init_std}, "
+               f"{self.norm_eps}, {self.rope_theta})")
         _check(self.num_layers >= 1, f"model.num_layers must be >= 1, got {self.num_layers}")
         _check(self.num_heads >= 1 and self.num_kv_heads >= 1, "model.num_heads and model.num_kv_heads must be >= 1")
         _check(
@@ -197,7 +204,13 @@ class MoEConfig:
 
     def __post_init__(self):
         _check(self.num_experts >= 0, "moe.num_experts must be >= 0")
+        _check(self.num_shared_experts >= 0, f"moe.num_shared_experts must be >= 0, got {self.num_shared_experts}")
+        for k in ("aux_loss_weight", "z_loss_weight", "bias_update_rate"):
+            _check(getattr(self, k) >= 0, f"moe.{k} must be >= 0, got {getattr(self, k)}")
         if self.num_experts:
+            _check(self.expert_hidden >= 1, f"moe.expert_hidden must be >= 1, got {self.expert_hidden}")
+            _check(self.shared_hidden is None or self.shared_hidden >= 1,
+                   f"moe.shared_hidden must be >= 1 or null (expert_hidden x num_shared_experts), got {self.shared_hidden}")
             _check(
                 1 <= self.top_k <= self.num_experts,
                 f"moe.top_k={self.top_k} must be between 1 and moe.num_experts={self.num_experts}",
@@ -429,6 +442,19 @@ class TrainConfig:
         _check(self.resume_step is None or (_is_int(self.resume_step) and self.resume_step >= 0),
                f"train.resume_step={self.resume_step!r}: give a checkpoint step of the run (an int >= 0), or null for "
                "the newest")
+        _check(self.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
+        _check(0.0 <= self.min_lr_ratio <= 1.0, f"train.min_lr_ratio must be in [0, 1] (final lr / train.lr), "
+                                                f"got {self.min_lr_ratio}")
+        _check(0.0 <= self.b1 < 1.0 and 0.0 <= self.b2 < 1.0,
+               f"train.b1 and train.b2 (AdamW moment decays) must be in [0, 1), got {self.b1}, {self.b2}")
+        for k in ("weight_decay", "grad_clip", "eval_every"):
+            _check(getattr(self, k) >= 0, f"train.{k} must be >= 0 (0 turns it off), got {getattr(self, k)}")
+        _check(0 <= self.seed < 2**32, f"train.seed must be in [0, 2**32) (it seeds the weights and the data order), "
+                                       f"got {self.seed}")
+        _check(self.peak_flops is None or self.peak_flops > 0,
+               f"train.peak_flops must be > 0 (FLOP/s per device) or null (measured on CPU), got {self.peak_flops}")
+        _check(self.time_limit_s is None or self.time_limit_s > 0,
+               f"train.time_limit_s must be > 0 seconds or null (no limit), got {self.time_limit_s}")
         _check(self.batch_size % self.grad_accum == 0, "train.grad_accum must divide train.batch_size")
         _check(self.loss_chunk is None or (isinstance(self.loss_chunk, int) and not isinstance(self.loss_chunk, bool)
                                            and self.loss_chunk >= 0),
@@ -456,6 +482,8 @@ class DataConfig:
 
     def __post_init__(self):
         _check(0.0 < self.val_fraction < 1.0, "data.val_fraction must be in (0, 1)")
+        _check(self.max_docs is None or self.max_docs >= 1,
+               f"data.max_docs must be >= 1 or null (every document), got {self.max_docs}")
         _check(self.prefetch >= 0, "data.prefetch must be >= 0 (batches prepared ahead; 0 turns it off)")
         _check(self.source == "stdlib" or len(self.paths) > 0, f"data.source={self.source!r} needs data.paths")
 
@@ -508,6 +536,15 @@ class EvalConfig:
     max_new_tokens: int = 64
     top_p: float = 1.0
     temperature: float = 0.0
+
+    def __post_init__(self):
+        _check(self.batches >= 1, f"eval.batches must be >= 1 (validation batches), got {self.batches}")
+        _check(self.max_new_tokens >= 1, f"eval.max_new_tokens must be >= 1 (tokens to generate), got {self.max_new_tokens}")
+        _check(0.0 < self.top_p <= 1.0,
+               f"eval.top_p={self.top_p} must be in (0, 1]: the probability mass sampling keeps (1 = all tokens; "
+               "0 would keep none)")
+        _check(self.temperature >= 0.0,
+               f"eval.temperature={self.temperature} must be >= 0 (0 = greedy decoding, > 0 = sampling)")
 
 
 @dataclass(frozen=True)
@@ -799,26 +836,84 @@ def _deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
+def _duplicate_keys(node, path: str = "") -> Optional[tuple[str, int, int]]:
+    """(dotted key, first line, second line) of the first key that a mapping of the composed YAML
+    `node` holds twice (1-based lines), else None. YAML merge keys (`<<`) are left to the loader."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict = {}
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            full = f"{path}.{key}" if path else str(key)
+            if key is not None and key != "<<":
+                if key in seen:
+                    return full, seen[key], key_node.start_mark.line + 1
+                seen[key] = key_node.start_mark.line + 1
+            found = _duplicate_keys(value_node, full)
+            if found:
+                return found
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            found = _duplicate_keys(item, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
+def read_yaml_mapping(path: str) -> dict:
+    """The mapping one YAML config file holds. ConfigError (naming the file and the fix) when the path
+    is a folder or missing, the text is not YAML, holds no settings, is not a mapping, or sets one key
+    twice (YAML would keep the last silently; `base:` files and command-line overrides are the ways
+    to change a value)."""
+    if os.path.isdir(path):
+        raise ConfigError(f"config {path} is a folder; pass a YAML file such as configs/tiny.yaml")
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        with open(path, "rb") as f:
+            text = f.read().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not a YAML text file (invalid UTF-8 at byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path}: {e.strerror or e}") from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    if data is None:
+        raise ConfigError(f"{path} holds no settings (empty or only comments); a config needs at least "
+                          "`base: tiny.yaml` or one section, e.g. `train: {steps: 100}`")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping at the top level (section: {{key: value}}), "
+                          f"got a {type(data).__name__}")
+    dup = _duplicate_keys(node)
+    if dup:
+        key, first, second = dup
+        raise ConfigError(f"{path}: key {key!r} is set twice (lines {first} and {second}); YAML would keep only the "
+                          f"second silently. Keep one (merge the two into one entry); a `base:` file or a "
+                          "command-line override (section.key=value) is the way to change a value")
+    return data
+
+
 def load_yaml_tree(path: str, _seen: tuple[str, ...] = ()) -> dict:
     """Read a YAML config and merge it over its `base:` chain (paths relative to each file)."""
     path = os.path.abspath(path)
     if path in _seen:
         raise ConfigError(f"config inheritance cycle: {' -> '.join(_seen + (path,))}")
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file not found: {path}")
-    with open(path) as f:
-        try:
-            data = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path} is not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a mapping at the top level")
+    data = read_yaml_mapping(path)
     base = data.pop("base", None)
-    if base:
+    if base is not None:
         bases = base if isinstance(base, list) else [base]
+        if not bases or not all(isinstance(b, str) and b.strip() for b in bases):
+            raise ConfigError(f"{path}: base={base!r} must name a YAML file (a path relative to this file) or a list "
+                              "of them, e.g. `base: tiny.yaml`")
         merged: dict = {}
         for b in bases:
+            b = os.path.expanduser(b)
             bpath = b if os.path.isabs(b) else os.path.join(os.path.dirname(path), b)
+            if not os.path.isfile(bpath):  # name the file whose `base:` points nowhere
+                what = "is a folder" if os.path.isdir(bpath) else "does not exist"
+                raise ConfigError(f"{path}: base: {b} {what} ({bpath}); name a YAML file, relative to this file")
             merged = _deep_merge(merged, load_yaml_tree(bpath, _seen + (path,)))
         data = _deep_merge(merged, data)
     return data
@@ -848,10 +943,22 @@ def apply_overrides(tree: dict, overrides: list[str]) -> dict:
 
 def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> Config:
     """Load `path` (or the defaults when None), apply the kernels' environment overrides
-    (kernels_env_overrides), then the dotted overrides, validate."""
+    (kernels_env_overrides), then the dotted overrides, validate (check_request included)."""
     tree = load_yaml_tree(path) if path else {}
     tree = apply_overrides(tree, kernels_env_overrides() + list(overrides or []))
-    return from_dict(Config, tree)
+    return check_request(from_dict(Config, tree))
+
+
+def check_request(cfg: Config) -> Config:
+    """`cfg` when what it asks a new run to do is possible as asked, else ConfigError: the warmup of
+    train.warmup_steps must fit in train.steps (the schedule would otherwise never reach train.lr).
+    Checked where a config is requested (load_config), not where a saved run's config is read back."""
+    t = cfg.train
+    _check(t.warmup_steps <= t.steps,
+           f"train.warmup_steps={t.warmup_steps} is longer than the run (train.steps={t.steps}): the learning rate "
+           f"would never reach train.lr on the schedule asked for; set train.warmup_steps <= {t.steps} "
+           f"(e.g. train.warmup_steps={t.steps // 10} for a short run)")
+    return cfg
 
 
 def config_from_dict(tree: dict) -> Config:

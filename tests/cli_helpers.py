@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAST = ["model.num_layers=2", "train.steps=2", "train.batch_size=8", "train.seq_len=32", "train.eval_every=0",
+FAST = ["model.num_layers=2", "train.steps=2", "train.warmup_steps=1", "train.batch_size=8", "train.seq_len=32", "train.eval_every=0",
         "train.eval_batches=1", "train.tensorboard=false", "train.peak_flops=1e9", "train.log_every=1"]
 
 

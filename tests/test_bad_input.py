@@ -20,7 +20,7 @@ import transformers
 import eval as eval_entry
 import train as train_entry
 
-FAST = ["model.num_layers=2", "train.steps=2", "train.batch_size=8", "train.seq_len=32", "train.eval_every=0", "train.eval_batches=1",
+FAST = ["model.num_layers=2", "train.steps=2", "train.warmup_steps=1", "train.batch_size=8", "train.seq_len=32", "train.eval_every=0", "train.eval_batches=1",
         "train.tensorboard=false", "train.peak_flops=1e9", "train.log_every=1", "data.max_docs=40"]
 DISTILL_FAST = [o for o in FAST if not o.startswith("data.max_docs")] + ["distill.eval_every=2", "train.warmup_steps=1"]
 

@@ -1,4 +1,4 @@
-"""FarSkip connectivity: every sub-block receives exactly the stream DESIGN.md section 1 defines.
+"""FarSkip connectivity: every sub-block receives exactly the stream docs/design.md section 1 defines.
 
 The model is run with `return_trace=True`; from the recorded sub-block outputs a_j, s_j (shared or dense
 MLP), r_j (routed) and the embedding, the expected input of every sub-block is rebuilt by the algebra
@@ -34,7 +34,7 @@ def model_and_tokens():
 
 
 def _expected_inputs(emb, trace, fs: FarSkipConfig, n):
-    """Rebuild each layer's (attn_in, moe_in) from the recorded outputs by the DESIGN.md algebra."""
+    """Rebuild each layer's (attn_in, moe_in) from the recorded outputs by the algebra of docs/design.md section 1."""
     d = fs.skip_distance
     zero = jnp.zeros_like(emb)
     a = [t["attn"] for t in trace]

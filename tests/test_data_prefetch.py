@@ -23,7 +23,7 @@ ROWS = 8
 
 def _run(tmp_path, prefetch: int):
     run = str(tmp_path / f"prefetch{prefetch}")
-    cfg = load_config("configs/tiny.yaml", [f"train.run_dir={run}", "train.steps=10", f"train.batch_size={ROWS}",
+    cfg = load_config("configs/tiny.yaml", [f"train.run_dir={run}", "train.steps=10", "train.warmup_steps=9", f"train.batch_size={ROWS}",
                                             "train.seq_len=128", "train.eval_every=0", "train.checkpoint_every=0",
                                             "train.eval_batches=1", "train.tensorboard=false", "train.log_every=1",
                                             "train.peak_flops=1e9", f"data.prefetch={prefetch}"])

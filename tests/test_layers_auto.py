@@ -1,6 +1,6 @@
 """farskip.layers: auto (budgeted conversion, fcsd/planner.py).
 
-The choice rule against hand-computed sweep rows; the freed-all-to-all count against DESIGN.md
+The choice rule against hand-computed sweep rows; the freed-all-to-all count against docs/design.md
 section 1 by hand; config errors name the key; an unresolved `auto` never reaches a model; the
 default retention covers every plain-FCSD run recorded at 5%; in the loop: a budget nothing fits
 fails before the run folder exists, the chosen set trains exactly as the explicit list would, and a

@@ -119,3 +119,21 @@ def test_summarize_and_table():
     md = ablation_table(rows, ov).splitlines()
     assert len(md) == 4 and "25.0%" in md[2] and "+12.20%" in md[2] and "1.500 ms" in md[2]
     assert md[3].endswith("| – | – | – |")  # no overlap entry for standard
+
+
+def test_variants_with_one_seed_start_from_the_same_weights():
+    """The ablation's pairs: the parameters do not depend on the connectivity, so one seed gives every
+    variant the same initial weights (and train.seed the same data order: data/pipeline.py)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from farskip_jax.config import load_config
+    from farskip_jax.experiments.ablation import variants_by_name
+    from farskip_jax.parallel.build import create_model
+
+    base = load_config(str(NB_DIR.parent / "configs" / "tiny.yaml"),
+                       ["model.d_model=32", "model.num_layers=2", "moe.expert_hidden=32", "train.seed=3"])
+    weights = [jax.tree.leaves(nnx.state(create_model(v.apply(base), None, seed=3), nnx.Param))
+               for v in variants_by_name(["standard", "farskip", "attn_only", "mlp_only", "all_outdated"])]
+    assert all(len(w) == len(weights[0]) and all(np.array_equal(a, b) for a, b in zip(weights[0], w)) for w in weights)

@@ -1,6 +1,6 @@
 """No false dependency under FarSkip, read off the compiled (fused, scheduled) HLO of the EP model.
 
-FarSkip (DESIGN.md section 1) promises two independences in layer k:
+FarSkip (docs/design.md section 1) promises two independences in layer k:
   1. attention of layer k does not wait for the combine all-to-all of layer k-1;
   2. the dispatch all-to-all of layer k does not wait for attention of layer k.
 Both are checked as graph reachability in the compiled ENTRY computation (operands and control

@@ -23,7 +23,7 @@ def test_pretrain_from_hf_folder_starts_from_its_weights(tmp_path):
     transformers.Qwen3MoeForCausalLM(hf_cfg).save_pretrained(hf_dir)
     run_dir = str(tmp_path / "run")
     # one step with a negligible learning rate and no weight decay: the saved parameters are the imported ones
-    cfg = load_config("configs/tiny.yaml", [f"init_from_hf={hf_dir}", f"train.run_dir={run_dir}", "train.steps=1", "train.lr=1e-9", "train.weight_decay=0",
+    cfg = load_config("configs/tiny.yaml", [f"init_from_hf={hf_dir}", f"train.run_dir={run_dir}", "train.steps=1", "train.warmup_steps=0", "train.lr=1e-9", "train.weight_decay=0",
                                             "train.batch_size=8", "train.seq_len=16", "train.eval_every=0",
                                             "train.tensorboard=false", "train.peak_flops=1e9"])
     assert cfg.model.d_model == 128  # the user's config says tiny; the checkpoint decides the shape

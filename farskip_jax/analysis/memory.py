@@ -48,6 +48,7 @@ import time
 from typing import Optional, Sequence
 
 from farskip_jax.analysis import peak_buffers as pb
+from farskip_jax.analysis.cli_checks import check_out_file, int_list, read_json_object
 
 GiB = 2**30
 
@@ -366,8 +367,9 @@ class Row:
         per_seq_batch = self.parts["batch"]  # the batch of 1 sequence per device
         return self.fixed + per_seq_batch * batch + self.temp(batch)
 
-    def max_batch(self, capacity: float, limit: int = 4096) -> int:
-        """Largest per-device batch (sequences of `seq`) whose peak fits in `capacity` bytes (0: none)."""
+    def max_batch(self, capacity: float, limit: int = 2**40) -> int:
+        """Largest per-device batch (sequences of `seq`) whose peak fits in `capacity` bytes (0: none);
+        `limit` only bounds the search (the peak grows with every sequence, so it is never reached)."""
         if self.peak(1) > capacity:
             return 0
         lo, hi = 1, 2
@@ -557,8 +559,32 @@ def default_depths(cfg) -> list[int]:
     return [2, 3]
 
 
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x.strip()]
+def check_plan_args(a, cfg, depths: Sequence[int], batches: Sequence[int]) -> None:
+    """ConfigError for a memory-plan command line that cannot run as asked, before anything compiles."""
+    from farskip_jax.errors import ConfigError
+
+    if not 0.0 < a.usable <= 1.0:
+        raise ConfigError(f"--usable {a.usable} must be a fraction of device memory in (0, 1] (default "
+                          f"{USABLE_FRACTION}: JAX's GPU preallocation)")
+    if a.seq is not None and a.seq < 1:
+        raise ConfigError(f"--seq {a.seq} must be >= 1 (leave it out for train.seq_len)")
+    if len(set(batches)) != 2:
+        raise ConfigError(f"--batches {a.batches!r} must name two different per-device batches (e.g. 1,2): the "
+                          "activations per sequence are fitted between them")
+    if not 1 <= len(set(depths)) <= 2:
+        raise ConfigError(f"--depths {a.depths!r} must name one depth (the config's) or two to extrapolate from "
+                          "(e.g. 2,3)")
+    for flag, v in (("--validate-depth", a.validate_depth), ("--validate-batch", a.validate_batch)):
+        if v is not None and v < 1:
+            raise ConfigError(f"{flag} {v} must be >= 1")
+    if a.top < 0:
+        raise ConfigError(f"--top {a.top} must be >= 0 (0: no buffer list)")
+    check_out_file(a.out, "--out", "the plan")
+    check_out_file(a.cache, "--cache", "the compiled points")
+    for path in (a.read_cache or "").split(","):
+        if path.strip() and not os.path.isfile(path.strip()):
+            raise ConfigError(f"--read-cache {path.strip()} does not exist; name cache files an earlier plan wrote "
+                              "(--cache)")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -596,16 +622,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg = load_config(a.config, a.overrides)
         modes = [m.strip() for m in a.mode.split(",") if m.strip()]
         bad = [m for m in modes if m not in MODES]
-        if bad:
-            raise FarSkipError(f"--mode: unknown {bad}; choose from {list(MODES)}")
+        if bad or not modes:
+            raise FarSkipError(f"--mode: {f'unknown {bad}' if bad else 'no mode named'}; choose from {list(MODES)} "
+                               "(comma separated)")
         remats = [r.strip() for r in (a.remat or cfg.model.remat).split(",") if r.strip()]
+        bad = [r for r in remats if r not in REMAT_ORDER]
+        if bad:
+            raise FarSkipError(f"--remat: unknown {bad}; choose from {list(REMAT_ORDER)}")
         seq = a.seq or cfg.train.seq_len
-        depths = default_depths(cfg) if a.depths is None else _ints(a.depths)
+        depths = default_depths(cfg) if a.depths is None else int_list(a.depths, "--depths")
+        batches = int_list(a.batches, "--batches")
+        check_plan_args(a, cfg, depths, batches)
+        fsdps = int_list(a.fsdp, "--fsdp") if a.fsdp else [cfg.mesh.fsdp]
+        bound_fsdps = int_list(a.bound_fsdp, "--bound-fsdp")
         cache: dict = {}
-        for path in (a.read_cache or "").split(",") + [a.cache or ""]:
+        for path in [p.strip() for p in (a.read_cache or "").split(",")] + [a.cache or ""]:
             if path and os.path.exists(path):
-                with open(path) as f:
-                    cache.update(json.load(f))
+                cache.update(read_json_object(path, "--cache" if path == a.cache else "--read-cache",
+                                              "a cache of compiled points"))
 
         class Saving(dict):  # write the cache after every new compile: a long run can be resumed
             def __setitem__(self, k, v):
@@ -616,11 +650,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         json.dump(dict(self), f, indent=1)
 
         t0 = time.time()
-        fsdps = _ints(a.fsdp) if a.fsdp else [cfg.mesh.fsdp]
-        rows = build_rows(cfg, modes, remats, fsdps, depths, _ints(a.batches), seq,
+        rows = build_rows(cfg, modes, remats, fsdps, depths, batches, seq,
                           a.validate_depth, Saving(cache), log, validate_cached=a.validate_cached,
                           validate_batch=a.validate_batch)
-        rows += bound_rows(cfg, rows, _ints(a.bound_fsdp))
+        rows += bound_rows(cfg, rows, bound_fsdps)
     except FarSkipError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -630,7 +663,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)) or ".", exist_ok=True)
         with open(a.out, "w") as f:
             json.dump(dict(config=a.config, overrides=a.overrides, usable_fraction=a.usable, device_memory=DEVICE_MEMORY,
-                           depths=depths, batches=_ints(a.batches), seq=seq, wall_s=time.time() - t0,
+                           depths=depths, batches=batches, seq=seq, wall_s=time.time() - t0,
                            rows=rows_json(rows, a.usable), table=text), f, indent=1)
     return 0
 

@@ -42,6 +42,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from farskip_jax.analysis.cli_checks import check_out_folder, number_list
 from farskip_jax.analysis.deviceless import (LHS_FLAGS, collective_durations, compile_deviceless, gpu_devices,
                                              preset_options)
 from farskip_jax.analysis.report import (ALL_TO_ALLS, OverlapReport, analyze, format_collectives,
@@ -132,6 +133,15 @@ def run_overlap(cfg, presets: Sequence[str] = ("standard", "farskip"), programs:
     from farskip_jax.analysis.topology import LINKS, Topology
     from farskip_jax.config import replace
 
+    from farskip_jax.errors import ConfigError
+
+    bad = [p for p in programs if p not in PROGRAMS]
+    if bad:
+        raise ConfigError(f"programs {bad} are unknown; choose from {list(PROGRAMS)}")
+    if (batch is not None and batch < 1) or (seq is not None and seq < 1):
+        raise ConfigError(f"batch={batch}, seq={seq}: each must be >= 1 (None: the config's train.batch_size / seq_len)")
+    if hardware and hardware not in HARDWARE:
+        raise ConfigError(f"hardware {hardware!r} is unknown; choose one of {sorted(HARDWARE)} (None: XLA's model only)")
     log = log or (lambda m: None)
     hw = with_contention(HARDWARE[hardware], contention) if hardware else None
     if flags is None:
@@ -238,6 +248,11 @@ def target_lines(reports: dict[str, OverlapReport], min_of_bound: float = 0.95, 
     fs, std = reports.get("farskip"), reports.get("standard")
     if fs is None:
         return []
+    if not fs.totals("all")["count"]:  # nothing to hide: every verdict below would be vacuous
+        ratio = f"; the step-time ratio farskip/standard {std.step_time / fs.step_time:.3f}x here is scheduling " \
+                "and compute, not all-to-all overlap" if std is not None and fs.step_time else ""
+        return [f"N/A farskip: the program holds no all-to-all, so there is nothing for FarSkip to hide and the "
+                f"overlap targets do not apply{ratio}. {NO_ALL_TO_ALL_FIX}"]
     out = []
     for d in ("fwd", "bwd"):
         t = fs.totals(d)
@@ -279,6 +294,16 @@ def target_lines(reports: dict[str, OverlapReport], min_of_bound: float = 0.95, 
             out.extend(split_lines(split_speedup(serial, fs), "farskip / standard without overlap",
                                    ref="standard without overlap"))
     return out
+
+
+NO_ALL_TO_ALL_FIX = ("The expert-parallel all-to-alls need experts split over devices: add moe.dispatch=all_to_all "
+                     "mesh.data=1 mesh.expert=8 (or a real-shape config such as configs/deepseek_v2_lite.yaml)")
+
+
+def has_all_to_alls(cfg) -> bool:
+    """Whether cfg's programs exchange tokens between devices: routed experts split over mesh.expert > 1
+    with an all-to-all dispatch (the training layout; the serving layouts are analysis/inference_report.py)."""
+    return bool(cfg.moe.num_experts) and cfg.mesh.expert > 1 and cfg.moe.dispatch != "local"
 
 
 def to_json(results: Sequence[ProgramResult]) -> dict:
@@ -398,7 +423,7 @@ def format_results(results: Sequence[ProgramResult], programs: Sequence[str], ta
                 h = with_contention(HARDWARE[hw], std.contention)
                 kw = dict(fused_attention=std.fused_attention)
                 paper = implied_bandwidth(std.schedule, fs.schedule, h, 1.11, num_devices, **kw)
-                bws = sorted({float(x) * 1e9 for x in sweep_bw.split(",")} | {h.a2a_bw} | set(paper))
+                bws = sorted({x * 1e9 for x in _bandwidths(sweep_bw)} | {h.a2a_bw} | set(paper))
                 sweep = bandwidth_sweep(std.schedule, fs.schedule, h, bws, num_devices, **kw)
                 marks = {h.a2a_bw / 1e9: f"<- {hw} default"}
                 marks.update({bw / 1e9: "<- paper's 1.11x (farskip vs no-overlap baseline)" for bw in paper})
@@ -465,21 +490,45 @@ def write_timelines(results: Sequence[ProgramResult], programs: Sequence[str], o
 
 
 def _contentions(text: Optional[str]) -> list[float]:
-    """--contention-sweep's values; ConfigError naming a bad one."""
+    """--contention-sweep's values, fractions in (0, 1]; ConfigError naming a bad one."""
+    return number_list(text or None, "--contention-sweep", "fractions of compute speed in (0, 1]", high=1.0,
+                       example="1,0.9,0.8")
+
+
+def _bandwidths(text: Optional[str]) -> list[float]:
+    """--sweep-bw's values (GB/s per GPU); ConfigError naming a bad one."""
+    return number_list(text, "--sweep-bw", "all-to-all bandwidths in GB/s per GPU", example="25,50,100,200")
+
+
+def check_args(a, presets: Sequence[str], progs: Sequence[str]) -> None:
+    """ConfigError for a command line that cannot run as asked, before anything is compiled."""
+    from farskip_jax.config import PRESETS as CONNECTIVITY
     from farskip_jax.errors import ConfigError
 
-    out = []
-    for x in (text or "").split(","):
-        if not x.strip():
-            continue
-        try:
-            v = float(x)
-        except ValueError:
-            raise ConfigError(f"--contention-sweep: {x!r} is not a number; give fractions in (0, 1], e.g. 1,0.9,0.8")
-        if not 0.0 < v <= 1.0:
-            raise ConfigError(f"--contention-sweep: {v} is outside (0, 1]; give fractions of compute speed, e.g. 1,0.8")
-        out.append(v)
-    return out
+    for flag, v in (("--batch", a.batch), ("--seq", a.seq)):
+        if v is not None and v < 1:
+            raise ConfigError(f"{flag} {v} must be >= 1 (leave it out for the config's "
+                              f"train.{'batch_size' if flag == '--batch' else 'seq_len'})")
+    if a.devices < 1:
+        raise ConfigError(f"--devices {a.devices} must be >= 1")
+    if a.gpus_per_node is not None and (a.gpus_per_node < 1 or a.devices % a.gpus_per_node):
+        raise ConfigError(f"--gpus-per-node {a.gpus_per_node} must divide --devices {a.devices} (e.g. --devices 32 "
+                          "--gpus-per-node 8: 4 nodes)")
+    if a.memory_gb is not None and not a.memory_gb > 0:
+        raise ConfigError(f"--memory-gb {a.memory_gb} must be > 0 (GB of device memory)")
+    bad = [p for p in presets if p not in CONNECTIVITY]
+    if bad or not presets:
+        raise ConfigError(f"--presets: {f'unknown {bad}' if bad else 'no preset named'}; choose from "
+                          f"{sorted(CONNECTIVITY)} (comma separated)")
+    if not progs:
+        raise ConfigError(f"--programs names no program; choose from {list(PROGRAMS)}")
+    for kv in a.xla:
+        if "=" not in kv or not kv.partition("=")[0].strip("- "):
+            raise ConfigError(f"--xla {kv!r} must look like FLAG=VALUE, e.g. --xla "
+                              "xla_gpu_enable_latency_hiding_scheduler=true")
+    if a.sweep_bw is not None and not {"standard", "farskip"} <= set(presets):
+        raise ConfigError("--sweep-bw compares farskip with standard: keep both in --presets")
+    check_out_folder(a.out)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -530,6 +579,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             k, _, v = kv.partition("=")
             flags[k.lstrip("-")] = _parse_value(v)
         progs = [p.strip() for p in a.programs.split(",") if p.strip()]
+        presets = [p.strip() for p in a.presets.split(",") if p.strip()]
+        check_args(a, presets, progs)
+        _bandwidths(a.sweep_bw)  # every value a bandwidth, before anything compiles
         from farskip_jax.analysis.cost_model import HARDWARE, with_contention
 
         if a.hardware and a.hardware.lower() == "none":
@@ -547,7 +599,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if a.contention is not None:
             with_contention(HARDWARE[a.hardware], a.contention)  # validates
         log = lambda m: print(m, file=sys.stderr, flush=True)
-        results = run_overlap(cfg, [p.strip() for p in a.presets.split(",")], progs, a.batch, a.seq, a.target,
+        if not has_all_to_alls(cfg):
+            log(f"[overlap] NOTE: this config runs no expert-parallel all-to-all (moe.num_experts="
+                f"{cfg.moe.num_experts}, mesh.expert={cfg.mesh.expert}, moe.dispatch={cfg.moe.dispatch}): the report "
+                f"has nothing to hide. {NO_ALL_TO_ALL_FIX}")
+        results = run_overlap(cfg, presets, progs, a.batch, a.seq, a.target,
                               a.devices, flags, a.hardware, log, gpus_per_node=a.gpus_per_node,
                               memory_gb=a.memory_gb, grouped_gemm=a.grouped_gemm, contention=a.contention,
                               fused_attention=a.attention == "fused")

@@ -24,6 +24,7 @@ to the first device.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import time
@@ -38,6 +39,7 @@ from jax.sharding import SingleDeviceSharding
 from farskip_jax.config import Config, apply_overrides, from_dict
 from farskip_jax.convert.connectivity import describe, import_connectivity
 from farskip_jax.convert.families import family_for, text_part
+from farskip_jax.convert.hf_fields import read_family_config
 from farskip_jax.convert.import_folder import describe_import_folder, is_native
 from farskip_jax.convert.reader import HFCheckpoint
 from farskip_jax.convert.spec import TensorSpec
@@ -70,7 +72,8 @@ def import_config(hf: dict, overrides: Overrides = None, *, source: Optional[str
     if hf.get("quantization_config"):
         q = hf["quantization_config"].get("quant_method", "?")
         raise CheckpointError(f"quantized checkpoints ({q}) are not supported; dequantize to bf16/fp32 safetensors first")
-    tree = family_for(hf).config_tree(hf)
+    where = os.path.join(source, "config.json") if source else "config.json"
+    tree = read_family_config(hf, family_for(hf).config_tree, where)  # fields checked: one error naming a bad one
     section, origin = import_connectivity(hf, tree.get("farskip"), overrides)
     tree["farskip"] = section
     if source:

@@ -233,6 +233,18 @@ def make_decode_fn(graphdef, farskip: FarSkipConfig, layout=None, scan: Optional
     return jax.jit(fn, donate_argnums=3, compiler_options=opts)
 
 
+def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> None:
+    """ConfigError naming the setting when generation cannot run as asked: a negative token count, a
+    negative temperature, or a top-p outside (0, 1] (0 keeps no token at all)."""
+    if max_new_tokens < 0:
+        raise ConfigError(f"max_new_tokens={max_new_tokens} must be >= 0 (eval.max_new_tokens: tokens to generate)")
+    if not temperature >= 0:
+        raise ConfigError(f"temperature={temperature} must be >= 0 (eval.temperature: 0 = greedy, > 0 = sampling)")
+    if not 0.0 < top_p <= 1.0:
+        raise ConfigError(f"top_p={top_p} must be in (0, 1] (eval.top_p: the probability mass sampling keeps; "
+                          "1 = every token)")
+
+
 def sample_next(logits: jax.Array, key: jax.Array, temperature: float, top_p: float) -> jax.Array:
     """logits [b, V] -> token ids [b]: greedy when temperature == 0, else nucleus (top-p) sampling."""
     if temperature <= 0:
@@ -254,6 +266,7 @@ def generate(model, prompt, max_new_tokens: int, *, farskip: Optional[FarSkipCon
     module docstring). `model`: a Transformer (on a layout: from parallel.inference.inference_model).
     Sampling (temperature > 0, top_p) draws from jax.random.key(seed): the same seed gives the same
     tokens, on one device or a mesh."""
+    check_sampling(max_new_tokens, temperature, top_p)
     fs = farskip if farskip is not None else model.cfg.farskip
     prompt_np, pad_np = pad_prompts(prompt, pad_id)
     b, p = prompt_np.shape

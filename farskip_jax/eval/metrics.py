@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from farskip_jax.config import Config, FarSkipConfig
+from farskip_jax.errors import ConfigError
 from farskip_jax.losses.divergence import forward_kl, top1_agreement
 
 STANDARD = FarSkipConfig()
@@ -88,6 +89,8 @@ def _pool(outs: Iterable[dict]) -> dict:
     for o in outs:
         for k, v in jax.device_get(o).items():
             tot[k] = tot.get(k, 0.0) + float(v)
+    if not tot:
+        raise ConfigError("no validation batch to evaluate: pass at least one (--batches N / eval.batches >= 1)")
     return tot
 
 
@@ -122,6 +125,8 @@ def val_batches(cfg: Config, n: int, *, mesh=None, tokenizer=None, batch_size: O
     checked against cfg.model.vocab_size (DataError naming the source)."""
     from farskip_jax.data.pipeline import make_dataset
 
+    if n < 1:
+        raise ConfigError(f"{n} validation batches: evaluate at least one (--batches N / eval.batches >= 1)")
     t = cfg.train
     ds = make_dataset(cfg.data, "val", batch_size=batch_size or t.batch_size, seq_len=seq_len or t.seq_len,
                       seed=t.seed, process_index=jax.process_index(), process_count=jax.process_count(),

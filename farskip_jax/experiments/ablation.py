@@ -5,10 +5,15 @@ exposed all-to-all fraction of each variant from the overlap tool (analysis/over
     base = load_config("configs/tiny.yaml", ["train.steps=200", ...])
     runs = run_ablation(base, VARIANTS, seeds=(0, 1), out_dir="runs/notebooks/ablation")
     table = summarize(runs)                       # final val loss mean / std / min / max per variant
+    pairs = paired_differences(runs)              # variant - standard per seed: mean, 95% interval, detectable
     ov = overlap_by_variant(base, VARIANTS, overrides=[...], hardware="mi300x")
 
 A variant is a name and dotted config overrides applied on top of the base config; the seed sets
-`train.seed` (initialisation and data order), so variants with the same seed see the same data.
+`train.seed` (initialisation and data order), and the parameter layout does not depend on the
+connectivity, so two variants run with one seed start from the same weights and see the same batches
+in the same order: a pair. The difference of their final validation losses is free of the spread
+between seeds, and paired_differences turns the pairs into an interval and the smallest difference
+the runs could detect.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ class Variant:
         return replace(cfg, **dict(self.overrides)) if self.overrides else cfg
 
 
-# The connectivities of issue 8 (DESIGN.md section 1 vocabulary).
+# The connectivities the ablation notebook compares (vocabulary: docs/design.md section 1).
 VARIANTS = (
     Variant("standard", {"farskip.preset": "standard"}, "standard (full inputs)"),
     Variant("farskip", {"farskip.preset": "farskip"}, "farskip (attn partial + MoE outdated)"),
@@ -87,8 +92,15 @@ def run_ablation(base: Config, variants: Sequence[Variant], seeds: Sequence[int]
 
     A finished run folder is reused (the trainer resumes and returns at once), so rerunning a notebook
     only trains what is missing. `stream` receives the trainer's log lines (None: stdout)."""
+    from farskip_jax.errors import ConfigError
     from farskip_jax.train.trainer import train
 
+    names = [v.name for v in variants]
+    for what, items in (("variant", names), ("seed", [int(s) for s in seeds])):
+        twice = sorted({x for x in items if items.count(x) > 1})
+        if twice:
+            raise ConfigError(f"{what}(s) {twice} given twice: each (variant, seed) is one run folder and one record; "
+                              f"list each {what} once")
     out_dir = os.path.abspath(out_dir)
     records = []
     n, k = len(variants) * len(seeds), 0
@@ -97,7 +109,7 @@ def run_ablation(base: Config, variants: Sequence[Variant], seeds: Sequence[int]
             k += 1
             run_dir = os.path.join(out_dir, f"{v.name}_seed{seed}")
             cfg = replace(v.apply(base), **{"train.seed": int(seed), "train.run_dir": run_dir})
-            log(f"[ablation {k}/{n}] {v.name} seed {seed}: {cfg.train.steps} steps -> {run_dir}")
+            log(f"[ablation {k}/{n}] {v.name} seed {seed}: {cfg.train.steps} steps -> {os.path.relpath(run_dir)}")
             t0 = time.time()
             res = train(cfg, stream=stream if stream is not None else sys.stdout)
             steps, losses = _eval_curve(run_dir)
@@ -156,4 +168,86 @@ def overlap_by_variant(base: Config, variants: Sequence[Variant], *, overrides: 
         out[v.name] = dict(exposed_frac=tot["exposed"] / tot["duration"] if tot["duration"] else 0.0,
                            hidden_frac=tot["hidden_frac"], bound_frac=tot["bound_frac"], count=tot["count"],
                            step_time_us=rep.step_time, model=rep.label)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class PairedDifference:
+    """Final validation loss of `variant` minus the reference's, over the seeds both ran (nats).
+
+    ci: the two-sided `level` t-interval of the mean difference; detectable: the smallest true
+    difference a paired t-test on this many pairs with this spread finds with probability `power`
+    at that level, (t_{1-a/2, n-1} + t_{power, n-1}) x sd / sqrt(n); rel_*: as fractions of the
+    reference's mean loss. With one pair sd, ci and detectable are nan."""
+    variant: str
+    reference: str
+    seeds: tuple
+    diffs: tuple
+    mean: float
+    sd: float
+    ci: tuple
+    detectable: float
+    reference_mean: float
+    level: float = 0.95
+    power: float = 0.8
+
+    @property
+    def n(self) -> int:
+        return len(self.diffs)
+
+    @property
+    def rel_mean(self) -> float:
+        return self.mean / self.reference_mean
+
+    @property
+    def rel_detectable(self) -> float:
+        return self.detectable / self.reference_mean
+
+    @property
+    def resolved(self) -> bool:
+        """The interval excludes 0 (the sign of the difference is resolved at `level`)."""
+        return self.n > 1 and (self.ci[0] > 0 or self.ci[1] < 0)
+
+
+def paired_differences(records: Sequence[RunRecord], reference: str = "standard", level: float = 0.95,
+                       power: float = 0.8) -> list[PairedDifference]:
+    """One PairedDifference per variant other than `reference` (first-seen order), over the seeds that
+    both ran. ConfigError when no record is the reference or a variant shares no seed with it."""
+    import math
+
+    import numpy as np
+    from scipy import stats
+
+    from farskip_jax.errors import ConfigError
+
+    if not 0 < level < 1 or not 0 < power < 1:
+        raise ConfigError(f"level={level} and power={power} must be probabilities in (0, 1)")
+    by: dict = {}
+    for r in records:
+        by.setdefault(r.variant, {})[r.seed] = r.final_val_loss
+    if reference not in by:
+        raise ConfigError(f"no run of the reference variant {reference!r} among {sorted(by)}: paired differences "
+                          f"need it run with the same seeds")
+    ref = by[reference]
+    out = []
+    for name, runs in by.items():
+        if name == reference:
+            continue
+        seeds = tuple(sorted(set(runs) & set(ref)))
+        if not seeds:
+            raise ConfigError(f"variant {name!r} ran seeds {sorted(runs)}, {reference!r} ran {sorted(ref)}: no pair; "
+                              "run both with the same seeds")
+        d = np.array([runs[s] - ref[s] for s in seeds], dtype=np.float64)
+        n, mean = len(d), float(d.mean())
+        nan = float("nan")
+        if n > 1:
+            sd = float(d.std(ddof=1))
+            half = float(stats.t.ppf(0.5 + level / 2, n - 1)) * sd / math.sqrt(n)
+            ci = (mean - half, mean + half)
+            detectable = (float(stats.t.ppf(0.5 + level / 2, n - 1)) + float(stats.t.ppf(power, n - 1))) * sd / math.sqrt(n)
+        else:
+            sd, ci, detectable = nan, (nan, nan), nan
+        out.append(PairedDifference(variant=name, reference=reference, seeds=seeds, diffs=tuple(float(x) for x in d),
+                                    mean=mean, sd=sd, ci=ci, detectable=detectable,
+                                    reference_mean=float(np.mean([ref[s] for s in seeds])), level=level, power=power))
     return out

@@ -54,7 +54,7 @@ def run_fcsd(distill_cfg: Config, variants: Sequence[Variant], teacher_run: str,
         cfg = replace(v.apply(distill_cfg), **{"distill.init_from_run": os.path.abspath(teacher_run),
                                                "train.run_dir": run_dir, "train.overwrite": True})
         log(f"[fcsd {k}/{len(variants)}] {v.name}: preset={cfg.farskip.preset} layers={cfg.farskip.layers} "
-            f"attn_input={cfg.farskip.attn_input} -> {run_dir}")
+            f"attn_input={cfg.farskip.attn_input} -> {os.path.relpath(run_dir)}")
         t0 = time.time()
         res = distill(cfg, stream=stream if stream is not None else sys.stdout)
         recs.append(FcsdRecord(variant=v.name, run_dir=res.run_dir, status=res.status, best_step=res.best_step,

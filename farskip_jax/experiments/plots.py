@@ -2,7 +2,10 @@
 or a markdown string so a notebook displays it and a script can save it).
 
     fig = plot_val_curves(records)                      # ablation.RunRecord list: mean over seeds + min/max band
-    md = ablation_table(summarize(records), overlap)    # final losses with spread, exposed all-to-all fraction
+    zoom_last(ax, records, frac=0.5)                    # that panel: the last half of training, both axes
+    md = ablation_table(summarize(records), overlap, paired=paired_differences(records))
+    fig = plot_paired_differences(paired)               # variant - standard per seed, mean, interval, detectable
+    fig = plot_quality_vs_speed(paired, overlap)        # that difference vs the exposed all-to-all fraction
     fig = plot_recovery(fcsd_records, teacher_tokens)    # FCSD: val loss / KL / top-1 vs distillation tokens
 """
 
@@ -51,34 +54,56 @@ def plot_val_curves(records: Sequence, labels: Optional[Mapping[str, str]] = Non
 
 
 def zoom_last(ax, records: Sequence, frac: float = 0.5, pad: float = 0.05) -> None:
-    """Limit the y axis to the range the curves take over the last `frac` of training (the tails differ
-    by a few hundredths; the first steps would hide them)."""
+    """Show the last `frac` of training only: the x axis from that step on, the y axis to the range the
+    curves take there (the tails differ by a few hundredths; the first steps would hide them)."""
     import numpy as np
 
-    tail = []
+    tail, last = [], max((r.steps[-1] for r in records if r.steps), default=None)
+    if last is None:
+        return
+    cut = last * (1 - frac)
     for r in records:
-        if r.steps:
-            cut = r.steps[-1] * (1 - frac)
-            tail += [v for s, v in zip(r.steps, r.val_loss) if s >= cut]
+        tail += [v for s, v in zip(r.steps, r.val_loss) if s >= cut]
     if tail:
         lo, hi = float(np.min(tail)), float(np.max(tail))
         d = max(hi - lo, 1e-3) * pad
         ax.set_ylim(lo - d, hi + d)
+        ax.set_xlim(cut - (last - cut) * pad, last + (last - cut) * pad)
+
+
+def _label(labels, name: str) -> str:
+    return (labels or {}).get(name, name)
 
 
 def ablation_table(summary: Sequence[dict], overlap: Optional[Mapping[str, dict]] = None,
-                   labels: Optional[Mapping[str, str]] = None) -> str:
-    """Markdown: variant | final val loss mean ± std [min, max] | vs reference | exposed a2a | step time."""
+                   labels: Optional[Mapping[str, str]] = None, paired: Optional[Sequence] = None) -> str:
+    """Markdown: variant | seeds | final val loss mean ± std | min – max | vs standard (means) [| paired
+    difference to the reference with its interval, relative, smallest detectable] [| exposed a2a |
+    hidden / bound | step time]. `paired`: ablation.paired_differences rows."""
     head = "| variant | seeds | final val loss (mean ± std) | min – max | vs standard |"
     sep = "|---|---|---|---|---|"
+    pair = {p.variant: p for p in (paired or ())}
+    if paired:
+        lvl = f"{100 * paired[0].level:.0f}%"
+        head += f" paired difference, nats [{lvl} interval] | relative | detectable (power {paired[0].power:.0%}) |"
+        sep += "---|---|---|"
     if overlap:
         head += " exposed all-to-all | hidden / bound | modelled fwd time |"
         sep += "---|---|---|"
     lines = [head, sep]
     for r in summary:
         vs = f"{100 * r['vs_ref']:+.2f}%" if r.get("vs_ref") is not None else "–"
-        line = (f"| {(labels or {}).get(r['variant'], r['variant'])} | {r['seeds']} | {r['mean']:.4f} ± {r['std']:.4f} | "
+        line = (f"| {_label(labels, r['variant'])} | {r['seeds']} | {r['mean']:.4f} ± {r['std']:.4f} | "
                 f"{r['min']:.4f} – {r['max']:.4f} | {vs} |")
+        if paired:
+            p = pair.get(r["variant"])
+            if p is None:
+                line += " reference | – | – |"
+            elif p.n < 2:
+                line += f" {p.mean:+.4f} (1 pair: no interval) | {100 * p.rel_mean:+.2f}% | – |"
+            else:
+                line += (f" {p.mean:+.4f} [{p.ci[0]:+.4f}, {p.ci[1]:+.4f}]{' *' if p.resolved else ''} | "
+                         f"{100 * p.rel_mean:+.2f}% | ±{p.detectable:.4f} ({100 * p.rel_detectable:.1f}%) |")
         if overlap:
             o = overlap.get(r["variant"])
             if o is None:
@@ -90,24 +115,68 @@ def ablation_table(summary: Sequence[dict], overlap: Optional[Mapping[str, dict]
     return "\n".join(lines)
 
 
-def plot_quality_vs_speed(summary: Sequence[dict], overlap: Mapping[str, dict],
-                          labels: Optional[Mapping[str, str]] = None, ax=None):
-    """Scatter: exposed all-to-all fraction (x) vs final validation loss (y, mean with min-max bar)."""
+def plot_paired_differences(paired: Sequence, labels: Optional[Mapping[str, str]] = None, ax=None):
+    """One row per variant: its final-loss difference to the reference for every seed (dots), their
+    mean with its interval (bar), and the band of differences the runs could not detect (shaded)."""
+    import numpy as np
+
     plt = _plt()
     fig = None
     if ax is None:
-        fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for r in summary:
-        o = overlap.get(r["variant"])
+        fig, ax = plt.subplots(figsize=(11, 0.6 * len(paired) + 2.0))
+    for i, p in enumerate(paired):
+        y = len(paired) - 1 - i
+        if np.isfinite(p.detectable):
+            ax.fill_betweenx([y - 0.35, y + 0.35], -p.detectable, p.detectable, color="0.85", lw=0,
+                             label="not detectable by these runs" if i == 0 else None)
+        ax.plot(p.diffs, [y] * p.n, "o", color="C0", ms=4, alpha=0.6, label="one seed (pair)" if i == 0 else None)
+        if np.all(np.isfinite(p.ci)):
+            ax.errorbar([p.mean], [y], xerr=[[p.mean - p.ci[0]], [p.ci[1] - p.mean]], fmt="D", color="C3",
+                        capsize=4, label=f"mean, {100 * p.level:.0f}% interval" if i == 0 else None)
+        else:
+            ax.plot([p.mean], [y], "D", color="C3")
+    ax.axvline(0.0, color="black", lw=0.8)
+    ax.set_yticks(range(len(paired)), [f"{_label(labels, p.variant)} ({p.n} seeds)" for p in reversed(paired)])
+    ref = paired[0].reference if paired else "reference"
+    ax.set(xlabel=f"final validation loss minus {ref}'s, same seed (nats; < 0 = better)",
+           title=f"paired differences to {ref}")
+    ax.set_ylim(-0.6, len(paired) - 0.4)
+    ax.grid(alpha=0.3, axis="x")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.45 if len(paired) < 3 else -0.18), ncol=3,
+              frameon=False)
+    if fig is not None:
+        fig.tight_layout()
+    return fig if fig is not None else ax.figure
+
+
+def plot_quality_vs_speed(paired: Sequence, overlap: Mapping[str, dict],
+                          labels: Optional[Mapping[str, str]] = None, ax=None):
+    """Scatter: exposed all-to-all fraction (x) vs the paired final-loss difference to the reference
+    (y, mean with its interval; the reference at 0). One colour and marker per variant, named in the
+    legend (no text on the points: close points would overlap)."""
+    import numpy as np
+
+    plt = _plt()
+    fig = None
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(10, 4.5))
+    markers = "osD^vP*Xh"
+    ref = paired[0].reference if paired else None
+    if ref is not None and ref in overlap:
+        ax.plot([100 * overlap[ref]["exposed_frac"]], [0.0], "k*", ms=11, label=f"{_label(labels, ref)} (reference)")
+    for i, p in enumerate(paired):
+        o = overlap.get(p.variant)
         if o is None:
             continue
         x = 100 * o["exposed_frac"]
-        ax.errorbar([x], [r["mean"]], yerr=[[r["mean"] - r["min"]], [r["max"] - r["mean"]]], fmt="o", capsize=3)
-        ax.annotate((labels or {}).get(r["variant"], r["variant"]), (x, r["mean"]), fontsize=8,
-                    xytext=(4, 4), textcoords="offset points")
+        yerr = [[p.mean - p.ci[0]], [p.ci[1] - p.mean]] if np.all(np.isfinite(p.ci)) else None
+        ax.errorbar([x], [p.mean], yerr=yerr, fmt=markers[i % len(markers)], color=f"C{i}", capsize=3, ms=7,
+                    label=f"{_label(labels, p.variant)}")
+    ax.axhline(0.0, color="black", lw=0.6)
     ax.set(xlabel="exposed all-to-all time (% of all-to-all time, modelled)",
-           ylabel="final validation loss", title="quality vs communication exposure")
+           ylabel=f"final val loss - {ref or 'reference'} (nats)", title="quality vs communication exposure")
     ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     if fig is not None:
         fig.tight_layout()
     return fig if fig is not None else ax.figure

@@ -57,7 +57,7 @@ from farskip_jax.parallel.build import model_mesh
 from farskip_jax.parallel.sharding import place_state
 from farskip_jax.fcsd.early_stopping import EarlyStopper
 from farskip_jax.fcsd.planner import Plan, apply_choice, plan_conversion, read_plan, request_of, write_plan
-from farskip_jax.fcsd.source import export_student, load_source, source_shape
+from farskip_jax.fcsd.source import check_source, export_student, load_source, source_shape
 from farskip_jax.train.checkpoint import Checkpointer
 from farskip_jax.train.host_memory_check import check_host_memory
 from farskip_jax.train.flops import train_flops_per_token
@@ -230,6 +230,7 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
         raise ConfigError(f"train.mode={t.mode!r}: distill() runs train.mode=distill")
     if d.metric == "task" and not cfg.eval.tasks:
         raise ConfigError("distill.metric=task needs eval.tasks: [path/to/task.jsonl, ...]")
+    check_source(cfg)  # the weights to convert come first: the checks below assume a source
     if d.export_hf and not cfg.init_from_hf and not d.export_family:
         raise ConfigError("distill.export_hf needs distill.export_family (an HF model_type such as qwen2_moe) when "
                           "the weights do not come from init_from_hf")

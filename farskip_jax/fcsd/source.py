@@ -44,13 +44,21 @@ def source_shape(cfg: Config) -> Config:
     return cfg  # both or neither: load_source names the mistake
 
 
-def load_source(cfg: Config, mesh) -> tuple[Config, object, dict]:
-    """(cfg with the checkpoint's model shape, graphdef, {params, bias, rest}) of the distillation source."""
+def check_source(cfg: Config) -> None:
+    """ConfigError unless exactly one weight source is set (init_from_hf or distill.init_from_run)."""
     if cfg.init_from_hf and cfg.distill.init_from_run:
         raise ConfigError("set either init_from_hf or distill.init_from_run, not both")
+    if not cfg.init_from_hf and not cfg.distill.init_from_run:
+        raise ConfigError("train.mode=distill needs the weights to convert: set init_from_hf: <HF folder> or "
+                          "distill.init_from_run: <run folder of a pretraining run>")
+
+
+def load_source(cfg: Config, mesh) -> tuple[Config, object, dict]:
+    """(cfg with the checkpoint's model shape, graphdef, {params, bias, rest}) of the distillation source."""
+    check_source(cfg)
     if cfg.init_from_hf:
         src_cfg, graphdef, st = load_hf(cfg.init_from_hf, mesh=mesh, overrides=runtime_overrides(cfg))
-    elif cfg.distill.init_from_run:
+    else:
         src = read_run_config(cfg.distill.init_from_run)
         src_tok = _tokenizer_id(src.data.tokenizer)
         if src_tok is not None and src_tok != _tokenizer_id(cfg.data.tokenizer):
@@ -63,9 +71,6 @@ def load_source(cfg: Config, mesh) -> tuple[Config, object, dict]:
         hint = (lambda p: f"distill.init_from_run reads the newest step: resume that run from step {p} "  # noqa: E731
                 f"(train.resume_step={p} in its own command) to replace the damaged one")
         src_cfg, graphdef, st = load_run(cfg.distill.init_from_run, "latest", mesh, config_overrides=ov, hint=hint)
-    else:
-        raise ConfigError("train.mode=distill needs the weights to convert: set init_from_hf: <HF folder> or "
-                          "distill.init_from_run: <run folder of a pretraining run>")
     out = merge_checkpoint_shape(cfg, src_cfg)
     if cfg.train.seq_len > out.model.max_seq_len:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={out.model.max_seq_len}")

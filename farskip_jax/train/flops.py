@@ -1,5 +1,10 @@
 """Model FLOPs per token (for MFU) and a measured matmul peak of the local device.
 
+On a CPU the peak MFU divides by is measured once per machine (cpu_matmul_peak: 2 s of matmuls, kept in
+<cache>/matmul_peak.json under the CPU model, its cores, the device count, dtype and jax version), so
+MFU compares across runs on one machine; a measurement at start-up of every run swung 3x with the
+load of a shared machine. train.peak_flops overrides it.
+
 MFU = achieved model FLOPs/s / (peak FLOPs/s per device x devices). Model FLOPs count only useful
 work: 6 x (active matmul parameters) per trained token (forward 2, backward 4) plus the attention
 score/value products 12 x layers x heads x head_dim x seq_len (PaLM appendix B convention). Routed
@@ -8,7 +13,12 @@ experts count top_k experts per token, whatever the backend really computes.
 
 from __future__ import annotations
 
+import json
+import os
+import platform
 import time
+from pathlib import Path
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -84,3 +94,57 @@ def measure_matmul_peak(dtype=jnp.float32, n: int = 1024, seconds: float = 1.0, 
         chain(a).block_until_ready()
         best = max(best, reps * 2.0 * n**3 / (time.perf_counter() - t0))
     return best
+
+
+PEAK_FILE = "matmul_peak.json"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_key(dtype) -> str:
+    """What a measured peak belongs to: CPU model, usable cores, local devices, dtype, jax version."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (f"{_cpu_model()} | {cores} cores | {jax.local_device_count()} devices | {jnp.dtype(dtype).name} | "
+            f"jax {jax.__version__}")
+
+
+def cpu_matmul_peak(dtype=jnp.float32, cache_dir: Optional[str] = None, seconds: float = 2.0) -> tuple[float, str]:
+    """(FLOPs/s per device, where the figure comes from): this machine's matmul peak, measured once and
+    kept in <cache_dir>/matmul_peak.json (default ~/.cache/farskip_jax). A file that is not such a
+    JSON object is left alone (the peak is measured for this run only)."""
+    path = Path(cache_dir or Path.home() / ".cache" / "farskip_jax") / PEAK_FILE
+    key = machine_key(dtype)
+    table: Optional[dict] = {}
+    if path.exists():
+        try:
+            table = json.loads(path.read_text())
+            if not isinstance(table, dict):
+                table = None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            table = None
+    entry = (table or {}).get(key)
+    if isinstance(entry, dict) and isinstance(entry.get("flops"), (int, float)) and entry["flops"] > 0:
+        return float(entry["flops"]), f"measured once on this machine on {entry.get('date', '?')} ({path}; delete it " \
+                                      "to measure again)"
+    peak = measure_matmul_peak(dtype, seconds=seconds)
+    if table is None:
+        return peak, f"measured now; {path} is not a peak table, so the figure is not kept"
+    table[key] = {"flops": peak, "date": time.strftime("%Y-%m-%d %H:%M"), "seconds": seconds}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=1))
+        os.replace(tmp, path)
+        where = f"measured now and kept for later runs on this machine in {path}"
+    except OSError as e:
+        where = f"measured now; not kept ({path}: {e.strerror or e})"
+    return peak, where

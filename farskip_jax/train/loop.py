@@ -25,7 +25,7 @@ import numpy as np
 
 from farskip_jax.config import Config
 from farskip_jax.train.checkpoint import Checkpointer
-from farskip_jax.train.flops import measure_matmul_peak
+from farskip_jax.train.flops import cpu_matmul_peak
 from farskip_jax.train.logger import RunLogger, config_summary, drop_records_after
 from farskip_jax.train.preemption import StopFlag
 from farskip_jax.train.rundir import RunFolder, claim_run_dir
@@ -90,8 +90,10 @@ def matmul_peak(cfg: Config, log: RunLogger) -> Optional[float]:
     """train.peak_flops, or on CPU a measured matmul peak per device (for MFU); None elsewhere."""
     peak = cfg.train.peak_flops
     if peak is None and jax.default_backend() == "cpu":
-        peak = measure_matmul_peak(jnp.float32 if cfg.model.compute_dtype == "float32" else jnp.bfloat16, seconds=0.5)
-        log.print(f"measured CPU matmul peak: {peak / 1e9:.1f} GFLOP/s per device (train.peak_flops to override)")
+        dtype = jnp.float32 if cfg.model.compute_dtype == "float32" else jnp.bfloat16
+        peak, where = cpu_matmul_peak(dtype, cfg.kernels.cache_dir)
+        log.print(f"MFU is against a CPU matmul peak of {peak / 1e9:.1f} GFLOP/s per device, {where}; "
+                  "train.peak_flops=FLOPS overrides it")
     return peak
 
 
