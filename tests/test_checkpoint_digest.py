@@ -30,7 +30,7 @@ from farskip_jax.train.checkpoint import Checkpointer
 from farskip_jax.train.logger import read_metrics
 from farskip_jax.train.trainer import train
 
-TINY = ["model.num_layers=1", "model.d_model=32", "model.mlp_hidden=64", "moe.expert_hidden=32", "train.batch_size=8",
+TINY = ["model.num_layers=1", "train.warmup_steps=0", "model.d_model=32", "model.mlp_hidden=64", "moe.expert_hidden=32", "train.batch_size=8",
         "train.seq_len=16", "train.eval_batches=1", "train.tensorboard=false", "train.peak_flops=1e9",
         "train.log_every=1", "train.eval_every=0", "data.max_docs=40"]
 

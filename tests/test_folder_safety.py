@@ -21,7 +21,7 @@ def folder_kind(path):
 
     return folder_kind(path)
 
-TINY = ["model.num_layers=1", "train.steps=2", "train.tensorboard=false"]
+TINY = ["model.num_layers=1", "train.warmup_steps=0", "train.steps=2", "train.tensorboard=false"]
 
 
 def _cfg(run_dir, *extra):

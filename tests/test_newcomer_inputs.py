@@ -83,7 +83,7 @@ def test_a_warmup_longer_than_the_run_is_refused_but_saved_runs_still_load():
     ("train.b2=1.5", r"b1 and train\.b2 .* must be in \[0, 1\)"),
     ("train.warmup_steps=-5", r"warmup_steps must be >= 0"),
     ("train.eval_every=-1", r"eval_every must be >= 0"),
-    ("train.checkpoint_every=-5", r"checkpoint_every must be >= 0"),
+    ("train.checkpoint_every=-5", r"train.checkpoint_every=-5: give the steps"),
     ("train.weight_decay=-1", r"weight_decay must be >= 0"),
     ("train.grad_clip=-1", r"grad_clip must be >= 0"),
     ("train.time_limit_s=0", r"time_limit_s must be > 0"),
