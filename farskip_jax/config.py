@@ -516,7 +516,7 @@ class KernelsConfig:
     """The optional CPU fast paths (farskip_jax/kernels/, docs/cpu_speed.md): C++ XLA FFI kernels for
     the grouped matmul (moe.gmm: blas), the attention core (model.attention_impl: fused_cpu) and the
     dense matmuls of Linear layers. Only programs lowered for the CPU ever contain them. Installed into
-    the model's backend seam (model/ops.py) where a model is built from a config
+    the model's backend seam (kernels/ops.py) where a model is built from a config
     (parallel/build.config_on; scripts that build a Transformer by hand call kernels.install).
     Each key has an environment override that load_config reads and validates (KERNELS_ENV)."""
 

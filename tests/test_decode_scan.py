@@ -18,6 +18,7 @@ from jax.extend import core as jcore
 
 from farskip_jax.config import FarSkipConfig, MeshConfig, replace
 from farskip_jax.eval.generate import generate, init_cache, make_decode_fn
+from farskip_jax.convert import layer_keys
 from farskip_jax.model import stacking
 from farskip_jax.model.transformer import Transformer
 from farskip_jax.parallel.inference import TpEpLayout, inference_model
@@ -37,10 +38,10 @@ def cfg_of(scan: bool, mesh=None, **model_kw):
 
 def stacked_model(loop, cfg):
     """The scanned model of cfg holding `loop`'s weights (model/stacking.py stack_flat)."""
-    flat = {stacking.tuple_path_key(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(loop))}
-    flat = stacking.stack_flat(flat, stacking.plan_segments(cfg), stack=np.stack)
+    flat = {layer_keys.tuple_path_key(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(loop))}
+    flat = layer_keys.stack_flat(flat, stacking.plan_segments(cfg), stack=np.stack)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
-    leaves = [(p, v.replace(jnp.asarray(flat[stacking.tuple_path_key(p)]))) for p, v in nnx.to_flat_state(abstract)]
+    leaves = [(p, v.replace(jnp.asarray(flat[layer_keys.tuple_path_key(p)]))) for p, v in nnx.to_flat_state(abstract)]
     return nnx.merge(graphdef, nnx.from_flat_state(leaves))
 
 

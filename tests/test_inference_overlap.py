@@ -87,7 +87,7 @@ def test_useful_rows_and_serving_shape():
     assert ir.useful_fraction(cfg, mesh) == pytest.approx(2 / 8)
     assert ir.serving_shape(cfg, 8) == (1, 8)
     assert ir.serving_shape(replace(cfg, **{"model.num_heads": 40, "model.num_kv_heads": 8, "model.head_dim": 4}), 16, 8) == (2, 8)
-    from farskip_jax.model.gmm import gmm
+    from farskip_jax.kernels.gmm import gmm
 
     with ir.balanced_grouped_gemm(0.25):  # 16 rows over 2 groups -> 2 + 2 useful rows, the rest zeros
         y = gmm(np.ones((16, 4), np.float32), np.ones((2, 4, 3), np.float32), np.array([8, 8], np.int32),

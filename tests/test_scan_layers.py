@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 from farskip_jax.config import load_config, replace
-from farskip_jax.model import stacking
+from farskip_jax.convert import layer_keys as stacking
 from farskip_jax.model.stacking import Segment, plan_segments
 from farskip_jax.model.transformer import Transformer
 

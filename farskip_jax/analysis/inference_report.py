@@ -187,14 +187,14 @@ def _balanced_grouped_gemm(fraction: float):
 
 def balanced_grouped_gemm(fraction: float):
     """A context: while it is open, the grouped matmul `ragged_dot` of the model's backend seam
-    (model/ops.py; lhs [M, K], rhs [G, K, N], sizes) is a batched GEMM of ceil(M * fraction) rows
+    (kernels/ops.py; lhs [M, K], rhs [G, K, N], sizes) is a batched GEMM of ceil(M * fraction) rows
     split evenly over the G groups (each group's weights read once, the useful FLOPs of a balanced
     grouped GEMM), zero-padded to M rows. Analysis compiles only: the values are wrong, the costs,
     shapes and dependencies are a balanced grouped GEMM's (as analysis/programs.grouped_gemm_proxy).
     With fewer real rows than groups only that many experts' weights are read (a grouped GEMM skips
     experts without rows): the proxy slices them out under the scope USED_EXPERTS, a copy that
     time_serving prices free (the grouped GEMM reads them in place)."""
-    from farskip_jax.model import ops
+    from farskip_jax.kernels import ops
 
     return ops.registered_while(ops.GROUPED_MATMUL, "ragged_dot", ops.Backend(_balanced_grouped_gemm(fraction), platform=None))
 

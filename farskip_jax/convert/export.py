@@ -17,7 +17,7 @@ warnings.warn). `source` (e.g. {"run": RUN_DIR, "checkpoint": "best", "step": 12
 farskip_export.json: what the folder holds. Tensors are written by a streaming safetensors writer
 (sharded past `max_shard_bytes`, with an index). Everything goes to a temporary folder renamed into
 place at the end: on failure OUT_DIR is not created. A model with `model.scan_layers` exports the
-same folder: each stacked parameter is sliced per layer on device (model/stacking.per_layer_values).
+same folder: each stacked parameter is sliced per layer on device (convert/layer_keys.per_layer_values).
 
 `run_export_dir(export_hf, run_dir)` is where a run's `distill.export_hf` goes: a relative path is
 inside the run folder; an existing folder that is not this run's export is refused.
@@ -42,7 +42,8 @@ from farskip_jax.convert.reader import TOKENIZER_FILES, read_hf_config
 from farskip_jax.convert.safetensors_io import write_file
 from farskip_jax.convert.fit import connectivity_notes, families_that_fit, family_problems, native_keys
 from farskip_jax.errors import CheckpointError, ConfigError
-from farskip_jax.model.stacking import per_layer_values, plan_segments
+from farskip_jax.convert.layer_keys import per_layer_values
+from farskip_jax.model.stacking import plan_segments
 from farskip_jax.model.transformer import Transformer
 
 DTYPE_NAMES = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}

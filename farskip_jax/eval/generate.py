@@ -51,7 +51,8 @@ from flax import nnx
 
 from farskip_jax.config import FarSkipConfig
 from farskip_jax.errors import ConfigError
-from farskip_jax.model.attention import attention_core, attention_mask
+from farskip_jax.kernels.attention import attention_core
+from farskip_jax.model.attention import attention_mask
 from farskip_jax.model.stacking import plan_segments
 
 FAR = np.iinfo(np.int32).max  # position given to empty cache slots: never <= a query position

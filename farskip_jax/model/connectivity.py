@@ -44,14 +44,6 @@ def add_present(x: jax.Array, *ys: Optional[jax.Array]) -> jax.Array:
     return x
 
 
-def sum_present(*ys: Optional[jax.Array]) -> Optional[jax.Array]:
-    """The sum of the ys that are not None (None when all are)."""
-    present = [y for y in ys if y is not None]
-    if not present:
-        return None
-    return add_present(present[0], *present[1:])
-
-
 def moe_stream(kind: str, full: jax.Array, attn_out: jax.Array) -> jax.Array:
     """The stream the MoE / dense MLP of layer k reads: `full` = R_{k-1} + a_k | `outdated` = R_{k-1}.
     full: R_{k-1} [..., d]; attn_out: a_k [..., d]."""

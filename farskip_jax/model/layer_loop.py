@@ -51,8 +51,7 @@ from farskip_jax.config import FarSkipConfig
 from farskip_jax.model.block import REMAT_POLICIES, Block, BlockOutput
 from farskip_jax.model.connectivity import Streams
 from farskip_jax.model.router import balance_loss
-from farskip_jax.model.stacking import LAYER_AXIS, Segment, connectivity_runs, is_variable, scan_scope, slice_state, \
-    stable_carry
+from farskip_jax.model.stacking import Segment, connectivity_runs, scan_scope, slice_state, stable_carry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,20 +80,6 @@ class LoopResult:
     outs: list
     hidden: Optional[list]
     side: Optional[tuple]
-
-
-def layer_at(state, index):
-    """One layer of a stacked nnx state: each Variable's value at `index` (an int or a traced scalar)
-    of its leading layer axis, with "layers" dropped from its axes metadata."""
-
-    def one(v):
-        axes = v.get_metadata().get("axes")
-        x = jax.lax.dynamic_index_in_dim(v.get_value(), index, 0, keepdims=False)
-        if axes and axes[0] == LAYER_AXIS:
-            return v.replace(x, axes=tuple(axes[1:]))
-        return v.replace(x)
-
-    return jax.tree.map(one, state, is_leaf=is_variable)
 
 
 def layer_groups(model) -> list:
@@ -224,7 +209,7 @@ def _scan_body(stack, kinds: tuple, steps: list, s: int, weights: str, later: se
         stats, hid = [], []
         for q, gd in enumerate(graphdefs):
             if weights == "indexed":
-                blk, row = nnx.merge(gd, layer_at(states[q], x)), x
+                blk, row = nnx.merge(gd, slice_state(states[q], x)), x
             else:
                 blk, row = nnx.merge(gd, x[q]), None
             index = stack.segment.layer(q, 0) + x * stack.period if weights == "indexed" else None

@@ -55,7 +55,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from farskip_jax.config import Config, FarSkipConfig, MoEConfig, ModelConfig
 from farskip_jax.errors import ConfigError
-from farskip_jax.model.attention import attention_core
+from farskip_jax.kernels.attention import attention_core
 from farskip_jax.model.connectivity import moe_stream
 from farskip_jax.model.experts import ExpertWeights, RoutedOutput, expert_swiglu
 from farskip_jax.model.layer_loop import LayerStep
