@@ -147,7 +147,7 @@ def _hlo(devices=None, shared="tensor"):
     out = {}
     for preset in ("standard", "farskip"):
         fs = FarSkipConfig(preset=preset)
-        fn = jax.jit(lambda st, t: layout.forward(nnx.merge(graphdef, st), t, farskip=fs).logits)
+        fn = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t, farskip=fs).logits)
         opts = dict(layout.compiler_options())
         if devices is not None:
             from farskip_jax.analysis.deviceless import LHS_FLAGS
@@ -236,7 +236,7 @@ def test_shared_experts_get_their_own_allreduce_where_nothing_can_carry_them():
     graphdef, state = abstract_inference_model(cfg, mesh)
     tokens = jax.ShapeDtypeStruct((2, 8), np.int32, sharding=layout.batch_sharding(2))
     fs = FarSkipConfig(preset="farskip", layers="last:1")
-    fn = jax.jit(lambda st, t: layout.forward(nnx.merge(graphdef, st), t, farskip=fs).logits)
+    fn = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t, farskip=fs).logits)
     _, op_name, opcode = entry_graph(fn.lower(state, tokens).compile(compiler_options=layout.compiler_options()).as_text())
     own = [_allreduces(op_name, opcode, f"layer_{k}/moe/shard_map/shared_allreduce") for k in range(HLO_LAYERS)]
     assert [len(x) for x in own] == [1, 1, 0]

@@ -55,10 +55,7 @@ def _forward(model, tokens, **kw):
     graphdef, state = nnx.split(model)
 
     def fn(st, t):
-        out = nnx.merge(graphdef, st)(t, **kw)
-        if out.trace is not None:  # drop the kind strings (not arrays)
-            out = out.replace(trace=tuple({k: v for k, v in e.items() if not k.endswith("_kind")} for e in out.trace))
-        return out
+        return nnx.merge(graphdef, st)(t, **kw)
 
     return jax.jit(fn, compiler_options=OPTS)(state, tokens)
 
@@ -125,8 +122,8 @@ def test_scan_equals_loop(case):
 
 
 def test_hidden_and_views_under_scan():
-    """return_hidden is stacked out of the scan; the per-layer views (what return_trace and the
-    FoE and the tp_ep layout run unrolled) are the layers in order."""
+    """return_hidden is stacked out of the scan; the per-layer views (what the FoE and the tp_ep
+    layout's forward run unrolled) are the layers in order."""
     extra = ["farskip.preset=farskip", "farskip.layers=last:2"]
     tokens = _tokens()
     loop = Transformer(_cfg(*extra, scan=False), rngs=nnx.Rngs(0))

@@ -154,7 +154,7 @@ def test_tp_ep_micro_batch_b_never_waits_for_a_allreduce():
     layout = TpEpLayout(mesh)
     graphdef, state = abstract_inference_model(cfg, mesh)
     tokens = jax.ShapeDtypeStruct((4, 8), np.int32, sharding=layout.batch_sharding(2))
-    fn = jax.jit(lambda st, t: layout.forward(nnx.merge(graphdef, st), t, farskip=FarSkipConfig(preset="farskip")).logits)
+    fn = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t, farskip=FarSkipConfig(preset="farskip")).logits)
     users, op_name, opcode = entry_graph(fn.lower(state, tokens).compile(compiler_options=layout.compiler_options()).as_text())
     for k in range(2):
         a_ar = _ops(op_name, opcode, f"layer_{k}/mb0/", ("all-reduce", "all-reduce-start"))

@@ -113,7 +113,7 @@ def _program(cfg: Config, mesh: Mesh, batch: int, t: int, max_len: int, last_log
         model = nnx.merge(graphdef, state)
         output = model.output
         model.output = lambda full, *rest, **kw: output(full[:, -1:], *rest, **kw)
-        return decode_step(model, tokens, start, cache, fs, pad, layout)
+        return decode_step(model, tokens, start, cache, fs, pad)
 
     return jax.jit(fn, donate_argnums=3, compiler_options=layout.compiler_options()), args
 

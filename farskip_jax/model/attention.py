@@ -1,6 +1,6 @@
 """Grouped-query attention (GQA/MQA/MHA) with RoPE, optional q/k RMSNorm, causal + document masks.
 
-Split in named parts so the compiled schedule can be read per part (DESIGN.md section 4):
+Split in named parts so the compiled schedule can be read per part (docs/design.md section 4):
 `attention_qkv` (projections + rope), `attention_core` (softmax(QK^T)V), `attention_out` (output
 projection). x: [batch, seq, d_model]; positions, segment_ids: [batch, seq].
 The core is `model.attention_impl` with blocks of `model.attention_block` tokens (kernels/attention.py:
@@ -9,14 +9,14 @@ naive, blockwise, causal_blocks or a registered kernel; `auto` by platform).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from farskip_jax.config import ModelConfig
-from farskip_jax.kernels.attention import core_attention
+from farskip_jax.kernels.attention import attention_core, core_attention
 from farskip_jax.model.layers import Linear, RMSNorm, dtype_of
 from farskip_jax.model.rope import apply_rope, rope_frequencies
 
@@ -45,38 +45,111 @@ def l2_norm(x: jax.Array, eps: float) -> jax.Array:
     return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
+def _chunk(cfg: ModelConfig, layer_idx: int) -> Optional[int]:
+    """The chunk of a layer's chunked local attention (None: global attention)."""
+    chunked = cfg.attention_chunk_size and (cfg.chunked_layers is None or layer_idx in cfg.chunked_layers)
+    return cfg.attention_chunk_size if chunked else None
+
+
 def layer_mask(cfg: ModelConfig, layer_idx: int, positions: jax.Array, segment_ids: Optional[jax.Array]) -> jax.Array:
     """Causal/document mask of one layer, chunked when the layer uses chunked local attention."""
-    chunked = cfg.attention_chunk_size and (cfg.chunked_layers is None or layer_idx in cfg.chunked_layers)
-    return attention_mask(positions, positions, segment_ids, segment_ids,
-                          chunk_size=cfg.attention_chunk_size if chunked else None)
+    return attention_mask(positions, positions, segment_ids, segment_ids, chunk_size=_chunk(cfg, layer_idx))
+
+
+def cache_mask(cfg: ModelConfig, layer_idx: int, positions: jax.Array, key_positions: jax.Array) -> jax.Array:
+    """[b, 1, t, L]: which cache slots (at key_positions [b, L]) the new tokens at positions [b, t] see
+    in one layer (causal by position, chunked when the layer is)."""
+    return attention_mask(positions, key_positions, None, None, chunk_size=_chunk(cfg, layer_idx))
+
+
+@struct.dataclass
+class LayerCache:
+    """One layer's KV cache as its attention reads and writes it (decoding).
+
+    k [b, L, kv, hd], v [b, L, kv, dv] (MLA: the decompressed per-head keys / values), or the whole
+    stack of a scanned model [repeats, b, L, ...] with `row` the layer's row (an int, or traced in a
+    scan over layer indices); start []: the slot of the first new token; mask [b, 1, t, L] (cache_mask).
+    written: the keys / values the last `write` put at slots [start, start + t), for a caller that
+    keeps the cache elsewhere (the tp_ep layout writes a stacked cache's row outside its shard_map)."""
+
+    k: jax.Array
+    v: jax.Array
+    start: jax.Array
+    mask: jax.Array
+    row: Any = None
+    written: Optional[tuple] = None
+
+    def write(self, k: jax.Array, v: jax.Array) -> "LayerCache":
+        """The cache with new keys / values k, v [b, t, heads, dim] at slots [start, start + t) (in place)."""
+        k, v = k.astype(self.k.dtype), v.astype(self.v.dtype)
+        if self.row is None:
+            kc = jax.lax.dynamic_update_slice(self.k, k, (0, self.start, 0, 0))
+            vc = jax.lax.dynamic_update_slice(self.v, v, (0, self.start, 0, 0))
+        else:
+            kc = jax.lax.dynamic_update_slice(self.k, k[None], (self.row, 0, self.start, 0, 0))
+            vc = jax.lax.dynamic_update_slice(self.v, v[None], (self.row, 0, self.start, 0, 0))
+        return self.replace(k=kc, v=vc, written=(k, v))
+
+    def keys_values(self) -> tuple[jax.Array, jax.Array]:
+        """The layer's keys and values [b, L, heads, dim] (its row of a stacked cache)."""
+        if self.row is None:
+            return self.k, self.v
+        return (jax.lax.dynamic_index_in_dim(self.k, self.row, 0, keepdims=False),
+                jax.lax.dynamic_index_in_dim(self.v, self.row, 0, keepdims=False))
+
+
+@struct.dataclass
+class KVCache:
+    """The KV cache of a forward over new tokens written at cache slots [start, start + t): what the
+    Transformer takes as `cache` and returns updated (out.cache).
+
+    layers: per group of the layer loop (model/layer_loop.py), per block q of its period, (k, v)
+    [b, L, heads, dim] (a stack's: [repeats, b, L, heads, dim]); with model.micro_batches m > 1 a tuple
+    of m such, one per micro-batch (rows split_rows(x, m)[j]). key_positions [b, L]: the position of
+    each slot after the write (an empty or pad slot a position no query reaches). scan (static): walk
+    a stacked model's layers as scans over layer indices (default) or unrolled over per-layer views."""
+
+    layers: Any
+    start: jax.Array
+    key_positions: jax.Array
+    scan: bool = struct.field(pytree_node=False, default=True)
 
 
 class AttentionBase(nnx.Module):
     """The three named parts shared by every attention variant. Subclasses provide `qkv(x, positions)`,
     `cfg`, `layer_idx`, `scale`, `o_proj` and `gate_proj` (None when ungated).
 
+        out, cache = attn(x [b, t, d], positions [b, t], segment_ids [b, t] or None, cache=None)
+
+    cache: a LayerCache (decoding): the new keys / values are written into it and the core reads
+    every slot of it through its mask (segment_ids unused); returned updated (None without one).
     num_groups = H > 1 (Federation of Experts, model/foe.py; GQA only): x is [H, b, t, d], group h
     runs query heads [h*nh/H, (h+1)*nh/H) with their kv heads through its own rows of o_proj, the
-    groups folded into the batch of the core; the result is [H, b, t, d] (sum_h = the ordinary
-    attention when every group reads the same input)."""
+    groups folded into the batch of the core (a cache's rows H*b: group h's at h*b + j); the result
+    is [H, b, t, d] (sum_h = the ordinary attention when every group reads the same input)."""
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array] = None,
-                 num_groups: int = 1) -> jax.Array:
+                 cache: Optional[LayerCache] = None, num_groups: int = 1) -> tuple[jax.Array, Optional[LayerCache]]:
         with jax.named_scope("attention_qkv"):
             q, k, v = self.qkv(x, positions) if num_groups == 1 else self.qkv(x, positions, num_groups)
-        with jax.named_scope("attention_core"):
-            if num_groups > 1:
-                positions = jnp.tile(positions, (num_groups, 1))
-                segment_ids = None if segment_ids is None else jnp.tile(segment_ids, (num_groups, 1))
-            mask = layer_mask(self.cfg, self.layer_idx, positions, segment_ids)
-            o = core_attention(self.cfg.attention_impl, self.cfg.attention_block, q, k, v, mask, self.scale)
+        if cache is None:
+            with jax.named_scope("attention_core"):
+                if num_groups > 1:
+                    positions = jnp.tile(positions, (num_groups, 1))
+                    segment_ids = None if segment_ids is None else jnp.tile(segment_ids, (num_groups, 1))
+                mask = layer_mask(self.cfg, self.layer_idx, positions, segment_ids)
+                o = core_attention(self.cfg.attention_impl, self.cfg.attention_block, q, k, v, mask, self.scale)
+        else:
+            cache = cache.write(k, v)
+            kc, vc = cache.keys_values()
+            with jax.named_scope("attention_core"):
+                o = attention_core(q, kc, vc, cache.mask, self.scale)
         with jax.named_scope("attention_out"):
-            return self.project_out(o, x, num_groups)
+            return self.project_out(o, x, num_groups), cache
 
     def project_out(self, o: jax.Array, x: jax.Array, num_groups: int = 1) -> jax.Array:
-        """o: [b, t, h, dv] core output, x: [b, t, d] attention input -> [b, t, d] (gate + o_proj; KV-cache
-        decode reuses it). num_groups H > 1: o [H*b, t, h/H, dv], x [H, b, t, d] -> [H, b, t, d]."""
+        """o: [b, t, h, dv] core output, x: [b, t, d] attention input -> [b, t, d] (gate + o_proj).
+        num_groups H > 1: o [H*b, t, h/H, dv], x [H, b, t, d] -> [H, b, t, d]."""
         if num_groups > 1:
             o = o.reshape(*x.shape[:3], -1)
             if self.gate_proj is not None:

@@ -1,4 +1,4 @@
-"""The residual streams of FarSkip connectivity (DESIGN.md section 1): the one place that says which
+"""The residual streams of FarSkip connectivity (docs/design.md section 1): the one place that says which
 stream a sub-block reads and how the streams are summed.
 
 With a_j, s_j, r_j the attention, shared (dense MLP for dense layers) and routed outputs of layer j:
@@ -104,10 +104,6 @@ class Streams:
         if kind == "outdated":
             return self.no_moe
         raise ValueError(f"unknown attention input {kind!r}; expected one of {ATTN_KINDS}")
-
-    def moe_input(self, kind: str, attn_out: jax.Array) -> jax.Array:
-        """The stream the MoE / MLP of the next layer reads given its attention output (`moe_stream`)."""
-        return moe_stream(kind, self.full, attn_out)
 
     def update(self, attn: jax.Array, shared: Optional[jax.Array], routed: Optional[jax.Array]) -> "Streams":
         """The streams after a layer with outputs a (attn), s (shared or dense MLP; None without shared

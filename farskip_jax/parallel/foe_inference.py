@@ -39,7 +39,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from farskip_jax.config import Config, FarSkipConfig, ModelConfig
+from farskip_jax.config import Config, ModelConfig
 from farskip_jax.errors import ConfigError
 from farskip_jax.parallel.foe import FOE_EXPERT_RULES, FOE_RULES, GROUP_AXIS, FoECompute, foe_mesh_from
 from farskip_jax.parallel.inference import NO_COMBINER_PASSES
@@ -103,7 +103,6 @@ class FoELayout:
     Attention and the layer step are the model's own (FoEStep with the FoECompute backend)."""
 
     mesh: Mesh
-    tensor_parallel_attention = False  # generate's cached attention is the model's own
 
     @staticmethod
     def compiler_options() -> dict:
@@ -122,9 +121,6 @@ class FoELayout:
 
     def cache_heads(self, m: ModelConfig, heads: int) -> int:
         return heads
-
-    def layer_step(self, model, attention, farskip: Optional[FarSkipConfig] = None):
-        return None  # the model's own FoEStep
 
 
 def _foe_graph(cfg: Config, mesh: Mesh):

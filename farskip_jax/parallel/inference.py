@@ -24,22 +24,20 @@ tensor) that is `mesh.tensor = 8` (data = fsdp = expert = 1 for the paper's layo
 
     layout = TpEpLayout(mesh, shared="tensor")             # mesh = make_mesh(cfg.mesh); layout_for(cfg, mesh)
     model = inference_model(cfg, mesh, st)                 # any state, placed for the layout
-    out = layout.forward(model, tokens [b, s])             # ModelOutput, = the one-device forward
+    out = model(tokens [b, s])                             # ModelOutput, = the one-device forward
 
-`layout.forward` is the model's own forward (its streams, DESIGN.md section 1) with each layer's
-attention swapped (the layer loop's `attention` hook) for the shard_map'd tensor-parallel one and, with
-tensor-parallel shared experts, each layer run by TpEpStep (the loop's `layer_step`), which adds the
-per-rank partial sums before one all-reduce; the MoE runs `ReplicatedEPCompute`, the routed-compute
-backend the model was built with. So with FarSkip the
-compiled program has no path from the attention all-reduce of layer k to the MoE of layer k (which
-reads R_{k-1}), nor from the routed all-reduce of layer k to attention of layer k+1 (which reads
-N_k): XLA may run each all-reduce under the next sub-block (tests/test_inference_layout.py checks
-the compiled HLO) -- provided its all-reduce combiner does not merge the two (now independent)
-all-reduces of a layer back into one: programs of this layout compile with
-`TpEpLayout.compiler_options()` (`forward_fn`, eval/generate.make_decode_fn pass it to jax.jit).
-KV-cache decoding: `layout.cached_attention` (eval/generate.py; with a stacked cache and a layer
-index under model.scan_layers). Deviceless lowering for GPUs:
-`abstract_inference_model` (eval/serving.py builds the prefill / decode programs).
+The model on this layout is the ordinary Transformer whose layer step is `TpEpStep` (the layout is
+its `layer_step` factory) and whose MoE runs `ReplicatedEPCompute`: the ordinary layer
+(model/layer_step.py) with the tensor-parallel attention (shard_map'd, the layer's own attention code
+per rank, KV cache included) and, with tensor-parallel shared experts, the per-rank partial sums added
+before one all-reduce. So with FarSkip the compiled program has no path from the attention
+all-reduce of layer k to the MoE of layer k (which reads R_{k-1}), nor from the routed all-reduce of
+layer k to attention of layer k+1 (which reads N_k): XLA may run each all-reduce under the next
+sub-block (tests/test_inference_layout.py checks the compiled HLO) -- provided its all-reduce
+combiner does not merge the two (now independent) all-reduces of a layer back into one: programs of
+this layout compile with `TpEpLayout.compiler_options()` (`forward_fn`, eval/generate.make_decode_fn
+pass it to jax.jit). Deviceless lowering for GPUs: `abstract_inference_model` (eval/serving.py builds
+the prefill / decode programs).
 """
 
 from __future__ import annotations
@@ -55,10 +53,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from farskip_jax.config import Config, FarSkipConfig, MoEConfig, ModelConfig
 from farskip_jax.errors import ConfigError
-from farskip_jax.kernels.attention import attention_core
-from farskip_jax.model.connectivity import moe_stream
+from farskip_jax.model.attention import LayerCache
 from farskip_jax.model.experts import ExpertWeights, RoutedOutput, expert_swiglu
-from farskip_jax.model.layer_loop import LayerStep
+from farskip_jax.model.layer_step import LayerStep
 from farskip_jax.model.router import RouteResult
 from farskip_jax.parallel.sharding import RULES, abstract_state, logical_to_spec
 
@@ -220,14 +217,17 @@ def _local_graphdef(cls, m: ModelConfig, layer_idx: int):
 
 @dataclasses.dataclass(frozen=True)
 class TpEpLayout:
-    """The tp_ep inference layout on `mesh` (module doc): tensor-parallel attention for the full
-    forward and for KV-cache decoding, the routed backend, shardings of states, batches and caches.
-    shared: "tensor" | "replicated" (inference.shared_experts). With "tensor" the attention functions
-    return per-rank partial sums [tp, b, t, d] and TpEpStep (layer_step) all-reduces them."""
+    """The tp_ep inference layout on `mesh` (module doc): the model's layer step (calling the layout
+    builds a TpEpStep), the routed backend, the collectives, shardings of states, batches and caches.
+    shared: "tensor" | "replicated" (inference.shared_experts). With "tensor" the attention and shared
+    experts leave per-rank partial sums [tp, b, t, d] that TpEpStep all-reduces."""
 
     mesh: Mesh
     shared: str = "tensor"
-    tensor_parallel_attention = True  # generate's cached attention is this layout's cached_attention
+
+    def __call__(self, model, positions, segment_ids, farskip, remat, cache=None) -> "TpEpStep":
+        """The Transformer's layer_step on this layout (model/transformer.py)."""
+        return TpEpStep(self, model, positions, segment_ids, farskip, cache)
 
     @property
     def partial_attention(self) -> bool:
@@ -247,9 +247,10 @@ class TpEpLayout:
         return {"xla_disable_hlo_passes": NO_COMBINER_PASSES}
 
     def forward_fn(self, graphdef, farskip: Optional[FarSkipConfig] = None):
-        """jitted fn(state, tokens [b, s]) -> logits [b, s, V] f32 (the full forward on this layout)."""
+        """jitted fn(state, tokens [b, s]) -> logits [b, s, V] f32 (the full forward on this layout;
+        graphdef of a model from inference_model)."""
         def fn(state, tokens):
-            return self.forward(nnx.merge(graphdef, state), tokens, farskip=farskip).logits
+            return nnx.merge(graphdef, state)(tokens, farskip=farskip).logits
         return jax.jit(fn, compiler_options=self.compiler_options())
 
     def batch_sharding(self, ndim: int) -> NamedSharding:
@@ -299,98 +300,53 @@ class TpEpLayout:
 
         return gd_local, state, specs, fix
 
-    def attention_fn(self, attn, positions: jax.Array, segment_ids: Optional[jax.Array] = None):
-        """fn(normalised attention input xn [b, s, d]) -> attention output [b, s, d] (replicated over
-        tensor): each rank runs its heads (the layer's own code, model/attention.py) and the output
-        projection's partial sum is psum'd over `tensor` (partial_attention: the partial sums
-        [tp, b, s, d], not reduced)."""
+    def attention(self, attn, xn: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array],
+                  cache: Optional[LayerCache] = None):
+        """Tensor-parallel attention (Block.attend's `attention`): xn [b, t, d] normalised input -> (out
+        [b, t, d] after the all-reduce over `tensor`, or the per-rank partial sums [tp, b, t, d] under
+        partial_attention; cache): each rank runs its heads through the layer's own attention code
+        (model/attention.py), the output projection's partial sum psum'd (scope attention_allreduce).
+        cache: a LayerCache sharded by cache_sharding (stacked_cache_sharding with a row: only the
+        layer's row enters the shard_map, its new keys / values come back out and are written into
+        the stack after the row was read (an optimization barrier orders it), so XLA updates the
+        carried stack in place)."""
         gd, state, specs, fix = self._split_attention(attn)
-        bspec = P(DATA_AXIS, None)
+        b3, bspec, kv = P(DATA_AXIS, None, None), P(DATA_AXIS, None), P(DATA_AXIS, None, TP_AXIS, None)
         reduce = not self.partial_attention
 
-        def body(st, xn, pos, seg):
-            local = nnx.merge(gd, fix(st, jax.lax.axis_index(TP_AXIS)))
-            o = local(xn, pos, seg)
+        def allreduce(o):
             if not reduce:
                 return o[None]
             with jax.named_scope("attention_allreduce"):
                 return jax.lax.psum(o, TP_AXIS)
 
-        def fn(xn):
-            seg_spec = None if segment_ids is None else bspec
-            f = jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P(DATA_AXIS, None, None), bspec, seg_spec),
-                              out_specs=P(DATA_AXIS, None, None) if reduce else PARTIAL_TP, check_vma=False)
-            return f(state, xn, positions, segment_ids)
+        out_spec = b3 if reduce else PARTIAL_TP
+        if cache is None:
+            def body(st, xn, pos, seg):
+                o, _ = nnx.merge(gd, fix(st, jax.lax.axis_index(TP_AXIS)))(xn, pos, seg)
+                return allreduce(o)
 
-        return fn
+            f = jax.shard_map(body, mesh=self.mesh, in_specs=(specs, b3, bspec, None if segment_ids is None else bspec),
+                              out_specs=out_spec, check_vma=False)
+            return f(state, xn, positions, segment_ids), None
 
-    def cached_attention(self, attn, xn: jax.Array, positions: jax.Array, entry: tuple, start: jax.Array,
-                         mask: jax.Array, layer: Optional[jax.Array] = None) -> tuple[jax.Array, tuple]:
-        """KV-cache attention of one layer: xn [b, t, d] normalised input at positions [b, t]; entry
-        (k, v) [b, L, heads, dim] sharded by cache_sharding; new keys/values written at slots
-        [start, start + t); mask [b, 1, t, L] -> (output [b, t, d] after the all-reduce, or the partial
-        sums [tp, b, t, d] under partial_attention; new entry).
-        layer (an int or a traced scalar; stacked layers, eval/generate.py): entry is a stacked cache
-        [repeats, b, L, heads, dim] (stacked_cache_sharding). Only the layer's row enters the
-        shard_map; the new keys/values come back out and are written into the stack after the row
-        was read (an optimization barrier orders it), so XLA updates the carried stack in place
-        (a whole stack through the shard_map, or a write racing the read, made XLA copy the stack)."""
-        gd, state, specs, fix = self._split_attention(attn)
-        b3, cache = P(DATA_AXIS, None, None), P(DATA_AXIS, None, TP_AXIS, None)
-        reduce = not self.partial_attention
+        stacked = cache.row is not None
 
-        def body(st, xn, pos, kc, vc, start, mask):
+        def cached(st, xn, pos, kc, vc, start, mask):
             local = nnx.merge(gd, fix(st, jax.lax.axis_index(TP_AXIS)))
-            with jax.named_scope("attention_qkv"):
-                q, k, v = local.qkv(xn, pos)
-            k, v = k.astype(kc.dtype), v.astype(vc.dtype)
-            kc = jax.lax.dynamic_update_slice(kc, k, (0, start, 0, 0))
-            vc = jax.lax.dynamic_update_slice(vc, v, (0, start, 0, 0))
-            with jax.named_scope("attention_core"):
-                o = attention_core(q, kc, vc, mask, local.scale)
-            with jax.named_scope("attention_out"):
-                o = local.project_out(o, xn)
-            if reduce:
-                with jax.named_scope("attention_allreduce"):
-                    o = jax.lax.psum(o, TP_AXIS)
-            else:
-                o = o[None]
-            return (o, kc, vc) if layer is None else (o, k, v)
+            o, c = local(xn, pos, None, LayerCache(kc, vc, start, mask))
+            return (allreduce(o), *(c.written if stacked else (c.k, c.v)))
 
-        f = jax.shard_map(body, mesh=self.mesh,
-                          in_specs=(specs, b3, P(DATA_AXIS, None), cache, cache, P(), P(DATA_AXIS, None, None, None)),
-                          out_specs=(b3 if reduce else PARTIAL_TP, cache, cache), check_vma=False)
-        if layer is None:
-            o, kc, vc = f(state, xn, positions, entry[0], entry[1], start, mask)
-            return o, (kc, vc)
-        rows = [jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in entry]
-        o, k, v = jax.lax.optimization_barrier(f(state, xn, positions, rows[0], rows[1], start, mask))
-        kc = jax.lax.dynamic_update_slice(entry[0], k[None], (layer, 0, start, 0, 0))
-        vc = jax.lax.dynamic_update_slice(entry[1], v[None], (layer, 0, start, 0, 0))
-        return o, (kc, vc)
-
-    def forward(self, model, tokens: jax.Array, positions: Optional[jax.Array] = None,
-                segment_ids: Optional[jax.Array] = None, *, farskip: Optional[FarSkipConfig] = None, **kw):
-        """The model's forward (ModelOutput) with tensor-parallel attention (the layer loop's attention
-        hook, unrolled); `model` from inference_model."""
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-
-        def hook(block, site, side_q):  # site.rows: this micro-batch's rows (model.micro_batches)
-            return self.attention_fn(block.attn, site.rows(positions), site.rows(segment_ids)), lambda: side_q
-
-        return model(tokens, positions, segment_ids, farskip=farskip, attention=hook, scan=False,
-                     layer_step=self.layer_step(model, hook, farskip), **kw)
-
-    def layer_step(self, model, attention, farskip: Optional[FarSkipConfig] = None):
-        """The Transformer's `layer_step` on this layout with the attention hook `attention`: TpEpStep
-        with tensor-parallel shared experts, None (the model's own LayerStep) with replicated ones."""
-        if not self.partial_attention:
-            return None
-        fs = farskip if farskip is not None else model.cfg.farskip
-        n = model.cfg.model.num_layers
-        kinds = frozenset(fs.layer_inputs(i, n)[0] for i in range(n))
-        return lambda positions, segment_ids: TpEpStep(self, positions, segment_ids, attention, kinds)
+        f = jax.shard_map(cached, mesh=self.mesh, in_specs=(specs, b3, bspec, kv, kv, P(), P(DATA_AXIS, None, None, None)),
+                          out_specs=(out_spec, kv, kv), check_vma=False)
+        if not stacked:
+            o, kc, vc = f(state, xn, positions, cache.k, cache.v, cache.start, cache.mask)
+            return o, cache.replace(k=kc, v=vc)
+        kc, vc = cache.keys_values()
+        o, k, v = jax.lax.optimization_barrier(f(state, xn, positions, kc, vc, cache.start, cache.mask))
+        kc = jax.lax.dynamic_update_slice(cache.k, k[None], (cache.row, 0, cache.start, 0, 0))
+        vc = jax.lax.dynamic_update_slice(cache.v, v[None], (cache.row, 0, cache.start, 0, 0))
+        return o, cache.replace(k=kc, v=vc)
 
     def shared_partial(self, moe, x: jax.Array) -> jax.Array:
         """MoEBlock's shared_fn: the shared experts' per-rank partial sums [tp, b, s, d] of x [b, s, d]
@@ -437,59 +393,68 @@ PARTIAL_EP = P(EP_AXES, DATA_AXIS, None, None)  # over expert x tensor [ep, b, s
 
 
 class TpEpStep(LayerStep):
-    """One layer on the tp_ep layout with tensor-parallel shared experts (TpEpLayout.shared = tensor).
-    Attention and shared experts leave per-rank partial sums; each all-reduce sums what can travel
-    together (attn_kinds: the attention inputs of every layer, FarSkipConfig.layer_inputs):
+    """One layer on the tp_ep layout: the ordinary layer with the layout's tensor-parallel attention;
+    with tensor-parallel shared experts (TpEpLayout.shared = tensor) attention and shared experts
+    leave per-rank partial sums and each all-reduce sums what can travel together (attn_kinds: the
+    attention inputs of every layer, FarSkipConfig.layer_inputs):
 
         MoE reads R_{k-1} and no attention reads `outdated`   allreduce(a + s)  allreduce(r)
         every attention reads the full stream                 allreduce(a)      allreduce(s + r)
         otherwise                                             allreduce(a)  allreduce(s)  allreduce(r)
 
-    (scopes attention_allreduce / routed_allreduce / shared_allreduce). The BlockOutput then carries
-    a + s as attn (shared None) or s + r as routed: the streams take the same sums, the one-device
-    model's up to the order of additions. Dense layers: allreduce(a), their MLP as placed (GSPMD)."""
+    (scopes attention_allreduce / routed_allreduce / shared_allreduce; the plan of a layer is which
+    sum carries s). The BlockOutput then carries a + s as attn (shared None) or s + r as routed: the
+    streams take the same sums, the one-device model's up to the order of additions. Dense layers:
+    allreduce(a), their MLP as placed (GSPMD). No remat; the full forward runs its layers unrolled
+    (scannable only while decoding), decoding scans a stacked model."""
 
-    def __init__(self, layout: TpEpLayout, positions, segment_ids, attention, attn_kinds: frozenset):
-        super().__init__(positions, segment_ids, remat="none", attention=attention)
-        self.layout, self.attn_kinds = layout, attn_kinds
+    def __init__(self, layout: TpEpLayout, model, positions, segment_ids, farskip, cache=None):
+        super().__init__(model, positions, segment_ids, farskip, "none", cache)
+        self.layout, self.scannable = layout, cache is not None
+        n = model.cfg.model.num_layers
+        self.attn_kinds = frozenset(farskip.layer_inputs(i, n)[0] for i in range(n))
 
-    def __call__(self, block, streams, site, side_q=None):
-        attn_kind, moe_kind = site.kinds
-        lay = self.layout
-        fn, get_side = self.attention(block, site, side_q)
-        with jax.named_scope("attention"):
-            a_p = fn(block.attn_norm(streams.attn_input(attn_kind)))
-        side_q = get_side()
-        shared = block.is_moe and block.moe.shared is not None
-        fold = None
-        if shared and moe_kind == "outdated" and "outdated" not in self.attn_kinds:
-            fold = "attention"
-        elif shared and self.attn_kinds == {"full"}:
-            fold = "routed"
-        if fold == "attention":
+    def plan(self, block, carry, site) -> Optional[str]:
+        """Which all-reduce carries the shared experts' partial sum: attention | routed | shared | None."""
+        if not (self.layout.partial_attention and block.is_moe and block.moe.shared is not None):
+            return None
+        if site.kinds[1] == "outdated" and "outdated" not in self.attn_kinds:
+            return "attention"
+        return "routed" if self.attn_kinds == {"full"} else "shared"
+
+    def attention_of(self, site, plan):
+        return self.layout.attention
+
+    def attention_sum(self, a, extra, site, plan):
+        if not self.layout.partial_attention:
+            return a, None
+        if plan == "attention":
             # XLA:GPU would fuse the add of s (which reads R_{k-1}, so waits for the routed all-reduce of
             # layer k-1) into the output projection's GEMM as its addend: the barrier keeps attention whole
-            a_p = jax.lax.optimization_barrier(a_p)
-            with jax.named_scope("moe"):
-                out = block.ffn(moe_stream(moe_kind, streams.full, None), shared_fn=lay.shared_partial)
-            a = lay.allreduce("attention_allreduce", tp_parts=(a_p, out.shared))
-            out = out.replace(attn=a, shared=None)
-        else:
-            a = lay.allreduce("attention_allreduce", tp_parts=(a_p,))
-            x_moe = moe_stream(moe_kind, streams.full, a)
-            with jax.named_scope("moe" if block.is_moe else "mlp"):
-                if fold == "routed":
-                    out = block.ffn(x_moe, shared_fn=lay.shared_partial,
-                                    routed_compute=ReplicatedEPCompute(lay.mesh, reduce=False))
-                    out = out.replace(shared=None, routed=lay.allreduce("routed_allreduce", tp_parts=(out.shared,),
-                                                                        ep_parts=(out.routed,)))
-                elif shared:
-                    out = block.ffn(x_moe, shared_fn=lay.shared_partial)
-                    out = out.replace(shared=lay.allreduce("shared_allreduce", tp_parts=(out.shared,)))
-                else:
-                    out = block.ffn(x_moe)
-            out = out.replace(attn=a)
-        return streams.update(out.attn, out.shared, out.routed), out, side_q
+            return None, jax.lax.optimization_barrier(a)
+        return self.layout.allreduce("attention_allreduce", tp_parts=(a,)), None
+
+    def ffn_options(self, block, extra, site, plan) -> dict:
+        lay = self.layout
+        if plan == "attention":
+            return dict(shared=lay.shared_partial)
+        if plan == "routed":
+            def routed(moe, x, route):
+                return moe.routed_experts(x, route, ReplicatedEPCompute(lay.mesh, reduce=False))
+
+            def sums(out):
+                return out.replace(shared=None, routed=lay.allreduce("routed_allreduce", tp_parts=(out.shared,),
+                                                                     ep_parts=(out.routed,)))
+            return dict(shared=lay.shared_partial, routed=routed, sums=sums)
+        if plan == "shared":
+            return dict(shared=lay.shared_partial,
+                        sums=lambda out: out.replace(shared=lay.allreduce("shared_allreduce", tp_parts=(out.shared,))))
+        return {}
+
+    def finish(self, out, a, held, site, plan):
+        if plan == "attention":
+            return out.replace(attn=self.layout.allreduce("attention_allreduce", tp_parts=(held, out.shared)), shared=None)
+        return out.replace(attn=a)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -507,8 +472,9 @@ def inference_model(cfg: Config, mesh: Mesh, state):
 
     check_tp_ep(cfg, mesh)
     cfg = config_on(cfg, mesh)
-    rc = ReplicatedEPCompute(mesh)
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), routed_compute=rc)))
+    rc, step = ReplicatedEPCompute(mesh), TpEpLayout(mesh, shared=cfg.inference.shared_experts)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), routed_compute=rc,
+                                                                      layer_step=step)))
     if isinstance(state, dict):
         state = nnx.merge_state(*(state[k] for k in ("params", "bias", "rest") if k in state))
     model = nnx.merge(graphdef, abstract)
@@ -535,6 +501,7 @@ def abstract_inference_model(cfg: Config, mesh: Mesh):
 
     check_tp_ep(cfg, mesh)
     cfg = config_on(cfg, mesh)
-    rc = ReplicatedEPCompute(mesh)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), routed_compute=rc)))
+    rc, step = ReplicatedEPCompute(mesh), TpEpLayout(mesh, shared=cfg.inference.shared_experts)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), routed_compute=rc,
+                                                                   layer_step=step)))
     return graphdef, abstract_state(state, tp_ep_state_shardings(state, mesh, cfg))
