@@ -274,8 +274,12 @@ def _tp_ep(cfg):
     from flax import nnx
 
     from farskip_jax.model.transformer import Transformer
-    from farskip_jax.parallel.inference import inference_model, layout_for
     from farskip_jax.parallel.mesh import make_mesh
+
+    try:
+        from farskip_jax.serving.tp_ep import inference_model, layout_for
+    except ImportError:  # a checkout from before farskip_jax/serving/
+        from farskip_jax.parallel.inference import inference_model, layout_for
 
     mesh = make_mesh(cfg.mesh)
     return inference_model(cfg, mesh, nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)))), layout_for(cfg, mesh)
@@ -285,7 +289,11 @@ def _foe_layout(cfg):
     from flax import nnx
 
     from farskip_jax.model.transformer import Transformer
-    from farskip_jax.parallel.foe_inference import FoELayout, foe_inference_mesh, foe_inference_model
+
+    try:
+        from farskip_jax.serving.foe import FoELayout, foe_inference_mesh, foe_inference_model
+    except ImportError:
+        from farskip_jax.parallel.foe_inference import FoELayout, foe_inference_mesh, foe_inference_model
 
     mesh = foe_inference_mesh(cfg)
     return foe_inference_model(cfg, mesh, nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)))), FoELayout(mesh)

@@ -495,13 +495,13 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class InferenceConfig:
-    """Mesh layout of generation / inference (parallel/inference.py, docs/inference.md).
+    """Mesh layout of generation / inference (serving/tp_ep.py, docs/inference.md).
     `training`: the training layout (batch over data x fsdp x expert, EP all-to-alls); `tp_ep`: the
     paper's serving layout, attention heads over mesh.tensor and the experts over
     mesh.expert x mesh.tensor with replicated activations, each sub-block ending in an all-reduce.
     `foe`: Federation of Experts with each group on its own GPUs (mesh.expert = a multiple of
     moe.num_groups), tokens replicated over the groups, one cross-group all-reduce per layer
-    (parallel/foe_inference.py).
+    (serving/foe.py).
     `shared_experts` (tp_ep): `tensor` = the shared experts split over mesh.tensor like a dense MLP,
     their partial sum joining the attention all-reduce where the MoE reads R_{k-1} (FarSkip) or the
     routed all-reduce where every attention reads the full stream (the authors' SGLang layout; 1/tensor
@@ -615,7 +615,7 @@ class Config:
         _check(self.inference.layout != "foe" or e.num_groups > 1,
                "inference.layout=foe runs a Federation of Experts: set moe.num_groups to the number of groups "
                "(the paper: one per GPU, = mesh.expert)")
-        # tp_ep has its own MoE exchange; foe with one group per device needs none (foe_inference.py checks)
+        # tp_ep has its own MoE exchange; foe with one group per device needs none (serving/foe.py checks)
         if self.mesh.expert > 1 and self.inference.layout not in ("tp_ep", "foe"):
             _check(
                 e.dispatch != "local",

@@ -96,7 +96,7 @@ def test_useful_rows_and_serving_shape():
 
 
 def test_scanned_serving_program_unrolls_to_its_layers(h100x8):
-    """A scanned prefill (model.scan_layers: the 3 MoE layers are one while loop, eval/generate.py)
+    """A scanned prefill (model.scan_layers: the 3 MoE layers are one while loop, serving/generate.py)
     re-timed from its loop-unrolled schedule (analysis/loop_schedule.py) has the per-layer program's
     all-reduces (roles, layers, bytes), the stacked-row copies tagged, and with them free a time near
     the per-layer program's; FarSkip still hides more inside the loop body than standard. Without the

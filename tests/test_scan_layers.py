@@ -138,9 +138,9 @@ def test_hidden_and_views_under_scan():
 
 
 def test_generate_under_scan():
-    """KV-cache greedy decoding of a scanned model (eval/generate.py: the decode
+    """KV-cache greedy decoding of a scanned model (serving/generate.py: the decode
     step is a scan over the stacked layers and cache) reproduces the scanned forward's logits of the generated sequence."""
-    from farskip_jax.eval.generate import generate
+    from farskip_jax.serving.generate import generate
 
     scan = Transformer(_cfg("farskip.preset=farskip", scan=True), rngs=nnx.Rngs(0))
     g = generate(scan, [[1, 2, 3, 4], [5, 6, 7, 8]], max_new_tokens=2)

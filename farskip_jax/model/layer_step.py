@@ -18,7 +18,7 @@ The body (`__call__` and `layer`) is the only code that says what a layer does:
 under the one remat wrapper (block.remat; no remat while decoding). A layout subclasses LayerStep and
 overrides only the hooks it changes: which attention runs and how its output is summed, which routed
 compute and shared experts the MoE uses, where a partial sum goes (model/foe.FoEStep for a
-Federation of Experts, parallel/inference.TpEpStep for the tp_ep serving layout). The defaults here
+Federation of Experts, parallel/tp_ep.TpEpStep for the tp_ep serving layout). The defaults here
 are the ordinary layer: one program (or the expert-parallel exchange of the block's routed compute).
 
 Decoding (cache: attention.KVCache): `entry` is the layer's (k, v) cache entry; the step gives the

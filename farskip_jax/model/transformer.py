@@ -15,7 +15,7 @@ The layers run through the one layer loop (model/layer_loop.py): unrolled, or un
 `model.scan_layers` as one `jax.lax.scan` per stack of alike layers and run of equal connectivity
 (model/stacking.py, docs/scan.md). Each layer is a step (model/layer_step.py): `layer_step`, given
 at construction, builds it per call: LayerStep for the ordinary model, foe.FoEStep for a Federation
-of Experts (moe.num_groups > 1), a serving layout's own (parallel/inference.TpEpLayer).
+of Experts (moe.num_groups > 1), a serving layout's own (parallel/tp_ep.TpEpLayer).
 
 Two-batch overlap (`model.micro_batches: 2`): the batch's rows are split into interleaved
 micro-batches that run through every layer side by side without depending on each other (one step

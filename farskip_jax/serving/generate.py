@@ -30,10 +30,10 @@ sits at position i - pad[j]; pad slots are never keys (position FAR) and pad que
 0, so a row's tokens see exactly its own prompt: its logits equal its own unpadded full forward.
 Every row writes slot P + n at decode step n. The prefill handles all P slots in one call.
 
-On a mesh (`layout`, parallel/inference.py TpEpLayout, the paper's TP-attention / replicated-MoE
-serving layout): the model must come from parallel.inference.inference_model; attention heads and
+On a mesh (`layout`, serving/tp_ep.py TpEpLayout, the paper's TP-attention / replicated-MoE
+serving layout): the model must come from serving.tp_ep.inference_model; attention heads and
 the cache's heads are split over `tensor`, rows over `data`; the decode step is the same program.
-Federation of Experts on its own GPUs per group (parallel/foe_inference.FoELayout, model from
+Federation of Experts on its own GPUs per group (serving/foe.FoELayout, model from
 foe_inference_model): the cache rows of group h on its devices, the model's own FoE attention.
 A dropless MoE (capacity_factor null) gives exactly the full forward; with a capacity, tokens routed
 together can drop differently than in a full-sequence forward.
@@ -109,7 +109,7 @@ def init_cache(model, batch: int, max_len: int, layout=None) -> tuple:
     """Zero KV cache in the dtype the attention produces. Unstacked model: per layer (k [b, max_len, kv, d],
     v [b, max_len, kv, dv]). Stacked layers (model.scan_layers): per stack, per block q, (k, v)
     [repeats, b, max_len, heads, dim]. Federation of Experts: rows H*b, heads kv/H. On a `layout`
-    (parallel/inference.TpEpLayout): heads split over `tensor` (replicated kv heads: one per rank),
+    (serving/tp_ep.TpEpLayout): heads split over `tensor` (replicated kv heads: one per rank),
     rows over `data`, created in place on the mesh. model.micro_batches m > 1 (two-batch overlap): a
     tuple of m such caches of batch / m rows each (micro-batch j = rows j, j + m, ...)."""
     m = model.cfg.model.micro_batches
@@ -201,7 +201,7 @@ def generate(model, prompt, max_new_tokens: int, *, farskip: Optional[FarSkipCon
              top_p: float = 1.0, seed: int = 0, eos_id: Optional[int] = None, decode_fn=None, layout=None,
              pad_id: int = 0) -> Generation:
     """Generate `max_new_tokens` after prompt [b, P] or a list of b prompts of any lengths (see the
-    module docstring). `model`: a Transformer (on a layout: from parallel.inference.inference_model).
+    module docstring). `model`: a Transformer (on a layout: from serving.tp_ep.inference_model).
     Sampling (temperature > 0, top_p) draws from jax.random.key(seed): the same seed gives the same
     tokens, on one device or a mesh."""
     fs = farskip if farskip is not None else model.cfg.farskip

@@ -1,5 +1,5 @@
-"""The paper's inference layout (`inference.layout: tp_ep`): tensor-parallel attention, replicated-
-activation MoE with experts sharded, each ending in an all-reduce; no all-to-all.
+"""The collectives of the tp_ep serving layout (serving/tp_ep.py): tensor-parallel attention,
+replicated-activation MoE with experts sharded, each ending in an all-reduce; no all-to-all.
 
 One group of devices is at once the tensor-parallel group of attention and the expert-parallel group
 of the MoE (vLLM / SGLang with TP 8 = EP 8 on one node). On the 4-axis mesh (data, fsdp, expert,
@@ -17,27 +17,18 @@ tensor) that is `mesh.tensor = 8` (data = fsdp = expert = 1 for the paper's layo
                 all-reduce of a + s, one of r per layer), to the routed one where every attention reads
                 the full stream (standard: a, then s + r), else their own (`shared_allreduce`).
                 `replicated`: whole on every rank, no collective of their own.
-    router, norms   replicated
-    dense MLP layers, embedding, LM head   `mlp` / `vocab` over `tensor` through GSPMD (its own
-                all-reduce / gathers)
-    batch       over `data` only (independent replicas); fsdp must be 1
 
-    layout = TpEpLayout(mesh, shared="tensor")             # mesh = make_mesh(cfg.mesh); layout_for(cfg, mesh)
-    model = inference_model(cfg, mesh, st)                 # any state, placed for the layout
-    out = model(tokens [b, s])                             # ModelOutput, = the one-device forward
+    layer = TpEpLayer(mesh, shared="tensor")      # the Transformer's layer_step on this layout
+    model = Transformer(cfg, rngs=..., routed_compute=ReplicatedEPCompute(mesh), layer_step=layer)
 
-The model on this layout is the ordinary Transformer whose layer step is `TpEpStep` (the layout is
-its `layer_step` factory) and whose MoE runs `ReplicatedEPCompute`: the ordinary layer
-(model/layer_step.py) with the tensor-parallel attention (shard_map'd, the layer's own attention code
-per rank, KV cache included) and, with tensor-parallel shared experts, the per-rank partial sums added
-before one all-reduce. So with FarSkip the compiled program has no path from the attention
-all-reduce of layer k to the MoE of layer k (which reads R_{k-1}), nor from the routed all-reduce of
-layer k to attention of layer k+1 (which reads N_k): XLA may run each all-reduce under the next
-sub-block (tests/test_inference_layout.py checks the compiled HLO) -- provided its all-reduce
-combiner does not merge the two (now independent) all-reduces of a layer back into one: programs of
-this layout compile with `TpEpLayout.compiler_options()` (`forward_fn`, eval/generate.make_decode_fn
-pass it to jax.jit). Deviceless lowering for GPUs: `abstract_inference_model` (eval/serving.py builds
-the prefill / decode programs).
+The model's layer is the ordinary one (model/layer_step.py) with `TpEpStep`'s hooks: the
+tensor-parallel attention (shard_map'd, the layer's own attention code per rank, KV cache included)
+and, with tensor-parallel shared experts, the per-rank partial sums added before one all-reduce. So
+with FarSkip the compiled program has no path from the attention all-reduce of layer k to the MoE of
+layer k (which reads R_{k-1}), nor from the routed all-reduce of layer k to attention of layer k+1
+(which reads N_k): XLA may run each all-reduce under the next sub-block (tests/test_inference_layout.py
+checks the compiled HLO), provided its all-reduce combiner does not merge the two (serving/tp_ep.py:
+the layout's compile options).
 """
 
 from __future__ import annotations
@@ -49,58 +40,22 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
-from farskip_jax.config import Config, FarSkipConfig, MoEConfig, ModelConfig
+from farskip_jax.config import MoEConfig, ModelConfig
 from farskip_jax.errors import ConfigError
 from farskip_jax.model.attention import LayerCache
 from farskip_jax.model.experts import ExpertWeights, RoutedOutput, expert_swiglu
 from farskip_jax.model.layer_step import LayerStep
 from farskip_jax.model.router import RouteResult
-from farskip_jax.parallel.sharding import RULES, abstract_state, logical_to_spec
 
 TP_AXIS = "tensor"
 EP_AXES = ("expert", "tensor")  # the expert-parallel group: every device of a data replica
 DATA_AXIS = "data"
-LAYOUTS = ("training", "tp_ep")
-# XLA's all-reduce combiners merge independent all-reduces into one. Under FarSkip the attention
-# all-reduce of layer k and the routed all-reduce of layer k ARE independent, so XLA merges them
-# (seen on XLA:CPU, jaxlib 0.10.2): attention of layer k+1 then waits for the routed sum again and
-# the overlap FarSkip made possible is gone. Programs of this layout compile with them off.
-NO_COMBINER_PASSES = "cpu-all-reduce-combiner,all-reduce-combiner,gpu-all-reduce-combiner"
 
 
 def _is_var(x) -> bool:
     return isinstance(x, nnx.Variable)
-
-
-def check_tp_ep(cfg: Config, mesh: Mesh) -> None:
-    """Fail early (ConfigError naming the key and the fix) on what the tp_ep layout cannot split."""
-    m, e = cfg.model, cfg.moe
-    tp, ep = mesh.shape[TP_AXIS], mesh.shape["expert"] * mesh.shape[TP_AXIS]
-    if mesh.shape["fsdp"] != 1:
-        raise ConfigError(f"inference.layout=tp_ep keeps whole weights per tensor rank; set mesh.fsdp=1 "
-                          f"(got {mesh.shape['fsdp']}) and put the devices on mesh.tensor")
-    if e.num_groups > 1:
-        raise ConfigError("inference.layout=tp_ep does not run a Federation of Experts (moe.num_groups > 1); "
-                          "use inference.layout=foe (one group per GPU) or training")
-    if m.num_heads % tp:
-        raise ConfigError(f"inference.layout=tp_ep splits the model.num_heads={m.num_heads} attention heads over "
-                          f"mesh.tensor={tp}; pick a mesh.tensor that divides the heads")
-    if m.attention == "gqa" and m.num_kv_heads % tp and tp % m.num_kv_heads:
-        raise ConfigError(f"inference.layout=tp_ep needs mesh.tensor={tp} and model.num_kv_heads={m.num_kv_heads} "
-                          "to divide one another (kv heads are split, or replicated when tensor > kv heads)")
-    if m.qk_norm and m.qk_norm_scope == "all_heads" and tp > 1:
-        raise ConfigError("model.qk_norm_scope=all_heads normalises over every head, which tensor-parallel "
-                          "attention splits; inference.layout=tp_ep cannot run it (use inference.layout=training)")
-    if e.num_experts:
-        if e.num_experts % ep:
-            raise ConfigError(f"inference.layout=tp_ep splits moe.num_experts={e.num_experts} over mesh.expert x "
-                              f"mesh.tensor = {ep} devices; pick sizes whose product divides the experts")
-        if e.capacity_factor is not None:
-            raise ConfigError("inference.layout=tp_ep is dropless; set moe.capacity_factor=null")
-        if cfg.inference.shared_experts == "tensor" and e.num_shared_experts:
-            check_shared_split(e.resolved_shared_hidden, tp)
 
 
 def check_shared_split(hidden: int, tp: int) -> None:
@@ -116,31 +71,6 @@ def kv_replicas(m: ModelConfig, tp: int) -> int:
     if m.attention != "gqa" or m.num_kv_heads % tp == 0:
         return 1
     return tp // m.num_kv_heads
-
-
-def tp_ep_rules(m: ModelConfig, tp: int) -> tuple[dict, dict]:
-    """(rules, expert rules) of parallel/sharding.logical_to_spec for the tp_ep layout."""
-    rules = {**RULES, "embed": None, "kv_heads": TP_AXIS if kv_replicas(m, tp) == 1 else None}
-    return rules, {**rules, "expert": EP_AXES, "mlp": None}
-
-
-def tp_ep_state_shardings(state, mesh: Mesh, cfg: Config):
-    """NamedSharding per Variable of a model state for the tp_ep layout (module doc). Shared experts
-    (path .../moe/shared/...): hidden units over `tensor` (inference.shared_experts=tensor) or
-    replicated; the Qwen2 shared gate is replicated."""
-    rules, expert_rules = tp_ep_rules(cfg.model, mesh.shape[TP_AXIS])
-    split_shared = cfg.inference.shared_experts == "tensor"
-
-    def one(path, v):
-        keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
-        axes = v.get_metadata().get("axes")
-        shape = tuple(jnp.shape(v.get_value()))
-        if axes is None or ("moe" in keys and ("shared_gate" in keys or ("shared" in keys and not split_shared))):
-            return NamedSharding(mesh, P())
-        r = expert_rules if "expert" in axes else rules
-        return NamedSharding(mesh, logical_to_spec(tuple(axes), shape, mesh, r))
-
-    return jax.tree_util.tree_map_with_path(one, state, is_leaf=_is_var)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -216,17 +146,16 @@ def _local_graphdef(cls, m: ModelConfig, layer_idx: int):
 
 
 @dataclasses.dataclass(frozen=True)
-class TpEpLayout:
-    """The tp_ep inference layout on `mesh` (module doc): the model's layer step (calling the layout
-    builds a TpEpStep), the routed backend, the collectives, shardings of states, batches and caches.
-    shared: "tensor" | "replicated" (inference.shared_experts). With "tensor" the attention and shared
-    experts leave per-rank partial sums [tp, b, t, d] that TpEpStep all-reduces."""
+class TpEpLayer:
+    """The tp_ep layer on `mesh` (module doc): calling it builds the layer step of one forward (the
+    Transformer's `layer_step`); its collectives are the tensor-parallel attention and the all-reduces
+    of partial sums. shared: "tensor" | "replicated" (inference.shared_experts). With "tensor" the
+    attention and shared experts leave per-rank partial sums [tp, b, t, d] that TpEpStep all-reduces."""
 
     mesh: Mesh
     shared: str = "tensor"
 
     def __call__(self, model, positions, segment_ids, farskip, remat, cache=None) -> "TpEpStep":
-        """The Transformer's layer_step on this layout (model/transformer.py)."""
         return TpEpStep(self, model, positions, segment_ids, farskip, cache)
 
     @property
@@ -236,40 +165,6 @@ class TpEpLayout:
     @property
     def tp(self) -> int:
         return self.mesh.shape[TP_AXIS]
-
-    def routed_compute(self) -> ReplicatedEPCompute:
-        return ReplicatedEPCompute(self.mesh)
-
-    @staticmethod
-    def compiler_options() -> dict:
-        """Compile options of this layout's programs (`jax.jit(..., compiler_options=...)`, or
-        `.compile(compiler_options=...)` of a deviceless lowering): the all-reduce combiners off."""
-        return {"xla_disable_hlo_passes": NO_COMBINER_PASSES}
-
-    def forward_fn(self, graphdef, farskip: Optional[FarSkipConfig] = None):
-        """jitted fn(state, tokens [b, s]) -> logits [b, s, V] f32 (the full forward on this layout;
-        graphdef of a model from inference_model)."""
-        def fn(state, tokens):
-            return nnx.merge(graphdef, state)(tokens, farskip=farskip).logits
-        return jax.jit(fn, compiler_options=self.compiler_options())
-
-    def batch_sharding(self, ndim: int) -> NamedSharding:
-        """[batch, ...] arrays: rows over `data`, replicated over expert and tensor."""
-        return NamedSharding(self.mesh, P(DATA_AXIS, *([None] * (ndim - 1))))
-
-    def cache_sharding(self) -> NamedSharding:
-        """KV cache entries [b, L, heads, dim]: rows over `data`, heads over `tensor` (each rank its own)."""
-        return NamedSharding(self.mesh, P(DATA_AXIS, None, TP_AXIS, None))
-
-    def stacked_cache_sharding(self) -> NamedSharding:
-        """Stacked KV cache entries [repeats, b, L, heads, dim] (model.scan_layers): the layer axis
-        unsharded, the rest as cache_sharding."""
-        return NamedSharding(self.mesh, P(None, DATA_AXIS, None, TP_AXIS, None))
-
-    def cache_heads(self, m: ModelConfig, heads: int) -> int:
-        """Global head dim of a cache entry whose one-device head count is `heads`: kv heads replicated
-        over tensor ranks get one slot per rank."""
-        return heads * kv_replicas(m, self.tp)
 
     def _split_attention(self, attn):
         """(local graphdef, state, in_specs of the state, fix(state, rank) -> local state)."""
@@ -408,7 +303,7 @@ class TpEpStep(LayerStep):
     allreduce(a), their MLP as placed (GSPMD). No remat; the full forward runs its layers unrolled
     (scannable only while decoding), decoding scans a stacked model."""
 
-    def __init__(self, layout: TpEpLayout, model, positions, segment_ids, farskip, cache=None):
+    def __init__(self, layout: TpEpLayer, model, positions, segment_ids, farskip, cache=None):
         super().__init__(model, positions, segment_ids, farskip, "none", cache)
         self.layout, self.scannable = layout, cache is not None
         n = model.cfg.model.num_layers
@@ -455,53 +350,3 @@ class TpEpStep(LayerStep):
         if plan == "attention":
             return out.replace(attn=self.layout.allreduce("attention_allreduce", tp_parts=(held, out.shared)), shared=None)
         return out.replace(attn=a)
-
-
-# --------------------------------------------------------------------------------------------------
-# building / placing a model for the layout
-# --------------------------------------------------------------------------------------------------
-
-
-def inference_model(cfg: Config, mesh: Mesh, state):
-    """A Transformer of cfg for the tp_ep layout on `mesh`: the ReplicatedEPCompute backend and
-    parameters placed by tp_ep_state_shardings. state: a model state from any layout or device
-    (an nnx.State, or the {params, bias, rest} dict of eval/loading.py), resharded onto this one.
-    Fresh parameters: `nnx.state(parallel.build.create_model(cfg))`."""
-    from farskip_jax.model.transformer import Transformer
-    from farskip_jax.parallel.build import config_on
-
-    check_tp_ep(cfg, mesh)
-    cfg = config_on(cfg, mesh)
-    rc, step = ReplicatedEPCompute(mesh), TpEpLayout(mesh, shared=cfg.inference.shared_experts)
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), routed_compute=rc,
-                                                                      layer_step=step)))
-    if isinstance(state, dict):
-        state = nnx.merge_state(*(state[k] for k in ("params", "bias", "rest") if k in state))
-    model = nnx.merge(graphdef, abstract)
-    nnx.update(model, jax.device_put(state, tp_ep_state_shardings(state, mesh, cfg)))
-    return model
-
-
-def layout_for(cfg: Config, mesh: Optional[Mesh]) -> Optional[TpEpLayout]:
-    """TpEpLayout when cfg.inference.layout is tp_ep (a mesh is then required), else None."""
-    if cfg.inference.layout != "tp_ep":
-        return None
-    if mesh is None:
-        raise ConfigError("inference.layout=tp_ep needs a device mesh (parallel.make_mesh(cfg.mesh))")
-    check_tp_ep(cfg, mesh)
-    return TpEpLayout(mesh, shared=cfg.inference.shared_experts)
-
-
-def abstract_inference_model(cfg: Config, mesh: Mesh):
-    """(graphdef, state) of cfg's tp_ep model with every leaf a ShapeDtypeStruct carrying its
-    NamedSharding: nothing is materialised, so programs for compile-only GPU devices (a mesh over
-    analysis.deviceless.gpu_devices) lower on a CPU host (eval/serving.py builds them)."""
-    from farskip_jax.model.transformer import Transformer
-    from farskip_jax.parallel.build import config_on
-
-    check_tp_ep(cfg, mesh)
-    cfg = config_on(cfg, mesh)
-    rc, step = ReplicatedEPCompute(mesh), TpEpLayout(mesh, shared=cfg.inference.shared_experts)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), routed_compute=rc,
-                                                                   layer_step=step)))
-    return graphdef, abstract_state(state, tp_ep_state_shardings(state, mesh, cfg))
