@@ -225,7 +225,7 @@ class MoEConfig:
 
 
 PRESETS: dict[str, tuple[str, str]] = {
-    # preset -> (attn_input, moe_input) on converted layers (DESIGN.md section 1)
+    # preset -> (attn_input, moe_input) on converted layers (docs/design.md section 1)
     "standard": ("full", "full"),
     "farskip": ("partial", "outdated"),
     "attn_only": ("partial", "full"),
@@ -235,7 +235,7 @@ PRESETS: dict[str, tuple[str, str]] = {
 
 @dataclass(frozen=True)
 class FarSkipConfig:
-    """Which stream each sub-block reads (DESIGN.md section 1).
+    """Which stream each sub-block reads (docs/design.md section 1).
 
     preset: standard | farskip | attn_only | mlp_only; `attn_input` / `moe_input` override the
     preset's choice on converted layers. `layers` selects the converted layers: "all", "none",
