@@ -152,10 +152,10 @@ def run(a) -> dict:
         check_teacher_shape(replace(read_run_config(os.path.abspath(a.run)), **ov), a.teacher_run)
     if a.run:
         which = int(a.which) if a.which.isdigit() else a.which
-        # the tp_ep / foe inference layouts restore replicated, then eval/serving.py reshards onto their mesh
+        # the tp_ep / foe inference layouts restore replicated, then serving/programs.py reshards onto their mesh
         mesh = None
         if a.mode == "generate" and ov.get("inference.layout", "") in ("tp_ep", "foe"):
-            from farskip_jax.eval.serving import restore_mesh
+            from farskip_jax.serving.programs import restore_mesh
 
             mesh = restore_mesh()
         cfg, graphdef, st = load_run(a.run, which, mesh=mesh, config_overrides=ov or None)
@@ -191,8 +191,8 @@ def run(a) -> dict:
             raise ConfigError("--mode tasks needs --tasks file.jsonl ... (or eval.tasks in the config)")
         res["tasks"] = score_tasks(graphdef, st, paths, tok, cfg.farskip, max_len=cfg.model.max_seq_len)
     elif a.mode == "generate":
-        from farskip_jax.eval.generate import generate
-        from farskip_jax.eval.serving import serving_model
+        from farskip_jax.serving.generate import generate
+        from farskip_jax.serving.programs import serving_model
 
         model, layout = serving_model(cfg, graphdef, st)  # inference.layout=tp_ep / foe: their meshes
         head = [tok.bos_id] if getattr(tok, "bos_id", None) is not None else []

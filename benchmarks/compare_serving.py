@@ -10,7 +10,7 @@ way and timed by the same cost model (modelled).
 
 Each point is a prefill of `--prefill-batch` requests x prompt (LM head on the last slot: what the
 first token costs) or a decode step of a batch of requests against a `--context` cache
-(eval/serving.py), compiled deviceless for H200s with the latency-hiding scheduler
+(serving/programs.py), compiled deviceless for H200s with the latency-hiding scheduler
 (analysis/inference_report.compile_serving: all-reduce combiners and the dot merger off, routed
 experts at a balanced grouped GEMM's cost) and re-timed by the two-stream model (H200 roofline,
 NVLink inside a node, 8 x 400 Gb/s NICs per node; compute under a collective in flight at the
@@ -23,7 +23,7 @@ hardware's contention). Layers unrolled (per-layer weights) in every row. Rows:
                        other, one's compute under the other's all-reduces (SGLang's two-batch overlap)
   FarSkip, FarSkip + TBO
   FoE, FoE + FarSkip   inference.layout=foe: Federation of Experts with H = GPUs groups, one per GPU
-                       (its heads, experts and cache rows; parallel/foe_inference.py): no all-to-all, one
+                       (its heads, experts and cache rows; serving/foe.py): no all-to-all, one
                        cross-group sum per layer. "n/a: reason" where H does not split the model
                        (heads, kv heads, experts, top-k; MLA)
 

@@ -5,7 +5,7 @@
 For each m x k x n: y = x [m, k] @ w [k, n], gradients w.r.t. x and w (3 products, 6 m k n FLOPs),
 once through XLA:CPU's dot (kernels.dense_matmul: xla) and once through `layers.matmul_2d`'s CPU
 default, blas_gmm.matmul (the grouped-GEMM kernels with one group: one sgemm per thread part, BLAS
-as kernels/library.py loads it). Interleaved, median of `repeats`; prints GFLOP/s of each and the
+as kernels/cpu/library.py loads it). Interleaved, median of `repeats`; prints GFLOP/s of each and the
 ratio XLA time / BLAS time. The default shapes are the projections of benchmarks/vs_hf.py's model
 (8 x 256 tokens, d 256: q/o, k/v, a 1024-wide MLP, its down projection, the 4096-token LM head).
 """
@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 
 from farskip_jax import kernels  # noqa: E402
 from farskip_jax.config import kernels_from_env, replace  # noqa: E402
-from farskip_jax.kernels import library  # noqa: E402
+from farskip_jax.kernels.cpu import library  # noqa: E402
 from farskip_jax.model.layers import matmul_2d  # noqa: E402
 
 DEFAULT_SHAPES = "2048x256x256,2048x256x128,2048x256x1024,2048x1024x256,2048x256x4096"

@@ -187,7 +187,7 @@ def balanced_groups(m: int, g: int, seed: int = 0) -> np.ndarray:
 
 def gemm_cases(sh: dict):
     """(name, fn(lhs, rhs, group_sizes), groups) of part (b)."""
-    from farskip_jax.model.gmm import gmm
+    from farskip_jax.kernels.gmm import gmm
 
     def ragged(x, w, gs):
         return jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32).astype(x.dtype)
@@ -246,7 +246,8 @@ def attention_flops(b, s, h, d) -> float:
 def part_c(sh: dict, hw) -> dict:
     """Each op class: measured us, the cost model's predicted us, and the constant refitted from it."""
     from farskip_jax.analysis.cost_model import CAUSAL_FRACTION, FLASH_BWD_RECOMPUTE, collective_time_us, compute_time_us
-    from farskip_jax.model.attention import attention_core, attention_mask, blockwise_attention_core
+    from farskip_jax.kernels.attention import attention_core, blockwise_attention_core
+    from farskip_jax.model.attention import attention_mask
 
     ops = []
     dt = jnp.bfloat16
@@ -338,7 +339,7 @@ def part_c(sh: dict, hw) -> dict:
 
 
 def attention_impls(sh: dict, mask, scale: float) -> dict:
-    from farskip_jax.model.attention import attention_core, blockwise_attention_core
+    from farskip_jax.kernels.attention import attention_core, blockwise_attention_core
 
     def xla_sdpa(q, k, v, implementation=None):
         return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation=implementation)

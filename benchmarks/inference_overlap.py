@@ -6,7 +6,7 @@ layout, standard vs farskip, on 8 GPUs (one node) and 16 GPUs (two nodes) (issue
         [--context 2048] [--depth auto|full|cut] [--hardware h200] [--out benchmarks/results/inference]
         [--scan-layers config|true|false] [--contention 0.8] [--plot-only]
 
-Every point compiles eval/serving.prefill_program (16 requests x prompt length, LM head on the last
+Every point compiles serving/programs.prefill_program (16 requests x prompt length, LM head on the last
 slot) or decode_program (one token per request against a `--context` cache) deviceless for H200s
 (analysis/inference_report.py: LHS on, all-reduce combiners and the dot merger off, routed experts at
 a balanced grouped GEMM's cost) under standard and FarSkip connectivity, and re-times XLA's schedule
@@ -18,7 +18,7 @@ inside each node with EP over all GPUs (Llama-4-Scout's 40 heads on 16 GPUs).
 Depth: `auto` = DeepSeek-V2-Lite at full depth (27 layers), DeepSeek-V2 and Llama-4-Scout cut to
 2 and 4 layers and extrapolated linearly to 60 / 48 (inference_report.extrapolate; the cut is stated
 in every row). --scan-layers: the config's model.scan_layers (default; DeepSeek-V2-Lite and
-Llama-4-Scout scan), or forced: scanned programs (eval/generate.py) are read with their loops
+Llama-4-Scout scan), or forced: scanned programs (serving/generate.py) are read with their loops
 unrolled and priced as compiled and with their stacked-row copies free (analysis/loop_schedule.py,
 the `rows in place` column). Compiled schedules are cached (--cache): a re-run only re-times. Results:
 OUT/results.json (raw, per compiled depth), OUT/table.md, OUT/speedup.png.
@@ -334,7 +334,7 @@ def main() -> int:
                     help="compute speed while a collective is in flight, fraction (0, 1] (default: the hardware's, "
                          "cost_model.HARDWARE; 1.0 = no contention)")
     ap.add_argument("--scan-layers", choices=("config", "true", "false"), default="config",
-                    help="stacked layers decoded as a scan (eval/generate.py) or per-layer weights unrolled")
+                    help="stacked layers decoded as a scan (serving/generate.py) or per-layer weights unrolled")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "inference"))
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "farskip_inference_cache"))
     ap.add_argument("--plot-only", action="store_true", help="rewrite table.md / speedup.png from results.json")

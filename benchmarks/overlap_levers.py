@@ -46,27 +46,25 @@ DSV2_LITE = [
 
 @contextlib.contextmanager
 def moe_first():
-    """Block.__call__ issuing the MoE before attention when moe_input == 'outdated' (same values)."""
-    import jax
+    """The layer step (model/layer_step.py) issuing the MoE before attention when it reads R_{k-1}
+    (moe input `outdated`; same values)."""
+    from farskip_jax.model.layer_step import LayerStep
 
-    from farskip_jax.model.transformer import Block
+    orig = LayerStep.layer
 
-    orig = Block.__call__
+    def layer(self, block, x, full, extra, site, plan, cache):
+        if site.kinds[1] != "outdated":
+            return orig(self, block, x, full, extra, site, plan, cache)
+        out = block.ffn(full, **self.ffn_options(block, extra, site, plan))
+        a, cache = block.attend(x, self.positions, self.segment_ids, cache, self.attention_of(site, plan))
+        a, held = self.attention_sum(a, extra, site, plan)
+        return self.finish(out, a, held, site, plan), cache
 
-    def call(self, x_attn, full, positions, segment_ids, moe_input="full"):
-        if moe_input != "outdated":
-            return orig(self, x_attn, full, positions, segment_ids, moe_input)
-        with jax.named_scope("moe" if self.is_moe else "mlp"):
-            out = self.ffn(full)
-        with jax.named_scope("attention"):
-            a = self.attention(x_attn, positions, segment_ids)
-        return out.replace(attn=a)
-
-    Block.__call__ = call
+    LayerStep.layer = layer
     try:
         yield
     finally:
-        Block.__call__ = orig
+        LayerStep.layer = orig
 
 
 def main() -> int:

@@ -242,7 +242,7 @@ class MoEConfig:
 
 
 PRESETS: dict[str, tuple[str, str]] = {
-    # preset -> (attn_input, moe_input) on converted layers (DESIGN.md section 1)
+    # preset -> (attn_input, moe_input) on converted layers (docs/design.md section 1)
     "standard": ("full", "full"),
     "farskip": ("partial", "outdated"),
     "attn_only": ("partial", "full"),
@@ -252,7 +252,7 @@ PRESETS: dict[str, tuple[str, str]] = {
 
 @dataclass(frozen=True)
 class FarSkipConfig:
-    """Which stream each sub-block reads (DESIGN.md section 1).
+    """Which stream each sub-block reads (docs/design.md section 1).
 
     preset: standard | farskip | attn_only | mlp_only; `attn_input` / `moe_input` override the
     preset's choice on converted layers. `layers` selects the converted layers: "all", "none",
@@ -549,13 +549,13 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class InferenceConfig:
-    """Mesh layout of generation / inference (parallel/inference.py, docs/inference.md).
+    """Mesh layout of generation / inference (serving/tp_ep.py, docs/inference.md).
     `training`: the training layout (batch over data x fsdp x expert, EP all-to-alls); `tp_ep`: the
     paper's serving layout, attention heads over mesh.tensor and the experts over
     mesh.expert x mesh.tensor with replicated activations, each sub-block ending in an all-reduce.
     `foe`: Federation of Experts with each group on its own GPUs (mesh.expert = a multiple of
     moe.num_groups), tokens replicated over the groups, one cross-group all-reduce per layer
-    (parallel/foe_inference.py).
+    (serving/foe.py).
     `shared_experts` (tp_ep): `tensor` = the shared experts split over mesh.tensor like a dense MLP,
     their partial sum joining the attention all-reduce where the MoE reads R_{k-1} (FarSkip) or the
     routed all-reduce where every attention reads the full stream (the authors' SGLang layout; 1/tensor
@@ -570,7 +570,7 @@ class KernelsConfig:
     """The optional CPU fast paths (farskip_jax/kernels/, docs/cpu_speed.md): C++ XLA FFI kernels for
     the grouped matmul (moe.gmm: blas), the attention core (model.attention_impl: fused_cpu) and the
     dense matmuls of Linear layers. Only programs lowered for the CPU ever contain them. Installed into
-    the model's backend seam (model/ops.py) where a model is built from a config
+    the model's backend seam (kernels/ops.py) where a model is built from a config
     (parallel/build.config_on; scripts that build a Transformer by hand call kernels.install).
     Each key has an environment override that load_config reads and validates (KERNELS_ENV)."""
 
@@ -669,7 +669,7 @@ class Config:
         _check(self.inference.layout != "foe" or e.num_groups > 1,
                "inference.layout=foe runs a Federation of Experts: set moe.num_groups to the number of groups "
                "(the paper: one per GPU, = mesh.expert)")
-        # tp_ep has its own MoE exchange; foe with one group per device needs none (foe_inference.py checks)
+        # tp_ep has its own MoE exchange; foe with one group per device needs none (serving/foe.py checks)
         if self.mesh.expert > 1 and self.inference.layout not in ("tp_ep", "foe"):
             _check(
                 e.dispatch != "local",

@@ -60,7 +60,7 @@ def kernels_config():
     test; the session's section is installed again afterwards."""
     import dataclasses
 
-    from farskip_jax.kernels import library
+    from farskip_jax.kernels.cpu import library
 
     before = library.settings()
     yield lambda **changes: kernels.install(dataclasses.replace(before, **changes))

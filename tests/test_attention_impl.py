@@ -10,9 +10,10 @@ from flax import nnx
 
 from farskip_jax.config import load_config
 from farskip_jax.errors import ConfigError
-from farskip_jax.model.attention import (attention_core, attention_mask, blockwise_attention_core,
-                                        causal_blocks_attention_core, resolve_attention_impl)
-from farskip_jax.kernels.attention import fused_attention_core
+from farskip_jax.kernels.attention import (attention_core, blockwise_attention_core, causal_blocks_attention_core,
+                                          resolve_attention_impl)
+from farskip_jax.model.attention import attention_mask
+from farskip_jax.kernels.cpu.attention import fused_attention_core
 
 
 def _inputs(b=2, t=40, h=4, kv=2, d=12, dv=8, seed=0, docs=True):

@@ -1,6 +1,6 @@
 """FarSkip connectivity: every sub-block receives exactly the stream docs/design.md section 1 defines.
 
-The model is run with `return_trace=True`; from the recorded sub-block outputs a_j, s_j (shared or dense
+The model is run with a recording layer step (tests/layer_recorder.py); from the recorded sub-block outputs a_j, s_j (shared or dense
 MLP), r_j (routed) and the embedding, the expected input of every sub-block is rebuilt by the algebra
 (full R, partial = R minus routed of the last d layers, outdated = R minus the MoE outputs of the last
 d layers) and compared with what the sub-block actually received.
@@ -14,6 +14,7 @@ from flax import nnx
 
 from farskip_jax.config import FarSkipConfig, load_config
 from farskip_jax.model import Transformer
+from layer_recorder import record
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -75,22 +76,23 @@ CASES = [
 def test_each_subblock_reads_the_designed_stream(model_and_tokens, case):
     model, tokens = model_and_tokens
     fs = FarSkipConfig(**case)
-    out = model(tokens, farskip=fs, return_trace=True)
+    trace = record(model, tokens, fs)
     emb = model.embed(tokens)
     n = len(model.layers)
-    for k, (t, (ak, mk, x_attn, x_moe)) in enumerate(zip(out.trace, _expected_inputs(emb, out.trace, fs, n))):
+    assert len(trace) == n
+    for k, (t, (ak, mk, x_attn, x_moe)) in enumerate(zip(trace, _expected_inputs(emb, trace, fs, n))):
         assert (t["attn_kind"], t["moe_kind"]) == (ak, mk)
         np.testing.assert_allclose(t["attn_in"], x_attn, **TOL, err_msg=f"layer {k} attention input")
         np.testing.assert_allclose(t["moe_in"], x_moe, **TOL, err_msg=f"layer {k} MoE input")
     # the contributions are far above the tolerance, so a wrong stream cannot pass
-    assert min(float(jnp.abs(t["routed"]).mean()) for t in out.trace if t["routed"] is not None) > 1e-2
-    assert min(float(jnp.abs(t["attn"]).mean()) for t in out.trace) > 1e-2
+    assert min(float(jnp.abs(t["routed"]).mean()) for t in trace if t["routed"] is not None) > 1e-2
+    assert min(float(jnp.abs(t["attn"]).mean()) for t in trace) > 1e-2
 
 
 def test_farskip_attention_reads_partial_literally(model_and_tokens):
     """Under `farskip`, attention of layer k gets R_{k-2} + a_{k-1} + shared_{k-1}; MoE gets R_{k-1}."""
     model, tokens = model_and_tokens
-    tr = model(tokens, farskip=FarSkipConfig(preset="farskip"), return_trace=True).trace
+    tr = record(model, tokens, FarSkipConfig(preset="farskip"))
     emb = model.embed(tokens)
     R = [emb]
     for t in tr:
@@ -107,7 +109,7 @@ def _plain_prenorm(model, tokens):
     h = model.embed(tokens)
     pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     for blk in model.layers:
-        h = h + blk.attn(blk.attn_norm(h), pos, None)
+        h = h + blk.attn(blk.attn_norm(h), pos, None)[0]
         x = blk.ffn_norm(h)
         if blk.moe is None:
             h = h + blk.mlp(x)
@@ -149,7 +151,7 @@ def test_no_shared_experts_partial_is_r_plus_attention():
     cfg = _cfg("moe.num_shared_experts=0", "model.first_k_dense=0")
     model = Transformer(cfg, rngs=nnx.Rngs(3))
     tokens = jax.random.randint(jax.random.key(2), (1, 8), 0, 64)
-    tr = model(tokens, farskip=FarSkipConfig(preset="farskip"), return_trace=True).trace
+    tr = record(model, tokens, FarSkipConfig(preset="farskip"))
     R = [model.embed(tokens)]
     for t in tr:
         assert t["shared"] is None

@@ -1,6 +1,6 @@
-"""Scanned KV-cache decoding under model.scan_layers (eval/generate.py, the layer loop's indexed scans).
+"""Scanned KV-cache decoding under model.scan_layers (serving/generate.py, the layer loop's indexed scans).
 
-Oracles: the unrolled decode of the same weights in per-layer form (scan_layers=false, eval/generate.py)
+Oracles: the unrolled decode of the same weights in per-layer form (scan_layers=false, serving/generate.py)
 and the one-device full forward of each row's own tokens (tests/test_generate_mesh.py row_oracle).
 Ragged prompts (lengths 7, 2, 5), greedy; fp32, rtol 1e-5 (atol 1e-5 of the logits' scale). Then the
 program: the decode step's jaxpr runs the stacks as scans whose operands are the whole stacked
@@ -17,10 +17,11 @@ from flax import nnx
 from jax.extend import core as jcore
 
 from farskip_jax.config import FarSkipConfig, MeshConfig, replace
-from farskip_jax.eval.generate import generate, init_cache, make_decode_fn
+from farskip_jax.serving.generate import generate, init_cache, make_decode_fn
+from farskip_jax.convert import layer_keys
 from farskip_jax.model import stacking
 from farskip_jax.model.transformer import Transformer
-from farskip_jax.parallel.inference import TpEpLayout, inference_model
+from farskip_jax.serving.tp_ep import TpEpLayout, inference_model
 from farskip_jax.parallel.mesh import make_mesh
 from test_generate_mesh import NEW, PROMPTS
 from test_inference_layout import assert_close, reference, tiny_cfg
@@ -37,10 +38,10 @@ def cfg_of(scan: bool, mesh=None, **model_kw):
 
 def stacked_model(loop, cfg):
     """The scanned model of cfg holding `loop`'s weights (model/stacking.py stack_flat)."""
-    flat = {stacking.tuple_path_key(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(loop))}
-    flat = stacking.stack_flat(flat, stacking.plan_segments(cfg), stack=np.stack)
+    flat = {layer_keys.tuple_path_key(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(loop))}
+    flat = layer_keys.stack_flat(flat, stacking.plan_segments(cfg), stack=np.stack)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
-    leaves = [(p, v.replace(jnp.asarray(flat[stacking.tuple_path_key(p)]))) for p, v in nnx.to_flat_state(abstract)]
+    leaves = [(p, v.replace(jnp.asarray(flat[layer_keys.tuple_path_key(p)]))) for p, v in nnx.to_flat_state(abstract)]
     return nnx.merge(graphdef, nnx.from_flat_state(leaves))
 
 

@@ -5,7 +5,7 @@ import pytest
 from flax import nnx
 
 from farskip_jax.config import Config, FarSkipConfig, ModelConfig, MoEConfig
-from farskip_jax.eval.generate import generate, sample_next
+from farskip_jax.serving.generate import generate, sample_next
 from farskip_jax.model.transformer import Transformer
 
 

@@ -24,6 +24,7 @@ from farskip_jax.errors import ConfigError
 from farskip_jax.model import Transformer
 from farskip_jax.model.foe import FoEStep
 from farskip_jax.model.layer_loop import run_layers
+from layer_recorder import record
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -43,8 +44,8 @@ def foe_forward(model, tokens, fs: FarSkipConfig, num_groups: int):
     """The FoE layer step (model/foe.FoEStep) with an explicit group count through the layer loop."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     step = FoEStep(model, positions, None, fs, num_groups=num_groups)
-    res = run_layers(model, step.init(model.embed(tokens), fs), step, fs, scan=False)
-    return model.output(res.carry.full, res.outs, None, None)
+    res = run_layers(model, step.init(model.embed(tokens)), step, fs, scan=False)
+    return model.output(res.carry.full, res.outs, None)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -173,7 +174,7 @@ def _oracle_logits(model, tokens, fs: FarSkipConfig, groups: int):
             w[: g * hpg] = 0.0
             w[(g + 1) * hpg:] = 0.0
             attn_g.o_proj.w[...] = jnp.asarray(w)
-            a_k = a_k + np.asarray(attn_g(block.attn_norm(jnp.asarray(x)), positions, None))
+            a_k = a_k + np.asarray(attn_g(block.attn_norm(jnp.asarray(x)), positions, None)[0])
         A.append(a_k)
         x_moe = stream(k) + a_k if moe_kind == "full" else stream(k)
         hin = block.ffn_norm(jnp.asarray(x_moe))
@@ -222,8 +223,8 @@ def test_matches_oracle_four_groups():
 def test_farskip_attention_reads_the_synchronised_stream(foe_model):
     """Converted layers' groups all read the same stream; standard layers read group-specific ones."""
     model, tokens = foe_model
-    std = model(tokens, farskip=FarSkipConfig(preset="standard"), return_trace=True).trace
-    fsk = model(tokens, farskip=FarSkipConfig(preset="farskip"), return_trace=True).trace
+    std = record(model, tokens, FarSkipConfig(preset="standard"))
+    fsk = record(model, tokens, FarSkipConfig(preset="farskip"))
     assert float(jnp.max(jnp.abs(std[2]["attn_in"][0] - std[2]["attn_in"][1]))) > 1e-3  # after an MoE layer
     np.testing.assert_array_equal(fsk[2]["attn_in"][0], fsk[2]["attn_in"][1])
     np.testing.assert_allclose(std[2]["routed"], std[2]["routed_groups"].sum(0), **TOL)

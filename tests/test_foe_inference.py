@@ -1,4 +1,4 @@
-"""Federation of Experts at inference (inference.layout=foe, parallel/foe_inference.py) on CPU devices.
+"""Federation of Experts at inference (inference.layout=foe, serving/foe.py) on CPU devices.
 
 1. H = 4 groups on 4 devices (one group per device, the FoE paper's setting): generation with the KV
    cache on the layout (cache rows of group h on device h) gives the one-device FoE model's logits
@@ -20,8 +20,8 @@ from flax import nnx
 
 from farskip_jax.config import FarSkipConfig, load_config
 from farskip_jax.errors import ConfigError
-from farskip_jax.eval.generate import generate, init_cache
-from farskip_jax.eval.serving import decode_program, serving_model
+from farskip_jax.serving.generate import generate, init_cache
+from farskip_jax.serving.programs import decode_program, serving_model
 from farskip_jax.model.transformer import Transformer
 from farskip_jax.parallel.mesh import make_mesh
 from test_parallel_overlap import entry_graph, reachable_from

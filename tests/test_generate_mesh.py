@@ -1,4 +1,4 @@
-"""Serving-shaped generation (eval/generate.py, eval/serving.py): requests of different lengths in one
+"""Serving-shaped generation (serving/generate.py, serving/programs.py): requests of different lengths in one
 batch, KV-cache prefill + decode, greedy and sampling, on one device and on the tp_ep mesh.
 
 Oracle: the one-device full forward of each row's OWN tokens (no cache, no left padding; rows
@@ -15,9 +15,9 @@ from flax import nnx
 
 from farskip_jax.config import FarSkipConfig, MeshConfig, replace
 from farskip_jax.errors import BackendError, ConfigError
-from farskip_jax.eval.generate import generate, make_decode_fn, pad_prompts
-from farskip_jax.eval.serving import decode_program, prefill_program
-from farskip_jax.parallel.inference import TpEpLayout, inference_model
+from farskip_jax.serving.generate import generate, make_decode_fn, pad_prompts
+from farskip_jax.serving.programs import decode_program, prefill_program
+from farskip_jax.serving.tp_ep import TpEpLayout, inference_model
 from farskip_jax.parallel.mesh import make_mesh
 from test_inference_layout import assert_close, reference, tiny_cfg
 
@@ -143,7 +143,7 @@ def test_serving_programs_lower_for_gpu_deviceless():
 
 def test_eval_generate_on_a_mesh_from_an_hf_folder(tmp_path, capsys):
     """eval.py --hf DIR --mode generate with two prompts on the tp_ep mesh, the layers imported stacked
-    (model.scan_layers=true: the scanned decode of eval/generate.py) = one-device generation of the
+    (model.scan_layers=true: the scanned decode of serving/generate.py) = one-device generation of the
     same folder imported per layer (the unrolled decode)."""
     import eval as eval_entry
     from farskip_jax.convert import export_hf, import_hf

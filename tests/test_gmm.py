@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 
 from farskip_jax.config import MoEConfig
-from farskip_jax.model import gmm as gmm_mod
+from farskip_jax.kernels import gmm as gmm_mod
 from farskip_jax.model.experts import ExpertWeights, inverse_permutation, local_routed_compute, weighted_combine
-from farskip_jax.model.gmm import gmm, resolve_backend
+from farskip_jax.kernels.gmm import gmm, resolve_backend
 from farskip_jax.model.router import RouteResult
 
 BACKENDS = ["blas", "tiled", "einsum", "ragged_dot"]
@@ -143,7 +143,7 @@ def test_blas_unavailable_falls_back_to_tiled_and_explicit_blas_fails_clearly(tm
 
     code = (
         "import warnings, jax.numpy as jnp\n"
-        "from farskip_jax.model.gmm import gmm, resolve_backend\n"
+        "from farskip_jax.kernels.gmm import gmm, resolve_backend\n"
         "from farskip_jax import kernels\n"
         "from farskip_jax.config import kernels_from_env\n"
         "kernels.install(kernels_from_env())  # FARSKIP_KERNEL_CACHE: the override of kernels.cache_dir\n"
@@ -170,8 +170,8 @@ _BLAS_RUN = (
     "import sys, numpy as np, jax.numpy as jnp, jax\n"
     "from farskip_jax import kernels\n"
     "from farskip_jax.config import KernelsConfig\n"
-    "from farskip_jax.kernels import library\n"
-    "from farskip_jax.model.gmm import gmm\n"
+    "from farskip_jax.kernels.cpu import library\n"
+    "from farskip_jax.kernels.gmm import gmm\n"
     "kernels.install(KernelsConfig(blas=sys.argv[2]))\n"
     "x, w, g, sizes = (np.load(f'{sys.argv[1]}/{n}.npy') for n in ('x', 'w', 'g', 'sizes'))\n"
     "f = lambda x, w: jnp.vdot(gmm(x, w, jnp.asarray(sizes), 'blas'), g)\n"
@@ -255,7 +255,7 @@ def test_amx_kernels_match_group_loop(m, sizes, k, n):
     """The three AMX kernels (y = x W, dx = dy W^T, dW = x^T dy per group) on bf16 operands, float32
     weights rounded to bf16: equal to a float64 per-group loop on the same rounded values (float32
     accumulation: 1e-5 relative); rows past the groups are zero."""
-    from farskip_jax.kernels import gmm as blas_gmm
+    from farskip_jax.kernels.cpu import gmm as blas_gmm
 
     _amx_or_skip()
     rng = np.random.default_rng(0)
@@ -306,7 +306,7 @@ def test_amx_gmm_equals_float32_path_with_gradients(kernels_config):
 def test_bf16_dense_matmul_on_amx_lowers_per_platform(monkeypatch):
     """matmul_2d on bf16 rows: the AMX kernel in a program lowered for the CPU, XLA's dot otherwise;
     equal values (bf16 output rounding) and float32 weight gradients either way."""
-    from farskip_jax.kernels import dispatch
+    from farskip_jax.kernels.cpu import dispatch
     from farskip_jax.model.layers import matmul_2d
 
     _amx_or_skip()
@@ -331,7 +331,7 @@ def test_float32_dense_matmul_on_blas_equals_float64_with_gradients(transpose_w,
     from farskip_jax import kernels
     from farskip_jax.config import load_config
     from farskip_jax.errors import ConfigError
-    from farskip_jax.kernels import dispatch
+    from farskip_jax.kernels.cpu import dispatch
     from farskip_jax.model.layers import matmul_2d
 
     if not kernels.available():

@@ -1,4 +1,4 @@
-"""The paper's inference layout (inference.layout=tp_ep, parallel/inference.py) on 8 CPU devices.
+"""The paper's inference layout (inference.layout=tp_ep, serving/tp_ep.py) on 8 CPU devices.
 
 1. Tensor-parallel attention (GQA with kv heads split or replicated, MLA) + replicated-activation MoE
    (experts over expert x tensor, psum of the routed sum) equals the one-device forward (fp32, 1e-5
@@ -20,7 +20,7 @@ from flax import nnx
 from farskip_jax.config import Config, FarSkipConfig, InferenceConfig, MeshConfig, ModelConfig, MoEConfig, replace
 from farskip_jax.errors import ConfigError
 from farskip_jax.model.transformer import Transformer
-from farskip_jax.parallel.inference import TpEpLayout, abstract_inference_model, check_tp_ep, inference_model, layout_for
+from farskip_jax.serving.tp_ep import TpEpLayout, abstract_inference_model, check_tp_ep, inference_model, layout_for
 from farskip_jax.parallel.mesh import make_mesh
 from test_parallel_overlap import entry_graph, reachable_from
 
@@ -147,7 +147,7 @@ def _hlo(devices=None, shared="tensor"):
     out = {}
     for preset in ("standard", "farskip"):
         fs = FarSkipConfig(preset=preset)
-        fn = jax.jit(lambda st, t: layout.forward(nnx.merge(graphdef, st), t, farskip=fs).logits)
+        fn = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t, farskip=fs).logits)
         opts = dict(layout.compiler_options())
         if devices is not None:
             from farskip_jax.analysis.deviceless import LHS_FLAGS
@@ -229,14 +229,14 @@ def test_next_attention_waits_for_attention_allreduce(compiled):
 def test_shared_experts_get_their_own_allreduce_where_nothing_can_carry_them():
     """FarSkip on the last layer only: layers 0 and 1 are standard (MoE reads R + a), but attention of
     layer 2 reads N_1 = R_1 - r_1, so s_1 cannot travel with r_1: layers 0 and 1 all-reduce a, s, r
-    separately, layer 2 a + s and r (module doc of parallel/inference.TpEpStep)."""
+    separately, layer 2 a + s and r (module doc of parallel/tp_ep.TpEpStep)."""
     cfg = tiny_cfg(num_layers=HLO_LAYERS, first_k_dense=0)
     mesh = make_mesh(cfg.mesh)
     layout = TpEpLayout(mesh, shared="tensor")
     graphdef, state = abstract_inference_model(cfg, mesh)
     tokens = jax.ShapeDtypeStruct((2, 8), np.int32, sharding=layout.batch_sharding(2))
     fs = FarSkipConfig(preset="farskip", layers="last:1")
-    fn = jax.jit(lambda st, t: layout.forward(nnx.merge(graphdef, st), t, farskip=fs).logits)
+    fn = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t, farskip=fs).logits)
     _, op_name, opcode = entry_graph(fn.lower(state, tokens).compile(compiler_options=layout.compiler_options()).as_text())
     own = [_allreduces(op_name, opcode, f"layer_{k}/moe/shard_map/shared_allreduce") for k in range(HLO_LAYERS)]
     assert [len(x) for x in own] == [1, 1, 0]

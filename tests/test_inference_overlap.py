@@ -87,7 +87,7 @@ def test_useful_rows_and_serving_shape():
     assert ir.useful_fraction(cfg, mesh) == pytest.approx(2 / 8)
     assert ir.serving_shape(cfg, 8) == (1, 8)
     assert ir.serving_shape(replace(cfg, **{"model.num_heads": 40, "model.num_kv_heads": 8, "model.head_dim": 4}), 16, 8) == (2, 8)
-    from farskip_jax.model.gmm import gmm
+    from farskip_jax.kernels.gmm import gmm
 
     with ir.balanced_grouped_gemm(0.25):  # 16 rows over 2 groups -> 2 + 2 useful rows, the rest zeros
         y = gmm(np.ones((16, 4), np.float32), np.ones((2, 4, 3), np.float32), np.array([8, 8], np.int32),
@@ -96,7 +96,7 @@ def test_useful_rows_and_serving_shape():
 
 
 def test_scanned_serving_program_unrolls_to_its_layers(h100x8):
-    """A scanned prefill (model.scan_layers: the 3 MoE layers are one while loop, eval/generate.py)
+    """A scanned prefill (model.scan_layers: the 3 MoE layers are one while loop, serving/generate.py)
     re-timed from its loop-unrolled schedule (analysis/loop_schedule.py) has the per-layer program's
     all-reduces (roles, layers, bytes), the stacked-row copies tagged, and with them free a time near
     the per-layer program's; FarSkip still hides more inside the loop body than standard. Without the

@@ -1,4 +1,5 @@
-"""The CPU-kernel seam: model/ never imports farskip_jax.kernels, a GPU program built with the kernels
+"""The CPU-kernel seam: model/ never imports the CPU kernels (farskip_jax.kernels.cpu) and kernels/
+never imports model/, a GPU program built with the kernels
 enabled in config contains none of their custom calls, and a CPU program does (so the test can fail)."""
 
 import ast
@@ -24,12 +25,23 @@ def _targets(text: str) -> set[str]:
     return named & set(FFI_TARGETS)
 
 
-def test_model_never_imports_the_kernels():
+def _imports(path: Path) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            out += [f"{node.module}.{a.name}" for a in node.names]
+    return out
+
+
+def test_model_never_imports_the_cpu_kernels_and_kernels_never_import_the_model():
     for path in sorted((ROOT / "farskip_jax" / "model").glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            assert not any(m.startswith("farskip_jax.kernels") for m in mods), f"{path.name} imports {mods}"
+        mods = _imports(path)
+        assert not any(m.startswith("farskip_jax.kernels.cpu") for m in mods), f"{path.name} imports {mods}"
+    for path in sorted((ROOT / "farskip_jax" / "kernels").rglob("*.py")):
+        mods = _imports(path)
+        assert not any(m.startswith("farskip_jax.model") for m in mods), f"{path.name} imports {mods}"
 
 
 def _train_text(cfg, devices) -> str:
@@ -44,7 +56,7 @@ def test_gpu_train_step_has_no_cpu_kernels_and_the_cpu_one_has(h100x8, monkeypat
     names none of the FFI targets; lowered for one CPU device it runs the experts, the attention core
     and the projections on them. The dense matmul is let in as if the process had one device, so
     only the platform keeps it out of the GPU program."""
-    from farskip_jax.kernels import dispatch
+    from farskip_jax.kernels.cpu import dispatch
 
     monkeypatch.setattr(dispatch, "process_devices", lambda: 1)
     gpu_cfg = load_config(None, TINY + ["mesh.expert=8", "moe.dispatch=all_to_all"])
@@ -59,8 +71,8 @@ def test_gpu_train_step_has_no_cpu_kernels_and_the_cpu_one_has(h100x8, monkeypat
 def test_kernels_disabled_in_config_give_plain_jax_on_cpu(kernels_config):
     """kernels.enabled: false (installed by config_on, as every model build does): the CPU program holds
     no custom call, `auto` means tiled / naive, and asking for a kernel by name is one clear error."""
-    from farskip_jax.model.attention import resolve_attention_impl
-    from farskip_jax.model.gmm import resolve_backend
+    from farskip_jax.kernels.attention import resolve_attention_impl
+    from farskip_jax.kernels.gmm import resolve_backend
 
     cfg = load_config(None, TINY[:-1] + ["kernels.enabled=false"])
     assert not _targets(_train_text(cfg, jax.devices("cpu")[:1]))

@@ -73,7 +73,7 @@ def test_bf16_compute_on_amx_matches_the_float32_kernels(monkeypatch, kernels_co
     (seen in the lowered program) and matches the same model on the float32 kernels (kernels.amx: off:
     the same bf16-rounded operands) to bf16 rounding: logits and every parameter gradient."""
     from farskip_jax import kernels
-    from farskip_jax.kernels import dispatch
+    from farskip_jax.kernels.cpu import dispatch
 
     if not kernels.amx_available():
         pytest.skip("no usable AMX-BF16 on this CPU")

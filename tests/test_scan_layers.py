@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 from farskip_jax.config import load_config, replace
-from farskip_jax.model import stacking
+from farskip_jax.convert import layer_keys as stacking
 from farskip_jax.model.stacking import Segment, plan_segments
 from farskip_jax.model.transformer import Transformer
 
@@ -55,10 +55,7 @@ def _forward(model, tokens, **kw):
     graphdef, state = nnx.split(model)
 
     def fn(st, t):
-        out = nnx.merge(graphdef, st)(t, **kw)
-        if out.trace is not None:  # drop the kind strings (not arrays)
-            out = out.replace(trace=tuple({k: v for k, v in e.items() if not k.endswith("_kind")} for e in out.trace))
-        return out
+        return nnx.merge(graphdef, st)(t, **kw)
 
     return jax.jit(fn, compiler_options=OPTS)(state, tokens)
 
@@ -125,8 +122,8 @@ def test_scan_equals_loop(case):
 
 
 def test_hidden_and_views_under_scan():
-    """return_hidden is stacked out of the scan; the per-layer views (what return_trace and the
-    FoE and the tp_ep layout run unrolled) are the layers in order."""
+    """return_hidden is stacked out of the scan; the per-layer views (what the FoE and the tp_ep
+    layout's forward run unrolled) are the layers in order."""
     extra = ["farskip.preset=farskip", "farskip.layers=last:2"]
     tokens = _tokens()
     loop = Transformer(_cfg(*extra, scan=False), rngs=nnx.Rngs(0))
@@ -141,9 +138,9 @@ def test_hidden_and_views_under_scan():
 
 
 def test_generate_under_scan():
-    """KV-cache greedy decoding of a scanned model (eval/generate.py: the decode
+    """KV-cache greedy decoding of a scanned model (serving/generate.py: the decode
     step is a scan over the stacked layers and cache) reproduces the scanned forward's logits of the generated sequence."""
-    from farskip_jax.eval.generate import generate
+    from farskip_jax.serving.generate import generate
 
     scan = Transformer(_cfg("farskip.preset=farskip", scan=True), rngs=nnx.Rngs(0))
     g = generate(scan, [[1, 2, 3, 4], [5, 6, 7, 8]], max_new_tokens=2)

@@ -63,7 +63,7 @@ def test_values_and_gradients_equal_the_plain_model(preset, scan):
 
 
 def test_generation_with_micro_batches_equals_plain():
-    from farskip_jax.eval.generate import generate, init_cache
+    from farskip_jax.serving.generate import generate, init_cache
 
     prompts = [[1, 2, 3, 4], [5, 6, 7], [9], [3, 3, 3]]
     outs = []
@@ -146,7 +146,7 @@ def test_the_check_finds_a_path_that_exists(ep_programs):
 
 
 def test_tp_ep_micro_batch_b_never_waits_for_a_allreduce():
-    from farskip_jax.parallel.inference import TpEpLayout, abstract_inference_model
+    from farskip_jax.serving.tp_ep import TpEpLayout, abstract_inference_model
     from test_inference_layout import tiny_cfg
 
     cfg = replace(tiny_cfg(num_layers=2, first_k_dense=0), **{"model.micro_batches": 2})
@@ -154,7 +154,7 @@ def test_tp_ep_micro_batch_b_never_waits_for_a_allreduce():
     layout = TpEpLayout(mesh)
     graphdef, state = abstract_inference_model(cfg, mesh)
     tokens = jax.ShapeDtypeStruct((4, 8), np.int32, sharding=layout.batch_sharding(2))
-    fn = jax.jit(lambda st, t: layout.forward(nnx.merge(graphdef, st), t, farskip=FarSkipConfig(preset="farskip")).logits)
+    fn = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t, farskip=FarSkipConfig(preset="farskip")).logits)
     users, op_name, opcode = entry_graph(fn.lower(state, tokens).compile(compiler_options=layout.compiler_options()).as_text())
     for k in range(2):
         a_ar = _ops(op_name, opcode, f"layer_{k}/mb0/", ("all-reduce", "all-reduce-start"))

@@ -9,13 +9,13 @@ compiled deviceless for GPUs, their all-reduces priced by the two-stream model, 
     prog = compile_serving(cfg_of(cfg, "farskip"), mesh, "prefill", batch=16, tokens=1024, max_len=1024)
     t = time_serving(prog.schedule, node_of(mesh), "h200", "prefill")    # ServingTiming (microseconds)
 
-The programs are eval/serving.prefill_program / decode_program (prefill with the LM head on the last
+The programs are serving/programs.prefill_program / decode_program (prefill with the LM head on the last
 slot only: what the first token costs), compiled with LHS_FLAGS + TpEpLayout.compiler_options() (the
-latency-hiding scheduler on, XLA's all-reduce combiners off), on the layout of parallel/inference.py:
+latency-hiding scheduler on, XLA's all-reduce combiners off), on the layout of serving/tp_ep.py:
 per layer one attention all-reduce (scope attention_allreduce; of a + s under FarSkip with the
 default tensor-parallel shared experts) and one routed all-reduce (routed_allreduce; of s + r under
 standard), payload batch x tokens x d_model x 2 bytes (bf16); shared_allreduce where neither can
-carry the shared experts (parallel/inference.TpEpStep). The schedule XLA chose is
+carry the shared experts (parallel/tp_ep.TpEpStep). The schedule XLA chose is
 re-timed by cost_model.simulate on analysis/topology.py's links (intra-node NVLink / Infinity Fabric;
 NICs between nodes, hierarchical all-reduce), prefill with the attention core priced as a causal
 flash kernel per layer (a server's prefill attention; analysis/attention_cost.py), decode with the
@@ -29,7 +29,7 @@ place), compute under an all-reduce in flight at the hardware's contention (cost
     serial_us         the same schedule with every all-reduce synchronous (vLLM / SGLang's standard
                       model: nothing runs under an all-reduce)
     ceiling_us        time_us minus every exposed all-reduce microsecond (all of them hidden)
-    row_copy_us       scanned programs (model.scan_layers, eval/generate.py): the copies XLA makes
+    row_copy_us       scanned programs (model.scan_layers, serving/generate.py): the copies XLA makes
                       of each layer's row of a stacked weight / cache ahead of a GEMM in every iteration
     inplace_us        time_us with those copies free: the GEMMs reading the rows in place (XLA's
                       dynamic-slice fusion; 0 = a program without such copies)
@@ -111,7 +111,7 @@ def serving_config(cfg, preset: str, num_devices: int, gpus_per_node: Optional[i
                    foe_groups: Optional[int] = None):
     """cfg on the tp_ep layout of num_devices GPUs (serving_shape), connectivity `preset`, bf16, no
     remat, moe.gmm and model.attention_impl auto (a server's kernels); `layers` cuts the depth (model.num_layers); scan_layers: the stacked, scanned program
-    (eval/generate.py) or per-layer weights unrolled (default: the config's model.scan_layers);
+    (serving/generate.py) or per-layer weights unrolled (default: the config's model.scan_layers);
     micro_batches: 2 = two-batch overlap (model.micro_batches). foe_groups = H: the Federation-of-
     Experts layout instead (inference.layout=foe, moe.num_groups = H over the num_devices GPUs)."""
     from farskip_jax.config import replace
@@ -187,14 +187,14 @@ def _balanced_grouped_gemm(fraction: float):
 
 def balanced_grouped_gemm(fraction: float):
     """A context: while it is open, the grouped matmul `ragged_dot` of the model's backend seam
-    (model/ops.py; lhs [M, K], rhs [G, K, N], sizes) is a batched GEMM of ceil(M * fraction) rows
+    (kernels/ops.py; lhs [M, K], rhs [G, K, N], sizes) is a batched GEMM of ceil(M * fraction) rows
     split evenly over the G groups (each group's weights read once, the useful FLOPs of a balanced
     grouped GEMM), zero-padded to M rows. Analysis compiles only: the values are wrong, the costs,
     shapes and dependencies are a balanced grouped GEMM's (as analysis/programs.grouped_gemm_proxy).
     With fewer real rows than groups only that many experts' weights are read (a grouped GEMM skips
     experts without rows): the proxy slices them out under the scope USED_EXPERTS, a copy that
     time_serving prices free (the grouped GEMM reads them in place)."""
-    from farskip_jax.model import ops
+    from farskip_jax.kernels import ops
 
     return ops.registered_while(ops.GROUPED_MATMUL, "ragged_dot", ops.Backend(_balanced_grouped_gemm(fraction), platform=None))
 
@@ -226,8 +226,8 @@ def compile_serving(cfg, mesh, program: str, batch: int, tokens: int, max_len: i
     from farskip_jax.analysis.deviceless import LHS_FLAGS, compile_deviceless
     from farskip_jax.analysis.loop_schedule import load_unrolled_schedule
     from farskip_jax.errors import ConfigError
-    from farskip_jax.eval.serving import decode_program, prefill_program
-    from farskip_jax.parallel.inference import TpEpLayout
+    from farskip_jax.serving.programs import decode_program, prefill_program
+    from farskip_jax.serving.tp_ep import TpEpLayout
 
     if program not in ("prefill", "decode"):
         raise ConfigError(f"program {program!r}: choose prefill or decode")
@@ -408,7 +408,7 @@ def weight_bytes_per_device(cfg, mesh) -> float:
     import jax
     import numpy as np
 
-    from farskip_jax.parallel.inference import abstract_inference_model
+    from farskip_jax.serving.tp_ep import abstract_inference_model
 
     _, state = abstract_inference_model(cfg, mesh)
     total = 0.0
@@ -486,7 +486,7 @@ def main(argv=None) -> int:
                          "cost_model.HARDWARE; 1.0 = no contention)")
     ap.add_argument("--layers", type=int, default=None, help="cut the model to this many layers")
     ap.add_argument("--scan-layers", choices=("config", "true", "false"), default="config",
-                    help="stacked layers decoded as a scan (eval/generate.py) or per-layer weights unrolled")
+                    help="stacked layers decoded as a scan (serving/generate.py) or per-layer weights unrolled")
     ap.add_argument("overrides", nargs="*", help="config overrides key=value")
     a = ap.parse_args(argv)
 

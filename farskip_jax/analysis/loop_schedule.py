@@ -11,7 +11,7 @@ replaced by its body's schedule, in the order XLA chose inside the body, repeate
 (nested loops too). This is what the program executes: cost_model.simulate walks the ops in order,
 and no collective crosses an iteration boundary (a body's async starts and dones pair inside it).
 Each copy gets fresh op ids; its collective pairs are its own. The scanned decode of
-the decode scans (eval/generate.py) name their blocks `layer_q{q}` inside `scan_L{first}_P{period}`; copy k of that
+the decode scans (serving/generate.py) name their blocks `layer_q{q}` inside `scan_L{first}_P{period}`; copy k of that
 loop names them `layer_{first + k * period + q}` (`layer_names`), so analysis/scopes.layer_of reads
 the layer of every op as in an unrolled program.
 

@@ -47,7 +47,7 @@ from farskip_jax.analysis.deviceless import (LHS_FLAGS, collective_durations, co
                                              preset_options)
 from farskip_jax.analysis.report import (ALL_TO_ALLS, OverlapReport, analyze, format_collectives,
                                          format_side_by_side)
-from farskip_jax.model.gmm import resolve_backend
+from farskip_jax.kernels.gmm import resolve_backend
 
 PROGRAMS = ("forward", "train")
 

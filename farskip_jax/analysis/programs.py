@@ -22,7 +22,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from farskip_jax.config import Config
-from farskip_jax.model import Transformer, ops
+from farskip_jax.kernels import ops
+from farskip_jax.model import Transformer
 from farskip_jax.parallel.mesh import BATCH_AXES
 
 
@@ -113,7 +114,7 @@ def grouped_gemm_cost_proxy(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Arr
 
 def grouped_gemm_proxy():
     """A context: while it is open, the grouped matmul `ragged_dot` of the model's backend seam
-    (model/ops.py; what moe.gmm resolves to on GPU) is the cost proxy above, for any platform.
+    (kernels/ops.py; what moe.gmm resolves to on GPU) is the cost proxy above, for any platform.
 
     Why: a deviceless compile has no grouped GEMM library (cuDNN / hipBLASLt), so XLA expands
     ragged_dot into a dense dot over every local expert plus a G-times larger masked copy of its

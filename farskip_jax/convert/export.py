@@ -20,7 +20,7 @@ place at the end: on failure OUT_DIR is not created. The folder is marked as an 
 (folders.write_marker); an existing OUT_DIR is replaced (overwrite=True) only when it is an export
 farskip_jax wrote, never a run folder or the files a run writes (folders.check_output, checked before
 anything is read and again before the rename). A model with `model.scan_layers` exports the same
-folder: each stacked parameter is sliced per layer on device (model/stacking.per_layer_values).
+folder: each stacked parameter is sliced per layer on device (convert/layer_keys.per_layer_values).
 
 `run_export_dir(export_hf, run_dir)` is where a run's `distill.export_hf` goes: a relative path is
 inside the run folder; the run folder itself, what the run writes in it (checkpoints, best, ...), a
@@ -48,7 +48,8 @@ from farskip_jax.convert.safetensors_io import write_file
 from farskip_jax.convert.fit import connectivity_notes, families_that_fit, family_problems, native_keys
 from farskip_jax.errors import CheckpointError, ConfigError
 from farskip_jax.folders import RUN_ENTRIES, check_output, write_marker
-from farskip_jax.model.stacking import per_layer_values, plan_segments
+from farskip_jax.convert.layer_keys import per_layer_values
+from farskip_jax.model.stacking import plan_segments
 from farskip_jax.model.transformer import Transformer
 
 DTYPE_NAMES = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}

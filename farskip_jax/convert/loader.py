@@ -12,7 +12,7 @@
    slice from the memory-mapped safetensors and casts it to the parameter dtype (bf16/fp32). No host
    ever holds the whole model, only the slices of one tensor that its devices own. Under
    `model.scan_layers` a stacked parameter [repeats, ...] reads each of its layers' tensors
-   (the HF names stay per layer; model/stacking.py maps them).
+   (the HF names stay per layer; convert/layer_keys.py maps them).
 
 With a mesh the model is placed as `parallel.build.create_model` places it: target shardings follow
 the logical-axis rules (`parallel.sharding.state_shardings`), and the routed-expert exchange is
@@ -44,7 +44,8 @@ from farskip_jax.convert.import_folder import describe_import_folder, is_native
 from farskip_jax.convert.reader import HFCheckpoint
 from farskip_jax.convert.spec import TensorSpec
 from farskip_jax.errors import CheckpointError
-from farskip_jax.model.stacking import plan_segments, stacked_specs
+from farskip_jax.convert.layer_keys import stacked_specs
+from farskip_jax.model.stacking import plan_segments
 from farskip_jax.model.transformer import Transformer
 from farskip_jax.parallel.build import placement_mesh, routed_compute_on, state_shardings_on
 
@@ -169,7 +170,7 @@ def load_params(ckpt: HFCheckpoint, cfg: Config, *, mesh=None, routed_compute=No
                 progress: Optional[Callable] = None) -> Transformer:
     """Build the Transformer of `cfg` with its parameters streamed from `ckpt`. Under
     model.scan_layers each stacked parameter [repeats, ...] is one array whose shard callback reads
-    and stacks its rows' slices (model/stacking.py), so the stacked layout streams like the per-layer one."""
+    and stacks its rows' slices (convert/layer_keys.py), so the stacked layout streams like the per-layer one."""
     fam = family_for(ckpt.config)
     mesh, routed_compute = model_placement(cfg, mesh, routed_compute)
     model = abstract_model(cfg, routed_compute)

@@ -30,7 +30,7 @@ from flax import nnx
 
 from farskip_jax.config import FarSkipConfig
 from farskip_jax.errors import ConfigError, DataError, FarSkipError
-from farskip_jax.eval.generate import generate, make_decode_fn
+from farskip_jax.serving.generate import generate, make_decode_fn
 from farskip_jax.eval.tasks import LoglikScorer
 
 MODEL_NAME = "farskip_jax"

@@ -40,12 +40,11 @@ class PairResult:
     top1_confident: float = float("nan")  # top-1 agreement restricted to those tokens (an extra view, not top1)
 
 
-def forward(graphdef, st: dict, batch: dict, farskip: Optional[FarSkipConfig], return_hidden: bool = False,
-            return_trace: bool = False):
+def forward(graphdef, st: dict, batch: dict, farskip: Optional[FarSkipConfig], return_hidden: bool = False):
     """Run the model of `st` ({params, bias, rest}) on a batch under `farskip` -> ModelOutput."""
     model = nnx.merge(graphdef, st["params"], st["bias"], st["rest"])
     return model(batch["tokens"], batch["positions"], batch["segment_ids"], farskip=farskip,
-                 return_hidden=return_hidden, return_trace=return_trace)
+                 return_hidden=return_hidden)
 
 
 def ce_sum(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:

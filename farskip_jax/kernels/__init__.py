@@ -1,14 +1,16 @@
-"""Optional CPU fast paths (C++ XLA FFI kernels) behind one small dispatcher, kernels/dispatch.py.
+"""Kernels below the model: the op registry and the plain-JAX computations the model selects by name,
+plus optional CPU fast paths.
 
-    dispatch.py     named backends, `resolve(cfg.kernels)`, `install(cfg.kernels)` into model/ops.py
-    library.py      build (system C++ compiler) and load of csrc/, the BLAS it is given, AMX probe
-    gmm.py          grouped matmul / dense matmul through BLAS sgemm or AMX tiles (custom VJPs)
-    attention.py    fused attention core (FlashAttention-2 VJP)
+    ops.py          the op registry (matmul, grouped matmul, attention core) a backend fills
+    gmm.py          grouped matmul for routed experts: ragged_dot, the tiled / fused SwiGLU walks, einsum
+    attention.py    attention cores: naive, blockwise (flash-style), causal_blocks
+    cpu/            C++ XLA FFI kernels (grouped GEMM on BLAS / AMX, fused attention), their build and
+                    load, and the dispatcher that installs them into ops.py from the config's `kernels:`
     host_memory.py  glibc malloc settings for CPU runs (before JAX starts)
-    csrc/           the C++ sources
 
-model/ never imports this package; GPU/TPU programs never contain its kernels. The names below are
-loaded on first use, so `farskip_jax.kernels.host_memory` stays importable before JAX starts.
+model/ imports this package, never the reverse; GPU/TPU programs never contain the CPU kernels. The
+names below are loaded on first use, so `farskip_jax.kernels.host_memory` stays importable before
+JAX starts.
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ _LIBRARY = ("KernelUnavailable", "available", "amx_available")
 
 def __getattr__(name: str):
     if name in _EXPORTS:
-        from farskip_jax.kernels import dispatch
+        from farskip_jax.kernels.cpu import dispatch
 
         return getattr(dispatch, name)
     if name in _LIBRARY:
-        from farskip_jax.kernels import library
+        from farskip_jax.kernels.cpu import library
 
         return getattr(library, name)
     raise AttributeError(f"module 'farskip_jax.kernels' has no attribute {name!r}")

@@ -1,17 +1,19 @@
-"""One pre-norm layer (`Block`) and the results a forward returns (`BlockOutput`, `ModelOutput`),
-plus the remat policies (`REMAT_POLICIES`).
+"""One pre-norm layer (`Block`): its two halves and the one remat wrapper, plus the results a forward
+returns (`BlockOutput`, `ModelOutput`) and the remat policies (`REMAT_POLICIES`).
 
-    out = Block(cfg, layer_idx, rngs=rngs)(x_attn [b, s, d], full [b, s, d], positions [b, s],
-                                           segment_ids, moe_input="full" | "outdated")
+    a, cache = block.attend(x [b, s, d], positions [b, s], segment_ids, cache=None, attention=None)
+    out = block.ffn(x_moe [b, s, d], routed=None, shared=None, num_groups=1, sums=None)
     out.attn / out.shared / out.routed [b, s, d] (shared None without shared experts, routed None on
     dense layers); aux_loss, z_loss [], load [E] or None, dropped [].
-The MoE input is `connectivity.moe_stream(moe_input, full, attn)`; which stream attention reads is the
-caller's (model/layer_loop.py).
+    out, cache = remat(block, "minimal", fn, *args)           # fn(block, *args) under the policy
+
+Which stream each half reads, and what a layout changes in between (its attention, where partial
+sums go), is the layer step's (model/layer_loop.py `LayerStep`): the layer is written there once.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +21,7 @@ from flax import nnx, struct
 from jax.ad_checkpoint import checkpoint_name
 
 from farskip_jax.config import Config
-from farskip_jax.model.connectivity import moe_stream
-from farskip_jax.model.attention import Attention
+from farskip_jax.model.attention import Attention, KVCache, LayerCache
 from farskip_jax.model.experts import RoutedComputeFn
 from farskip_jax.model.layers import RMSNorm, SwiGLU, dtype_of
 from farskip_jax.model.mla import MLAttention
@@ -29,13 +30,17 @@ from farskip_jax.model.moe import MoEBlock
 
 @struct.dataclass
 class BlockOutput:
-    attn: jax.Array
-    shared: Optional[jax.Array]
-    routed: Optional[jax.Array]
-    aux_loss: jax.Array
-    z_loss: jax.Array
-    load: Optional[jax.Array]
-    dropped: jax.Array
+    """A layer's outputs (keyword-built; the order of the fields is the order of a remat's outputs)."""
+
+    attn: Optional[jax.Array] = None  # [b, s, d]
+    attn_groups: Optional[jax.Array] = None  # Federation of Experts: [H, b, s, d] each group's attention
+    shared: Optional[jax.Array] = None  # [b, s, d] shared experts or dense MLP; None without
+    routed: Optional[jax.Array] = None  # [b, s, d]; None on dense layers (FoE: when its sum is deferred)
+    routed_groups: Optional[jax.Array] = None  # FoE: [H, b, s, d] each group's routed output
+    aux_loss: Optional[jax.Array] = None
+    z_loss: Optional[jax.Array] = None
+    load: Optional[jax.Array] = None  # [E]; None on dense layers
+    dropped: Optional[jax.Array] = None
     importance: Optional[jax.Array] = None  # [E] mean router probability (router.balance_loss); None: dense
 
 
@@ -47,13 +52,12 @@ class ModelOutput:
     load: Optional[jax.Array]
     dropped: jax.Array
     hidden: Optional[tuple] = None
-    trace: Optional[tuple] = None
     final: Optional[jax.Array] = None  # [b, s, d] final-normed full stream (forward with logits=False)
-    side: Optional[tuple] = None  # the per-layer side state after the forward (KV cache), or None
+    cache: Optional[KVCache] = None  # the KV cache after the forward (decoding), or None
 
 
 class Block(nnx.Module):
-    """One pre-norm layer. Its sub-blocks take their input stream from the caller."""
+    """One pre-norm layer. Its halves take their input stream from the caller."""
 
     def __init__(self, cfg: Config, layer_idx: int, *, rngs: nnx.Rngs, routed_compute: Optional[RoutedComputeFn] = None):
         m = cfg.model
@@ -71,34 +75,50 @@ class Block(nnx.Module):
             self.moe = None
             self.mlp = SwiGLU(m.d_model, m.mlp_hidden, rngs=rngs, std=m.init_std, param_dtype=pd, compute_dtype=cd)
 
-    def attention(self, x: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array]) -> jax.Array:
-        return checkpoint_name(self.attn(self.attn_norm(x), positions, segment_ids), "attention_out")
-
-    def ffn(self, x: jax.Array, shared_fn=None, routed_compute: Optional[RoutedComputeFn] = None) -> BlockOutput:
-        """The MoE (or dense MLP) on its input stream x [b, s, d]; shared_fn / routed_compute: MoEBlock's."""
-        h = self.ffn_norm(x)
-        zero = jnp.zeros((), jnp.float32)
-        if self.moe is None:
-            with jax.named_scope("dense_mlp"):
-                s = checkpoint_name(self.mlp(h), "shared_out")
-            return BlockOutput(attn=None, shared=s, routed=None, aux_loss=zero, z_loss=zero, load=None,
-                               dropped=jnp.zeros((), jnp.int32))
-        o = self.moe(h, shared_fn=shared_fn, routed_compute=routed_compute)
-        shared = None if o.shared is None else checkpoint_name(o.shared, "shared_out")
-        return BlockOutput(attn=None, shared=shared, routed=checkpoint_name(o.routed, "routed_out"),
-                           aux_loss=o.aux_loss, z_loss=o.z_loss, load=o.load, dropped=o.dropped,
-                           importance=o.importance)
-
-    def __call__(self, x_attn: jax.Array, full: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array],
-                 moe_input: str = "full", attention_fn=None) -> BlockOutput:
-        """attention_fn(normalised x_attn) -> [b, s, d] replaces self.attn (KV-cache decoding)."""
+    def attend(self, x: jax.Array, positions: jax.Array, segment_ids: Optional[jax.Array],
+               cache: Optional[LayerCache] = None, attention: Optional[Callable] = None):
+        """Scope `attention`: norm, then self.attn (or `attention(attn, xn, positions, segment_ids, cache)
+        -> (out, cache)`, a layout's way to run it) -> (out named attention_out, cache)."""
         with jax.named_scope("attention"):
-            a = (self.attention(x_attn, positions, segment_ids) if attention_fn is None
-                 else attention_fn(self.attn_norm(x_attn)))
-        x_moe = moe_stream(moe_input, full, a)
+            xn = self.attn_norm(x)
+            if attention is None:
+                a, cache = self.attn(xn, positions, segment_ids, cache)
+            else:
+                a, cache = attention(self.attn, xn, positions, segment_ids, cache)
+            return checkpoint_name(a, "attention_out"), cache
+
+    def ffn(self, x: jax.Array, routed: Optional[Callable] = None, shared: Optional[Callable] = None,
+            num_groups: int = 1, sums: Optional[Callable] = None) -> BlockOutput:
+        """Scope `moe` (or `mlp` on a dense layer): norm, then the MoE (MoEBlock's routed / shared /
+        num_groups) or dense MLP on the input stream x [b, s, d]; sums(out) -> out: what a layout adds
+        inside the scope (its all-reduces of partial sums)."""
         with jax.named_scope("moe" if self.is_moe else "mlp"):
-            out = self.ffn(x_moe)
-        return out.replace(attn=a)
+            h = self.ffn_norm(x)
+            zero = jnp.zeros((), jnp.float32)
+            if self.moe is None:
+                with jax.named_scope("dense_mlp"):
+                    s = checkpoint_name(self.mlp(h), "shared_out")
+                out = BlockOutput(attn=None, shared=s, routed=None, aux_loss=zero, z_loss=zero, load=None,
+                                  dropped=jnp.zeros((), jnp.int32))
+            else:
+                o = self.moe(h, routed=routed, shared=shared, num_groups=num_groups)
+                out = BlockOutput(attn=None, shared=None if o.shared is None else checkpoint_name(o.shared, "shared_out"),
+                                  routed=o.routed, aux_loss=o.aux_loss, z_loss=o.z_loss, load=o.load,
+                                  dropped=o.dropped, importance=o.importance, routed_groups=o.routed_groups)
+            return out if sums is None else sums(out)
+
+
+def remat(block: Block, policy: str, fn: Callable, *args):
+    """fn(block, *args) under the remat policy `policy` (model.remat: none | minimal | dots | full;
+    jax.checkpoint over the block's state and args): the one place a layer is rematerialised."""
+    if policy == "none":
+        return fn(block, *args)
+    gd, st = nnx.split(block)
+
+    def run(st, *args):
+        return fn(nnx.merge(gd, st), *args)
+
+    return jax.checkpoint(run, policy=REMAT_POLICIES[policy])(st, *args)
 
 
 REMAT_POLICIES = {

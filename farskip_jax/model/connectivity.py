@@ -1,4 +1,4 @@
-"""The residual streams of FarSkip connectivity (DESIGN.md section 1): the one place that says which
+"""The residual streams of FarSkip connectivity (docs/design.md section 1): the one place that says which
 stream a sub-block reads and how the streams are summed.
 
 With a_j, s_j, r_j the attention, shared (dense MLP for dense layers) and routed outputs of layer j:
@@ -42,14 +42,6 @@ def add_present(x: jax.Array, *ys: Optional[jax.Array]) -> jax.Array:
         if y is not None:
             x = x + y
     return x
-
-
-def sum_present(*ys: Optional[jax.Array]) -> Optional[jax.Array]:
-    """The sum of the ys that are not None (None when all are)."""
-    present = [y for y in ys if y is not None]
-    if not present:
-        return None
-    return add_present(present[0], *present[1:])
 
 
 def moe_stream(kind: str, full: jax.Array, attn_out: jax.Array) -> jax.Array:
@@ -112,10 +104,6 @@ class Streams:
         if kind == "outdated":
             return self.no_moe
         raise ValueError(f"unknown attention input {kind!r}; expected one of {ATTN_KINDS}")
-
-    def moe_input(self, kind: str, attn_out: jax.Array) -> jax.Array:
-        """The stream the MoE / MLP of the next layer reads given its attention output (`moe_stream`)."""
-        return moe_stream(kind, self.full, attn_out)
 
     def update(self, attn: jax.Array, shared: Optional[jax.Array], routed: Optional[jax.Array]) -> "Streams":
         """The streams after a layer with outputs a (attn), s (shared or dense MLP; None without shared

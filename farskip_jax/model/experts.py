@@ -1,13 +1,13 @@
 """Routed SwiGLU experts and the single-device (`local`) dispatch/compute/combine.
 
 Expert weights: w_gate, w_up [E, d_model, hidden], w_down [E, hidden, d_model], logical axes
-("expert", "embed", "mlp"). The token exchange is a pluggable `RoutedCompute`:
+("expert", "embed", "mlp"). The token exchange is a pluggable `RoutedComputeFn`:
 
     routed_compute(x [b, s, d], route: RouteResult, experts: ExpertWeights, cfg: MoEConfig)
         -> RoutedOutput(y [b, s, d], dropped [] int32)
 
 `local_routed_compute` (here) sorts the b*s*k assignments by expert, runs the grouped matmul
-(model/gmm.py) on exactly those rows (dropless unless `capacity_factor` is set), and un-sorts. The
+(kernels/gmm.py) on exactly those rows (dropless unless `capacity_factor` is set), and un-sorts. The
 expert-parallel versions live in parallel/ (every collective does) and have the same signature.
 """
 
@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Callable, Protocol
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
 from farskip_jax.config import MoEConfig
-from farskip_jax.model.gmm import gmm, grouped_swiglu, resolve_backend, takes_stored_weights
+from farskip_jax.kernels.gmm import gmm, grouped_swiglu, resolve_backend, takes_stored_weights
 from farskip_jax.model.layers import normal_init
 from farskip_jax.model.router import RouteResult
 
@@ -38,10 +38,6 @@ class ExpertWeights:
 class RoutedOutput:
     y: jax.Array  # [b, s, d]
     dropped: jax.Array  # [] number of dropped (token, expert) assignments
-
-
-class RoutedCompute(Protocol):
-    def __call__(self, x: jax.Array, route: RouteResult, experts: ExpertWeights, cfg: MoEConfig) -> RoutedOutput: ...
 
 
 class RoutedExperts(nnx.Module):

@@ -21,7 +21,7 @@ Collectives: P_k is ONE cross-group sum per layer, of sum_h (m^h_{k-1} + a^h_k) 
 layer k-1 is deferred into it), whenever layers k .. k+skip_distance-1 are standard; next to a FarSkip
 layer the routed and attention sums are taken separately (its streams need sum_h m^h alone).
 
-In DESIGN.md's vocabulary: the MoE reads `full` (R_{k-1} + a_k), and the `full` attention input of
+In the vocabulary of the design notes (docs/design.md): the MoE reads `full` (R_{k-1} + a_k), and the `full` attention input of
 group h is R_{k-1} minus the OTHER groups' routed outputs of layer k-1. Under FarSkip connectivity a
 converted layer's attention reads `partial` / `outdated` (these lack every group's routed output of
 layer k-1, so all groups read the same stream) and its MoE reads `outdated` = R_{k-1}; then neither
@@ -49,28 +49,32 @@ reduce-scatter, of the routed outputs, and one all-gather, of the MoE input; sam
 
 Code: the group axis lives in the ordinary modules (Router(x, num_groups=H), Attention(x_h,
 num_groups=H), Linear.grouped; H = 1 is the ordinary model and traces no group axis). A layer is
-`FoEStep`, run by the one layer loop (model/layer_loop.py) like the ordinary `LayerStep`; group
-representations are carried as [H, b, s, d]. Where the experts run and how the groups' values are
-summed is an `FoEBackend`: `SingleDeviceFoE` (one program, the routed experts as H "virtual tokens"
-per token through the model's RoutedComputeFn), or parallel/foe.FoECompute (group-confined expert
-parallelism, the cross-group sums as collectives, the token-sharded layout).
+`FoEStep`, the ordinary layer (model/layer_step.py) with the group hooks: group attention inputs
+carried as [H, b, s, d], the cross-group sums, the deferral of a routed sum into the next attention
+sum. Where the experts run and how the groups' values are summed is an `FoEBackend`: `SingleDeviceFoE`
+(one program, the routed experts as H "virtual tokens" per token through the model's
+RoutedComputeFn), or parallel/foe.FoECompute (group-confined expert parallelism, the cross-group sums
+as collectives); where the values between the sub-blocks live is its `token_layout` (`GroupValues`
+here: every device holds every token; parallel/foe.TokenLayout: moe.foe_tokens=sharded).
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Callable, Optional
+import dataclasses
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
-from flax import nnx, struct
+from flax import struct
 from jax.ad_checkpoint import checkpoint_name
 
-from farskip_jax.config import Config, FarSkipConfig
+from farskip_jax.config import Config
 from farskip_jax.errors import ConfigError
-from farskip_jax.model.block import REMAT_POLICIES, Block
-from farskip_jax.model.connectivity import Streams, add_present, moe_stream
+from farskip_jax.model.block import Block, BlockOutput
+from farskip_jax.model.connectivity import Streams, add_present
 from farskip_jax.model.experts import ExpertWeights, RoutedComputeFn, local_routed_compute
+from farskip_jax.model.layer_step import LayerStep
 from farskip_jax.model.router import RouteResult
 
 
@@ -98,24 +102,15 @@ def check_foe(cfg: Config, num_groups: Optional[int] = None) -> int:
     return h
 
 
-# --------------------------------------------------------------------------------------------------
-# where the groups' experts run: the backend protocol
-# --------------------------------------------------------------------------------------------------
-
-
 class FoEBackend(abc.ABC):
     """Where a Federation of Experts' routed experts run and how the groups' values are summed.
 
-    group_routed(x [b, s, d] (or [G_m, b, s, d], gather_groups), route (FoE routing: choices
-        group-major, global expert ids), experts, moe cfg, H) -> ([H, b, s, d] each group's routed
-        output, dropped [])
+    group_routed(x [b, s, d] (or [G_m, b, s, d]: each device group's copy, token-sharded layout),
+        route (FoE routing: choices group-major, global expert ids), experts, moe cfg, H)
+        -> ([H, b, s, d] each group's routed output, dropped [])
     group_sum(v [H, ...], dtype) -> [...]: the cross-group sum (payload dtype moe.foe_sum_dtype)
     constrain_groups(v [H, b, s, d]): place group h's values where group h runs (default: as is)
-    token_sharding: whether values between sub-blocks can be split over the device groups
-        (moe.foe_tokens=sharded); then group_scatter / gather_groups / copy_groups / to_groups /
-        to_shards are the reduce-scatter, all-gather and placements of that layout (parallel/foe.py)."""
-
-    token_sharding = False
+    token_layout(sharded, sum_dtype): where the values between the sub-blocks live (GroupValues)."""
 
     @abc.abstractmethod
     def group_routed(self, x: jax.Array, route: RouteResult, experts: ExpertWeights, cfg, num_groups: int):
@@ -128,24 +123,8 @@ class FoEBackend(abc.ABC):
     def constrain_groups(self, v: jax.Array) -> jax.Array:
         return v
 
-    def _unsharded(self, what: str):
-        raise ConfigError(f"moe.foe_tokens=sharded needs an expert-parallel FoE mesh ({what} of "
-                          f"{type(self).__name__}); set moe.foe_tokens=replicated")
-
-    def group_scatter(self, v: jax.Array, dtype: str = "auto") -> jax.Array:
-        self._unsharded("group_scatter")
-
-    def gather_groups(self, x: jax.Array, dtype: str = "auto") -> jax.Array:
-        self._unsharded("gather_groups")
-
-    def copy_groups(self, x: jax.Array) -> jax.Array:
-        self._unsharded("copy_groups")
-
-    def to_groups(self, x: jax.Array) -> jax.Array:
-        self._unsharded("to_groups")
-
-    def to_shards(self, x: jax.Array) -> jax.Array:
-        self._unsharded("to_shards")
+    def token_layout(self, sharded: bool, sum_dtype: str = "auto") -> "GroupValues":
+        return GroupValues(self, sum_dtype)
 
 
 class SingleDeviceFoE(FoEBackend):
@@ -180,131 +159,38 @@ def foe_backend(blocks: list) -> FoEBackend:
     return rc if isinstance(rc, FoEBackend) else SingleDeviceFoE(rc)
 
 
-class TokenLayout:
-    """Where the [b, s, d] values between the groups' sub-blocks live (moe.foe_tokens).
+class GroupValues:
+    """Where the [b, s, d] values between the groups' sub-blocks live when every device (group) holds
+    every token: the cross-group sum is the backend's group_sum (payload sum_dtype); a group's input
+    is the value itself. parallel/foe.TokenLayout is the token-sharded one (moe.foe_tokens=sharded)."""
 
-    replicated (the paper's layout, and every single-device run): on every device group; the
-    cross-group sum is an all-reduce, the dense parts (dense MLP, shared expert, final norm, LM
-    head) run once per device group. sharded (a backend with token_sharding): split over the device
-    groups too; a cross-group sum is a reduce-scatter, the dense parts run on each device's own
-    tokens, and the groups' inputs are all-gathered per device group. The values are the same in
-    both (only where they live differs). sum_dtype (moe.foe_sum_dtype): payload of the cross-group
-    collectives of a parallel backend (a single device has no collective and ignores it)."""
+    sharded = False
 
-    def __init__(self, backend: FoEBackend, sharded: bool, sum_dtype: str = "auto"):
-        self.backend = backend
-        self.sharded = bool(sharded) and backend.token_sharding
-        self.sum_dtype = sum_dtype
+    def __init__(self, backend: FoEBackend, sum_dtype: str = "auto"):
+        self.backend, self.sum_dtype = backend, sum_dtype
 
     def sum(self, v: jax.Array) -> jax.Array:
-        """[H, ...] -> [...]: all-reduce (replicated) or reduce-scatter (sharded)."""
-        if self.sharded:
-            return self.backend.group_scatter(v, self.sum_dtype)
+        """[H, ...] -> [...]."""
         return self.backend.group_sum(v, self.sum_dtype)
 
     def device_groups(self, x: jax.Array, replicated: bool = False) -> jax.Array:
-        """The routed experts' input: x [b, ...] itself (replicated layout), else [G_m, b, ...] each
-        device group's own copy (an all-gather of the token shards, or a local copy of a value that
-        is already on every device group)."""
-        if not self.sharded:
-            return x
-        return self.backend.copy_groups(x) if replicated else self.backend.gather_groups(x, self.sum_dtype)
+        """The routed experts' input (token-sharded: each device group's gathered copy)."""
+        return x
 
     def groups_h(self, x: jax.Array, num_groups: int, replicated: bool = False) -> jax.Array:
         """[H, b, ...]: x for each FoE group (the groups' attention inputs)."""
-        if not self.sharded:
-            return jnp.broadcast_to(x[None], (num_groups, *x.shape))
-        xg = self.device_groups(x, replicated)  # [G_m, b, ...]
-        gm = xg.shape[0]
-        return jnp.broadcast_to(xg[:, None], (gm, num_groups // gm, *x.shape)).reshape(num_groups, *x.shape)
+        return jnp.broadcast_to(x[None], (num_groups, *x.shape))
 
     def replicated(self, x: jax.Array) -> jax.Array:
-        """x pinned group-replicated when sharded (a value computed from replicated inputs)."""
-        return self.backend.to_groups(x) if self.sharded else x
+        return x
 
     def shards(self, x):
-        """x (or None) in the token-sharded layout when sharded (a local slice; free)."""
-        return self.backend.to_shards(x) if self.sharded and x is not None else x
+        return x
 
 
 # --------------------------------------------------------------------------------------------------
-# one FoE layer and its step in the layer loop
+# the FoE layer: the ordinary step with the group hooks
 # --------------------------------------------------------------------------------------------------
-
-
-@struct.dataclass
-class FoEBlockOutput:
-    attn: jax.Array  # [b, s, d] sum_h a^h
-    attn_groups: Optional[jax.Array]  # [H, b, s, d] (None under token-local attention)
-    shared: Optional[jax.Array]  # [b, s, d]
-    routed: Optional[jax.Array]  # [b, s, d] sum_h m^h (None when its sum is deferred)
-    routed_groups: Optional[jax.Array]  # [H, b, s, d]
-    aux_loss: jax.Array
-    z_loss: jax.Array
-    load: Optional[jax.Array]
-    dropped: jax.Array
-    importance: Optional[jax.Array] = None  # [H, E/H] mean router probability per group
-
-
-def foe_block(block: Block, x_h: jax.Array, full: jax.Array, positions, segment_ids, moe_input: str,
-              num_groups: int, layout: TokenLayout, pending_h: Optional[jax.Array] = None,
-              defer_routed: bool = False, attention_fn=None, full_groups: Optional[jax.Array] = None,
-              local_attention: bool = False) -> FoEBlockOutput:
-    """One FoE layer. x_h: [H, b, s, d] group attention inputs; full: [b, s, d] = R_{k-1}.
-
-    pending_h: [H, b, s, d] routed outputs of layer k-1 whose cross-group sum was deferred: they join
-    this layer's attention sum (one all-reduce: `attn` is then sum_h (a^h + m^h_{k-1})) and `full`
-    must lack them. defer_routed: leave this layer's routed sum to the next layer (`routed` None).
-    attention_fn(normalised x_h) -> a_h replaces the groups' attention (KV-cache decoding).
-    layout: TokenLayout. Sharded: the sums are reduce-scatters; the norms, router, shared expert and
-    dense MLP run on the device's own tokens; the routed experts on each device group's gathered
-    copy of the normalised MoE input. full_groups: `full` when it is known to be on every device group
-    (the embedding): an outdated MoE input is then copied, not gathered. local_attention: x_h is ONE
-    [b, s, d] input that every group reads (token-sharded): the ordinary all-head attention on the
-    own tokens = sum_h a^h (no sum; attn_groups None, pending_h must be None)."""
-    if local_attention:
-        assert pending_h is None, "a deferred routed sum needs the groups' attention sum"
-        with jax.named_scope("attention"):
-            a, a_h = block.attention(x_h, positions, segment_ids), None
-    else:
-        with jax.named_scope("attention"):
-            xn_h = block.attn_norm(x_h)
-            if attention_fn is not None:
-                a_h = attention_fn(xn_h)
-            elif num_groups > 1:
-                a_h = block.attn(xn_h, positions, segment_ids, num_groups)
-            else:  # H = 1 (tests: this dataflow reduces to the ordinary model)
-                a_h = block.attn(xn_h[0], positions, segment_ids)[None]
-            a_h = checkpoint_name(a_h, "attention_out")
-        with jax.named_scope("group_sum"):
-            a = layout.sum(a_h if pending_h is None else a_h + pending_h)
-    x_moe = layout.shards(moe_stream(moe_input, full, a))
-    zero = jnp.zeros((), jnp.float32)
-    with jax.named_scope("moe" if block.is_moe else "mlp"):
-        h = block.ffn_norm(x_moe)  # sharded layout: on the own tokens (router, shared expert once)
-        if block.moe is None:
-            with jax.named_scope("dense_mlp"):
-                s = checkpoint_name(block.mlp(h), "shared_out")
-            return FoEBlockOutput(attn=a, attn_groups=a_h, shared=s, routed=None, routed_groups=None,
-                                  aux_loss=zero, z_loss=zero, load=None, dropped=jnp.zeros((), jnp.int32))
-        moe = block.moe
-        with jax.named_scope("router"):
-            route = moe.router(h, num_groups)
-        with jax.named_scope("group_gather"):
-            known = moe_input != "full" and full_groups is not None  # the MoE input is already everywhere
-            h_in = layout.device_groups(block.ffn_norm(full_groups) if known else h, replicated=known)
-        m_h, dropped = layout.backend.group_routed(h_in, route, moe.experts.weights(moe.cfg.gmm), moe.cfg, num_groups)
-        m_h = checkpoint_name(m_h, "routed_out")
-        m = None
-        if not defer_routed:
-            with jax.named_scope("group_sum"):
-                m = layout.sum(m_h)
-        shared = moe.shared_out(h)
-        if shared is not None:
-            shared = checkpoint_name(shared, "shared_out")
-    return FoEBlockOutput(attn=a, attn_groups=a_h, shared=shared, routed=m, routed_groups=m_h,
-                          aux_loss=route.aux_loss, z_loss=route.z_loss, load=route.load, dropped=dropped,
-                          importance=route.importance)
 
 
 @struct.dataclass
@@ -321,78 +207,124 @@ class FoECarry:
         return self.streams.full
 
 
-class FoEStep:
-    """The FoE layer in the one layer loop (model/layer_loop.py): step(block, carry, site, side_q) ->
-    (carry, FoEBlockOutput, side_q). Runs unrolled (scannable False: the per-layer deferral of the
-    routed sums and the token-local attention are static per layer). `attention` / `trace` as
-    LayerStep's (the replacement attention takes and returns [H, b, t, d]); trace entries add
-    `attn_groups` / `routed_groups` [H, b, s, d] and `attn_in` is [H, b, s, d]."""
+@dataclasses.dataclass(frozen=True)
+class FoEPlan:
+    """Static choices of one FoE layer: local (token-local all-head attention, no attention sum),
+    pending (the routed sum of layer k-1 joins this layer's attention sum), defer (this layer's routed
+    sum is left to the next layer's attention sum)."""
+
+    local: bool
+    pending: bool
+    defer: bool
+
+
+class FoEStep(LayerStep):
+    """The FoE layer (module doc) in the one layer loop; runs unrolled (scannable False: the per-layer
+    deferral of the routed sums and the token-local attention are static per layer). Its BlockOutput
+    adds attn_groups / routed_groups [H, b, s, d] (attn_groups None under token-local attention).
+
+    defer=False keeps every routed sum in its own layer (out.routed always set); num_groups: H (default
+    moe.num_groups; 1 runs this dataflow on the ordinary model)."""
 
     scannable = False
 
-    def __init__(self, model, positions: jax.Array, segment_ids: Optional[jax.Array], farskip: FarSkipConfig,
-                 remat: str = "none", attention: Optional[Callable] = None, trace: Optional[list] = None,
-                 num_groups: Optional[int] = None):
+    def __init__(self, model, positions: jax.Array, segment_ids: Optional[jax.Array], farskip, remat: str = "none",
+                 cache=None, num_groups: Optional[int] = None, defer: bool = True):
+        super().__init__(model, positions, segment_ids, farskip, remat, cache)
         cfg = model.cfg
         self.hg = check_foe(cfg, num_groups)
-        self.positions, self.segment_ids = positions, segment_ids
-        self.remat, self.attention, self.trace = remat, attention, trace
-        self.layout = TokenLayout(foe_backend(model.blocks()), cfg.moe.foe_tokens == "sharded", cfg.moe.foe_sum_dtype)
-        self.local_ok = self.layout.sharded and cfg.moe.foe_attention == "local" and attention is None and trace is None
+        self.layout = foe_backend(model.blocks()).token_layout(cfg.moe.foe_tokens == "sharded", cfg.moe.foe_sum_dtype)
+        self.local_ok = self.layout.sharded and cfg.moe.foe_attention == "local" and cache is None
         n, d = cfg.model.num_layers, farskip.skip_distance
         kinds = [farskip.layer_inputs(i, n) for i in range(n)]
         # the routed sum of layer i joins layer i+1's attention sum when the next d layers are standard
-        self.defer = [trace is None and i + 1 < n and all(kinds[j] == ("full", "full")
-                                                          for j in range(i + 1, min(i + d, n - 1) + 1))
+        self.defer = [defer and i + 1 < n and all(kinds[j] == ("full", "full") for j in range(i + 1, min(i + d, n - 1) + 1))
                       for i in range(n)]
         self.emb = None
 
-    def init(self, h: jax.Array, farskip: FarSkipConfig) -> FoECarry:
+    def init(self, h: jax.Array) -> FoECarry:
         self.emb = self.layout.replicated(h)  # group-replicated (the tokens are)
-        return FoECarry(streams=Streams.init(self.emb, farskip.skip_distance), sync=self.emb)
+        return FoECarry(streams=Streams.init(self.emb, self.farskip.skip_distance), sync=self.emb)
 
-    def __call__(self, block: Block, carry: FoECarry, site, side_q=None):
-        i, (attn_kind, moe_kind) = site.index, site.kinds
+    def plan(self, block, carry: FoECarry, site) -> FoEPlan:
+        i = site.index
+        # every group reads the same attention input: run it token-local (moe.foe_attention=local)
+        local = self.local_ok and not (site.kinds[0] == "full" and carry.routed_h is not None)
+        return FoEPlan(local=local, pending=i > 0 and self.defer[i - 1], defer=self.defer[i])
+
+    def attention_input(self, carry: FoECarry, site, plan: FoEPlan):
+        """Group h's stream [H, b, s, d] (or one [b, s, d] under token-local attention), and the extra
+        arrays of the layer: (the routed outputs of layer k-1 whose sum joins this attention sum or None,
+        R_{k-1} when it is on every device group or None)."""
         layout, hg, streams = self.layout, self.hg, carry.streams
         on_all = lambda x: x is self.emb  # noqa: E731  the embedding is on every device group: no gather
-        pending = carry.routed_h if i > 0 and self.defer[i - 1] else None
-        # every group reads the same attention input: run it token-local (moe.foe_attention=local)
-        local = self.local_ok and not (attn_kind == "full" and carry.routed_h is not None)
+        kind = site.kinds[0]
         with jax.named_scope("group_gather"):
-            if local:
-                x_attn = layout.shards(streams.attn_input(attn_kind))
-            elif attn_kind == "full" and carry.routed_h is not None:  # group h's own X^h_{k-1}
-                x_attn = layout.groups_h(carry.sync, hg, on_all(carry.sync)) + carry.routed_h
+            if plan.local:
+                x = layout.shards(streams.attn_input(kind))
+            elif kind == "full" and carry.routed_h is not None:  # group h's own X^h_{k-1}
+                x = layout.groups_h(carry.sync, hg, on_all(carry.sync)) + carry.routed_h
             else:
-                x = streams.attn_input(attn_kind)
-                x_attn = layout.groups_h(x, hg, on_all(x))
-        if not local:
-            x_attn = layout.backend.constrain_groups(x_attn)
+                x = streams.attn_input(kind)
+                x = layout.groups_h(x, hg, on_all(x))
+        if not plan.local:
+            x = layout.backend.constrain_groups(x)
         full_g = streams.full if layout.sharded and on_all(streams.full) else None
-        kw = dict(moe_input=moe_kind, num_groups=hg, layout=layout, defer_routed=self.defer[i],
-                  local_attention=local)
-        if self.attention is not None:
-            fn, get_side = self.attention(block, site, side_q)
-            out = foe_block(block, x_attn, streams.full, self.positions, self.segment_ids, pending_h=pending,
-                            attention_fn=fn, full_groups=full_g, **kw)
-            side_q = get_side()
-        elif self.remat == "none":
-            out = foe_block(block, x_attn, streams.full, self.positions, self.segment_ids, pending_h=pending,
-                            full_groups=full_g, **kw)
-        else:  # the model's remat policy, as model/layer_loop.run_block applies it
-            gd, st = nnx.split(block)
+        return x, (carry.routed_h if plan.pending else None, full_g)
 
-            def fn(st, xa, f, pe, fg):
-                return foe_block(nnx.merge(gd, st), xa, f, self.positions, self.segment_ids, pending_h=pe,
-                                 full_groups=fg, **kw)
+    def cache_rows(self, x: jax.Array) -> jax.Array:
+        """Cache rows H*b (group h's at h*b + j): x [b, ...] tiled over the groups."""
+        return jnp.tile(x, (self.hg, 1))
 
-            out = jax.checkpoint(fn, policy=REMAT_POLICIES[self.remat])(st, x_attn, streams.full, pending, full_g)
-        if self.trace is not None:
-            self.trace.append(dict(attn_in=x_attn, moe_in=streams.moe_input(moe_kind, out.attn), attn=out.attn,
-                                   attn_groups=out.attn_groups, shared=out.shared, routed=out.routed,
-                                   routed_groups=out.routed_groups, attn_kind=attn_kind, moe_kind=moe_kind))
+    def attention_of(self, site, plan: FoEPlan):
+        hg = self.hg
+        if plan.local:
+            return None
+        if hg > 1:
+            return lambda attn, xn, pos, seg, cache: attn(xn, pos, seg, cache, num_groups=hg)
+
+        def one_group(attn, xn, pos, seg, cache):  # H = 1 (tests: this dataflow reduces to the ordinary model)
+            a, cache = attn(xn[0], pos, seg, cache)
+            return a[None], cache
+
+        return one_group
+
+    def attention_sum(self, a: jax.Array, extra, site, plan: FoEPlan):
+        """(sum_h a^h (+ the pending routed outputs): one cross-group sum, a^h)."""
+        if plan.local:
+            return a, None
+        pending = extra[0]
+        with jax.named_scope("group_sum"):
+            return self.layout.sum(a if pending is None else a + pending), a
+
+    def moe_input(self, x: jax.Array) -> jax.Array:
+        return self.layout.shards(x)  # token-sharded: the norms, router and shared experts on the own tokens
+
+    def ffn_options(self, block: Block, extra, site, plan: FoEPlan) -> dict:
+        layout, hg, full_g = self.layout, self.hg, extra[1]
+        known = site.kinds[1] != "full" and full_g is not None  # the MoE input is already everywhere
+
+        def routed(moe, h, route):
+            with jax.named_scope("group_gather"):
+                h_in = layout.device_groups(block.ffn_norm(full_g) if known else h, replicated=known)
+            m_h, dropped = layout.backend.group_routed(h_in, route, moe.experts.weights(moe.cfg.gmm), moe.cfg, hg)
+            m_h = checkpoint_name(m_h, "routed_out")
+            m = None
+            if not plan.defer:
+                with jax.named_scope("group_sum"):
+                    m = layout.sum(m_h)
+            return m, dropped, m_h
+
+        return dict(routed=routed, num_groups=hg)
+
+    def finish(self, out: BlockOutput, a, held, site, plan) -> BlockOutput:
+        return out.replace(attn=a, attn_groups=held)
+
+    def update(self, carry: FoECarry, out: BlockOutput, site) -> FoECarry:
+        streams = carry.streams
         sync = add_present(streams.full + out.attn, out.shared)
         streams = streams.update(out.attn, out.shared, out.routed)
-        if layout.sharded:  # every stream on the own tokens (a group-replicated term is sliced locally)
-            streams = jax.tree.map(layout.shards, streams)
-        return FoECarry(streams=streams, sync=sync, routed_h=out.routed_groups), out, side_q
+        if self.layout.sharded:  # every stream on the own tokens (a group-replicated term is sliced locally)
+            streams = jax.tree.map(self.layout.shards, streams)
+        return FoECarry(streams=streams, sync=sync, routed_h=out.routed_groups)
+

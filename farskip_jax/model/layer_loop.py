@@ -1,19 +1,17 @@
 """The one layer loop: every forward of the model runs its layers through `run_layers`.
 
-    res = run_layers(model, carry, step, farskip, scan=True, weights="sliced", side=None, hidden=False)
+    res = run_layers(model, carry, step, farskip, scan=True, weights="sliced", entries=None, hidden=False)
     res.carry (after the last layer), res.outs [(is_moe, BlockOutput)] in layer order,
-    res.hidden [full stream after each layer] or None, res.side (the updated side state) or None
+    res.hidden [full stream after each layer] or None, res.entries (the updated cache entries) or None
 
-A *step* runs ONE layer on the carried state and is the only code that knows what a layer does:
+A *step* runs ONE layer on the carried state (model/layer_step.py: the layer, written once):
 
-    step(block, carry, site, side_q) -> (carry, BlockOutput, side_q)
+    step(block, carry, site, entry) -> (carry, BlockOutput, entry)
 
 `carry` is the step's pytree with a `full` field (model/connectivity.Streams for the ordinary model;
 model/foe.py adds the groups' pending outputs); `site` (LayerSite) says which layer it is: its index
-and static connectivity kinds, and where it sits in the model's stacks; `side_q` is per-layer state
-owned by the caller (a KV-cache entry) or None. The ordinary step is `LayerStep` (below): inputs
-from the streams -> Block -> update the streams, with optional hooks for the attention (KV-cache
-decoding, the tp_ep layout's tensor-parallel attention) and a recorder (`return_trace`).
+and static connectivity kinds, and where it sits in the model's stacks; `entry` is the layer's KV-cache
+entry (decoding) or None.
 
 Layers are visited group by group: a group is one LayerStack of a model with `model.scan_layers`
 (model/stacking.py: `period` blocks with parameters stacked over `repeats`) or one unstacked Block
@@ -31,10 +29,10 @@ body, so no layer's weights are copied out of a stack (a run of one repeat is sc
 Without `scan` (or for a run of one repeat under `sliced`) the layers run unrolled, a stack's layers
 as per-layer views (LayerStack.layer).
 
-Side state (`side`): per group, per block q of its period, a pytree the step reads and returns for
-each layer (a stack's entry has a leading layer axis; the step gets the row as `site.row`; an
-unstacked layer's entry has none and `site.row` is None). A scan carries its group's side state, so
-an in-place update of one row never copies the rest.
+Cache entries (`entries`): per group, per block q of its period, the (k, v) entry the step reads
+and returns for each layer (a stack's entry has a leading layer axis; the step gets the row as
+`site.row`; an unstacked layer's entry has none and `site.row` is None). A scan carries its group's
+entries, so an in-place update of one row never copies the rest.
 """
 
 from __future__ import annotations
@@ -48,11 +46,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from farskip_jax.config import FarSkipConfig
-from farskip_jax.model.block import REMAT_POLICIES, Block, BlockOutput
-from farskip_jax.model.connectivity import Streams
 from farskip_jax.model.router import balance_loss
-from farskip_jax.model.stacking import LAYER_AXIS, Segment, connectivity_runs, is_variable, scan_scope, slice_state, \
-    stable_carry
+from farskip_jax.model.stacking import Segment, connectivity_runs, scan_scope, slice_state, stable_carry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,19 +55,13 @@ class LayerSite:
     """Where a layer runs. index: its layer index (a traced scalar inside an indexed scan, None inside a
     sliced one, whose layers are alike: model/stacking.layer_signature); kinds: its static
     (attn_input, moe_input); stack / q: its group and block within the group's period; row: its row of
-    the group's stacked layer axis (int, traced in a scan, None for an unstacked layer); micro: which
-    micro-batch of the layer runs (hooks that close over whole-batch arrays take its `rows`)."""
+    the group's stacked layer axis (int, traced in a scan, None for an unstacked layer)."""
 
     index: Any
     kinds: tuple
     stack: int
     q: int
     row: Any
-    micro: tuple = (0, 1)  # (j, m): micro-batch j of m (model.micro_batches), rows split_rows(x, m)[j]
-
-    def rows(self, x: Optional[jax.Array]) -> Optional[jax.Array]:
-        """This micro-batch's rows of a whole-batch array x [b, ...] (x itself without micro-batches)."""
-        return x if self.micro[1] == 1 else split_rows(x, self.micro[1])[self.micro[0]]
 
 
 @dataclasses.dataclass
@@ -80,21 +69,7 @@ class LoopResult:
     carry: Any
     outs: list
     hidden: Optional[list]
-    side: Optional[tuple]
-
-
-def layer_at(state, index):
-    """One layer of a stacked nnx state: each Variable's value at `index` (an int or a traced scalar)
-    of its leading layer axis, with "layers" dropped from its axes metadata."""
-
-    def one(v):
-        axes = v.get_metadata().get("axes")
-        x = jax.lax.dynamic_index_in_dim(v.get_value(), index, 0, keepdims=False)
-        if axes and axes[0] == LAYER_AXIS:
-            return v.replace(x, axes=tuple(axes[1:]))
-        return v.replace(x)
-
-    return jax.tree.map(one, state, is_leaf=is_variable)
+    entries: Optional[tuple]
 
 
 def layer_groups(model) -> list:
@@ -138,18 +113,18 @@ def merge_outputs(outs: list, num_groups: int = 1):
 
 
 def run_layers(model, carry, step: Callable, farskip: FarSkipConfig, *, scan: bool = True, weights: str = "sliced",
-               side: Optional[tuple] = None, hidden: bool = False) -> LoopResult:
+               entries: Optional[tuple] = None, hidden: bool = False) -> LoopResult:
     """Run every layer of `model` through `step` (module docstring). scan: run stacks as scans where
-    possible; weights: "sliced" | "indexed"; side: per group, per block, the side state (or None);
+    possible; weights: "sliced" | "indexed"; entries: per group, per block, the cache entries (or None);
     hidden: collect the full stream after each layer.
 
     Micro-batches (model.micro_batches = m > 1, two-batch overlap): `carry` and `step` are lists of m
-    (one per micro-batch, in split_rows order) and `side` a list of m side states; every layer runs
-    each micro-batch's step in turn (scopes `layer_{i}/mb{j}`), so nothing of micro-batch j depends on
-    another's, and its outputs are merged (merge_outputs). res.carry / res.side are then lists too."""
+    (one per micro-batch, in split_rows order) and `entries` a list of m; every layer runs each
+    micro-batch's step in turn (scopes `layer_{i}/mb{j}`), so nothing of micro-batch j depends on
+    another's, and its outputs are merged (merge_outputs). res.carry / res.entries are then lists too."""
     multi = isinstance(step, (list, tuple))
     steps, carries = (list(step), list(carry)) if multi else ([step], [carry])
-    sides = (list(side) if multi else [side]) if side is not None else None
+    sides = (list(entries) if multi else [entries]) if entries is not None else None
     m = len(steps)
     n = model.cfg.model.num_layers
     groups_h = model.cfg.moe.num_groups
@@ -163,8 +138,7 @@ def run_layers(model, carry, step: Callable, farskip: FarSkipConfig, *, scan: bo
         for j in range(m):
             with jax.named_scope(f"mb{j}") if m > 1 else contextlib.nullcontext():
                 sq = None if g_side is None else g_side[j][site.q]
-                site_j = site if m == 1 else dataclasses.replace(site, micro=(j, m))
-                carries[j], out, sq = steps[j](blk, carries[j], site_j, sq)
+                carries[j], out, sq = steps[j](blk, carries[j], site, sq)
             if g_side is not None:
                 g_side[j][site.q] = sq
             per.append(out)
@@ -208,7 +182,7 @@ def run_layers(model, carry, step: Callable, farskip: FarSkipConfig, *, scan: bo
                 new_side[j].append(tuple(g_side[j]))
     res_side = None if sides is None else [tuple(x) for x in new_side]
     return LoopResult(carry=carries if multi else carries[0], outs=outs, hidden=hid if hidden else None,
-                      side=(res_side if multi else res_side[0]) if sides is not None else None)
+                      entries=(res_side if multi else res_side[0]) if sides is not None else None)
 
 
 def _scan_body(stack, kinds: tuple, steps: list, s: int, weights: str, later: set, hidden: bool, has_side: bool,
@@ -224,7 +198,7 @@ def _scan_body(stack, kinds: tuple, steps: list, s: int, weights: str, later: se
         stats, hid = [], []
         for q, gd in enumerate(graphdefs):
             if weights == "indexed":
-                blk, row = nnx.merge(gd, layer_at(states[q], x)), x
+                blk, row = nnx.merge(gd, slice_state(states[q], x)), x
             else:
                 blk, row = nnx.merge(gd, x[q]), None
             index = stack.segment.layer(q, 0) + x * stack.period if weights == "indexed" else None
@@ -237,60 +211,3 @@ def _scan_body(stack, kinds: tuple, steps: list, s: int, weights: str, later: se
         return (tuple(carries), None if side is None else tuple(tuple(sd) for sd in side)), (stats, hid)
 
     return body
-
-
-class LayerStep:
-    """The ordinary layer: attention reads its stream, the MoE / MLP reads its stream
-    (model/connectivity.py), the streams take the outputs.
-
-        step = LayerStep(positions [b, s], segment_ids [b, s] or None, remat="none")
-        step(block, streams, site, side_q) -> (streams, BlockOutput, side_q)
-
-    attention: optional hook fn(block, site, side_q) -> (attention_fn, get_side) where
-    attention_fn(normalised x [b, t, d]) -> [b, t, d] replaces the block's attention (KV-cache
-    decoding, tensor-parallel attention) and get_side() returns the layer's new side state after it
-    ran; no remat then. trace: a list that receives per layer dict(attn_in, moe_in, attn, shared,
-    routed, attn_kind, moe_kind) (unrolled runs only)."""
-
-    scannable = True
-
-    def __init__(self, positions: jax.Array, segment_ids: Optional[jax.Array], remat: str = "none",
-                 attention: Optional[Callable] = None, trace: Optional[list] = None):
-        self.positions, self.segment_ids = positions, segment_ids
-        self.remat, self.attention, self.trace = remat, attention, trace
-
-    @staticmethod
-    def init(h: jax.Array, farskip: FarSkipConfig) -> Streams:
-        return Streams.init(h, farskip.skip_distance)
-
-    @staticmethod
-    def scan_carry(streams: Streams, later_kinds: set) -> Streams:
-        return streams.padded().pruned(later_kinds)
-
-    def __call__(self, block: Block, streams: Streams, site: LayerSite, side_q=None):
-        attn_kind, moe_kind = site.kinds
-        x_attn = streams.attn_input(attn_kind)
-        if self.attention is not None:
-            fn, get_side = self.attention(block, site, side_q)
-            out = block(x_attn, streams.full, self.positions, self.segment_ids, moe_kind, attention_fn=fn)
-            side_q = get_side()
-        else:
-            out = run_block(block, x_attn, streams.full, self.positions, self.segment_ids, moe_kind, self.remat)
-        if self.trace is not None:
-            self.trace.append(dict(attn_in=x_attn, moe_in=streams.moe_input(moe_kind, out.attn), attn=out.attn,
-                                   shared=out.shared, routed=out.routed, attn_kind=attn_kind, moe_kind=moe_kind))
-        return streams.update(out.attn, out.shared, out.routed), out, side_q
-
-
-def run_block(block: Block, x_attn: jax.Array, full: jax.Array, positions: jax.Array,
-              segment_ids: Optional[jax.Array], moe_kind: str, remat: str) -> BlockOutput:
-    """block(x_attn, full, ...) under the remat policy `remat` (model.remat): the one place a layer
-    is rematerialised, unrolled or inside a scan body."""
-    if remat == "none":
-        return block(x_attn, full, positions, segment_ids, moe_kind)
-    gd, st = nnx.split(block)
-
-    def fn(st, xa, f):
-        return nnx.merge(gd, st)(xa, f, positions, segment_ids, moe_kind)
-
-    return jax.checkpoint(fn, policy=REMAT_POLICIES[remat])(st, x_attn, full)

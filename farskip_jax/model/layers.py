@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from farskip_jax.model import ops
+from farskip_jax.kernels import ops
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -26,11 +26,10 @@ def normal_init(rngs: nnx.Rngs, shape, std: float, dtype) -> jax.Array:
 
 def matmul_2d(x: jax.Array, w: jax.Array, transpose_w: bool = False) -> jax.Array:
     """x [..., i] @ w [i, o] (or w [o, i] with transpose_w) -> [..., o] in x.dtype, with w rounded to
-    x.dtype, as ONE 2-D dot over the flattened leading dims (model/ops.matmul: XLA's dot, or a
+    x.dtype, as ONE 2-D dot over the flattened leading dims (kernels/ops.matmul: XLA's dot, or a
     registered CPU kernel in programs lowered for the CPU). Same result as einsum("...i,io->...o");
     the point is the backward: with several leading dims XLA:CPU contracts the weight gradient over
-    two dims and inserts a slow transposing copy of the [tokens, out] gradient (2x the cost of a
-    SwiGLU MLP's fwd+bwd measured at [8, 256, 256] x 1024); a 2-D dot has none."""
+    two dims and inserts a slow transposing copy of the [tokens, out] gradient; a 2-D dot has none."""
     y = ops.matmul(x.reshape(-1, x.shape[-1]), w, transpose_w)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 

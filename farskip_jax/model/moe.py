@@ -6,17 +6,18 @@
       aux_loss, z_loss []        router losses; load [E]; dropped [] assignments; importance [E]
 
 Shared and routed are returned separately because the two residual streams need them apart
-(DESIGN.md section 1). Named scopes: router, dispatch/expert_compute/combine (in the exchange),
+(docs/design.md section 1). Named scopes: router, dispatch/expert_compute/combine (in the exchange),
 shared_experts.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
+from jax.ad_checkpoint import checkpoint_name
 
 from farskip_jax.config import ModelConfig, MoEConfig
 from farskip_jax.model.experts import RoutedComputeFn, RoutedExperts, local_routed_compute
@@ -27,12 +28,13 @@ from farskip_jax.model.router import Router
 @struct.dataclass
 class MoEOutput:
     shared: Optional[jax.Array]
-    routed: jax.Array
+    routed: Optional[jax.Array]
     aux_loss: jax.Array
     z_loss: jax.Array
     load: jax.Array
     dropped: jax.Array
     importance: Optional[jax.Array] = None
+    routed_groups: Optional[jax.Array] = None  # what a layout's routed hook keeps apart (FoE: per group)
 
 
 class MoEBlock(nnx.Module):
@@ -53,20 +55,30 @@ class MoEBlock(nnx.Module):
                                   param_dtype=pd, compute_dtype=cd) if cfg.shared_gate and self.shared is not None else None
         self.routed_compute = routed_compute or local_routed_compute
 
-    def __call__(self, x: jax.Array, shared_fn=None, routed_compute: Optional[RoutedComputeFn] = None) -> MoEOutput:
-        """shared_fn(self, x) / routed_compute replace shared_out / the block's routed backend (a layout
-        that returns per-rank partial sums for its own all-reduce, parallel/inference.py)."""
+    def __call__(self, x: jax.Array, routed: Optional[Callable] = None, shared: Optional[Callable] = None,
+                 num_groups: int = 1) -> MoEOutput:
+        """x [b, s, d] -> MoEOutput. A layout may replace the routed experts, `routed(self, x, route) ->
+        (routed [b, s, d] or None, dropped, routed_groups or None)` (default `routed_experts`), and
+        the shared experts, `shared(self, x)` (default `shared_out`); num_groups: the router's
+        (Federation of Experts)."""
         with jax.named_scope("router"):
-            route = self.router(x)
+            route = self.router(x, num_groups)
         x_routed = x
         if self.cfg.route_on_input:  # Llama-4: expert(w * x) instead of w * expert(x) (top_k == 1)
             x_routed = (x * route.weights.astype(x.dtype)).astype(x.dtype)
             route = route.replace(weights=jnp.ones_like(route.weights))
-        out = (routed_compute or self.routed_compute)(x_routed.astype(self.experts.compute_dtype), route,
-                                                      self.experts.weights(self.cfg.gmm), self.cfg)
-        shared = self.shared_out(x) if shared_fn is None else shared_fn(self, x)
-        return MoEOutput(shared=shared, routed=out.y.astype(x.dtype), aux_loss=route.aux_loss,
-                         z_loss=route.z_loss, load=route.load, dropped=out.dropped, importance=route.importance)
+        y, dropped, groups = (routed or MoEBlock.routed_experts)(self, x_routed, route)
+        s = (shared or MoEBlock.shared_out)(self, x)
+        return MoEOutput(shared=s, routed=None if y is None else y.astype(x.dtype), aux_loss=route.aux_loss,
+                         z_loss=route.z_loss, load=route.load, dropped=dropped, importance=route.importance,
+                         routed_groups=groups)
+
+    def routed_experts(self, x: jax.Array, route, compute: Optional[RoutedComputeFn] = None):
+        """(the routed experts' weighted sum [b, s, d], named routed_out, dropped [], None) through
+        `compute` (default the block's routed compute) on x cast to the compute dtype."""
+        out = (compute or self.routed_compute)(x.astype(self.experts.compute_dtype), route,
+                                               self.experts.weights(self.cfg.gmm), self.cfg)
+        return checkpoint_name(out.y, "routed_out"), out.dropped, None
 
     def shared_out(self, x: jax.Array) -> Optional[jax.Array]:
         """Shared-expert output [b, s, d] (Qwen2-MoE: times its sigmoid gate), or None without shared experts."""

@@ -1,22 +1,21 @@
 """The FarSkip MoE transformer: embedding, L blocks joined by the residual streams, final norm, logits.
 
     out = Transformer(cfg, rngs=nnx.Rngs(0))(tokens [b, s], positions=None, segment_ids=None,
-                                              farskip=None, return_hidden=False, return_trace=False)
+                                              farskip=None, cache=None, return_hidden=False, logits=True)
     out.logits [b, s, vocab] float32; out.aux_loss / z_loss [] (means over MoE layers);
-    out.load [num_moe_layers, E]; out.dropped []; out.hidden (full stream after each layer);
-    out.trace (per layer: the attention and MLP inputs and the a/shared/routed outputs).
+    out.load [num_moe_layers, E]; out.dropped []; out.hidden (full stream after each layer).
     logits=False: out.logits None and out.final [b, s, d] = final_norm(full stream), for losses that
-    compute the logits in chunks from `unembed()`.
+    compute the logits in chunks from `unembed()`. cache (attention.KVCache, decoding): the new
+    tokens' keys / values are written into it and attention reads every slot; out.cache is it updated.
 
 Connectivity is an argument of the call (default `cfg.farskip`), not of the parameters: the same
 weights run under every connectivity, which is what FCSD distillation needs (teacher = standard).
 
 The layers run through the one layer loop (model/layer_loop.py): unrolled, or under
 `model.scan_layers` as one `jax.lax.scan` per stack of alike layers and run of equal connectivity
-(model/stacking.py, docs/scan.md). The layer itself is a step: `LayerStep` for the ordinary model,
-`foe.FoEStep` for a Federation of Experts (moe.num_groups > 1). Callers that swap a layer's
-attention (KV-cache decoding, eval/generate.py; the tp_ep layout, parallel/inference.py) pass an
-`attention` hook and per-layer `side` state through the same call.
+(model/stacking.py, docs/scan.md). Each layer is a step (model/layer_step.py): `layer_step`, given
+at construction, builds it per call: LayerStep for the ordinary model, foe.FoEStep for a Federation
+of Experts (moe.num_groups > 1), a serving layout's own (parallel/tp_ep.TpEpLayer).
 
 Two-batch overlap (`model.micro_batches: 2`): the batch's rows are split into interleaved
 micro-batches that run through every layer side by side without depending on each other (one step
@@ -35,21 +34,28 @@ from flax import nnx
 
 from farskip_jax.config import Config, FarSkipConfig
 from farskip_jax.errors import ConfigError
+from farskip_jax.model.attention import KVCache
 from farskip_jax.model.block import Block, ModelOutput
 from farskip_jax.model.experts import RoutedComputeFn
 from farskip_jax.model.foe import FoEStep, check_foe
-from farskip_jax.model.layer_loop import LayerStep, merge_rows, run_layers, split_rows
+from farskip_jax.model.layer_loop import merge_rows, run_layers, split_rows
+from farskip_jax.model.layer_step import LayerStep
 from farskip_jax.model.layers import Embed, Linear, RMSNorm, dtype_of
 from farskip_jax.model.stacking import LayerStack, plan_segments
 
 
 class Transformer(nnx.Module):
-    def __init__(self, cfg: Config, *, rngs: nnx.Rngs, routed_compute: Optional[RoutedComputeFn] = None):
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs, routed_compute: Optional[RoutedComputeFn] = None,
+                 layer_step: Optional[Callable] = None):
+        """routed_compute: the MoE blocks' token exchange (parallel/ep.py; default one program);
+        layer_step(model, positions, segment_ids, farskip, remat, cache) -> the layer step of one call
+        (micro-batch): default LayerStep, or FoEStep with moe.num_groups > 1."""
         m = cfg.model
         pd, cd = dtype_of(m.param_dtype), dtype_of(m.compute_dtype)
         self.cfg = cfg
         if cfg.moe.num_groups > 1:  # Federation of Experts: fail early on what it cannot split
             check_foe(cfg)
+        self.layer_step = layer_step or (FoEStep if cfg.moe.num_groups > 1 else LayerStep)
         self.embed = Embed(m.vocab_size, m.d_model, rngs=rngs, std=m.init_std, param_dtype=pd, compute_dtype=cd)
         blocks = [Block(cfg, i, rngs=rngs, routed_compute=routed_compute) for i in range(m.num_layers)]
         if m.scan_layers:  # same initial values as the unrolled model, stacked (model/stacking.py)
@@ -82,50 +88,34 @@ class Transformer(nnx.Module):
             st.write_layers(blocks[st.start:st.start + st.period * st.repeats])
 
     def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None, segment_ids: Optional[jax.Array] = None,
-                 *, farskip: Optional[FarSkipConfig] = None, return_hidden: bool = False,
-                 return_trace: bool = False, logits: bool = True, attention: Optional[Callable] = None,
-                 side: Optional[tuple] = None, scan: Optional[bool] = None, weights: str = "sliced",
-                 layer_step: Optional[Callable] = None) -> ModelOutput:
-        """tokens [b, s] -> ModelOutput (module docstring).
-
-        attention: hook fn(block, site, side_q) -> (attention_fn, get_side) replacing each layer's
-        attention (model/layer_loop.LayerStep; no remat then); side: per-layer state for it, per
-        group and block (layer_loop.run_layers), returned updated as out.side; with
-        model.micro_batches m > 1 a list of m such states, one per micro-batch (split_rows order).
-        scan: run stacks as scans (default: model.scan_layers and no return_trace); weights: "sliced" |
-        "indexed". return_trace runs without micro-batches (the same values). layer_step: fn(positions
-        [b', s], segment_ids) -> a step of the layer-loop protocol (init, scan_carry, scannable,
-        __call__) replacing LayerStep / FoEStep, one per micro-batch (a layout's own layer)."""
+                 *, farskip: Optional[FarSkipConfig] = None, cache: Optional[KVCache] = None,
+                 return_hidden: bool = False, logits: bool = True) -> ModelOutput:
+        """tokens [b, s] -> ModelOutput (module docstring)."""
         fs = farskip if farskip is not None else self.cfg.farskip
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        m = 1 if return_trace else self.cfg.model.micro_batches
+        m = self.cfg.model.micro_batches
         if m > 1 and tokens.shape[0] % m:
             raise ConfigError(f"model.micro_batches={m} (two-batch overlap) splits the batch into {m} equal "
                               f"micro-batches, but it has {tokens.shape[0]} rows; use a multiple of {m} rows "
                               "(per device) or model.micro_batches=1")
-        trace = [] if return_trace else None
-        remat = self.cfg.model.remat if attention is None else "none"
         h = self.embed(tokens)
+        caches = [None] * m
+        if cache is not None:
+            caches = [cache.replace(layers=lay, key_positions=kp) for lay, kp in
+                      zip(cache.layers if m > 1 else [cache.layers], split_rows(cache.key_positions, m))]
         steps, carries = [], []
-        for h_j, pos_j, seg_j in zip(split_rows(h, m), split_rows(positions, m), split_rows(segment_ids, m)):
-            if layer_step is not None:
-                step = layer_step(pos_j, seg_j)
-            elif self.cfg.moe.num_groups > 1:
-                step = FoEStep(self, pos_j, seg_j, fs, remat=remat, attention=attention, trace=trace)
-            else:
-                step = LayerStep(pos_j, seg_j, remat=remat, attention=attention, trace=trace)
-            steps.append(step)
-            carries.append(step.init(h_j, fs))
-        if scan is None:
-            scan = self.scanned and not return_trace and steps[0].scannable
-        if m == 1:
-            res = run_layers(self, carries[0], steps[0], fs, scan=scan, weights=weights, side=side, hidden=return_hidden)
-            full = res.carry.full
-        else:
-            res = run_layers(self, carries, steps, fs, scan=scan, weights=weights, side=side, hidden=return_hidden)
-            full = merge_rows([c.full for c in res.carry])
-        return self.output(full, res.outs, res.hidden, trace, logits=logits).replace(side=res.side)
+        for h_j, pos_j, seg_j, c_j in zip(split_rows(h, m), split_rows(positions, m), split_rows(segment_ids, m), caches):
+            steps.append(self.layer_step(self, pos_j, seg_j, fs, self.cfg.model.remat, c_j))
+            carries.append(steps[-1].init(h_j))
+        scan = self.scanned and steps[0].scannable and (cache is None or cache.scan)
+        entries = None if cache is None else [c.layers for c in caches]
+        res = run_layers(self, carries if m > 1 else carries[0], steps if m > 1 else steps[0], fs, scan=scan,
+                         weights="sliced" if cache is None else "indexed",
+                         entries=None if entries is None else (entries if m > 1 else entries[0]), hidden=return_hidden)
+        full = merge_rows([c.full for c in res.carry]) if m > 1 else res.carry.full
+        out = self.output(full, res.outs, res.hidden, logits=logits)
+        return out if cache is None else out.replace(cache=cache.replace(layers=res.entries))
 
     def unembed(self) -> tuple[jax.Array, bool]:
         """(w, transposed) of the output projection: logits = final @ w (w [d, V]) or final @ w.T for
@@ -134,8 +124,7 @@ class Transformer(nnx.Module):
             return self.embed.table[...], True
         return self.lm_head.w[...], False
 
-    def output(self, full: jax.Array, outs: list, hidden: Optional[list], trace: Optional[list],
-               logits: bool = True) -> ModelOutput:
+    def output(self, full: jax.Array, outs: list, hidden: Optional[list], logits: bool = True) -> ModelOutput:
         """Final norm of the FULL stream, logits (or the normed stream with logits=False), and the router
         statistics of `outs` [(is_moe, BlockOutput)]: aux/z losses averaged over MoE layers, load
         stacked [n_moe, E], dropped summed over layers."""
@@ -149,6 +138,4 @@ class Transformer(nnx.Module):
                            z_loss=mean([o.z_loss for o in moe]),
                            load=jnp.stack([o.load for o in moe]) if moe else None,
                            dropped=jnp.sum(jnp.stack([o.dropped for _, o in outs])),
-                           hidden=tuple(hidden) if hidden is not None else None,
-                           trace=tuple(trace) if trace is not None else None,
-                           final=None if logits else x)
+                           hidden=tuple(hidden) if hidden is not None else None, final=None if logits else x)

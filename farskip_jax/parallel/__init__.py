@@ -1,6 +1,6 @@
 """Parallelism: device mesh, sharding rules, expert-parallel dispatch/combine, multi-host, XLA flags.
 
-Every collective of the project lives here (DESIGN.md section 3). Entry points:
+Every collective of the project lives here (docs/design.md section 3). Entry points:
 
     maybe_initialize(cfg.mesh)                  # multi-host: before anything touches a device
     mesh = make_mesh(cfg.mesh)                  # axes data, fsdp, expert, tensor (Auto types)

@@ -28,8 +28,8 @@ from farskip_jax import kernels
 from farskip_jax.config import Config, replace
 from farskip_jax.errors import BackendError, ConfigError
 from farskip_jax.model import Transformer
-from farskip_jax.model.attention import resolve_attention_impl
-from farskip_jax.model.gmm import resolve_backend
+from farskip_jax.kernels.attention import resolve_attention_impl
+from farskip_jax.kernels.gmm import resolve_backend
 from farskip_jax.parallel.ep import RAGGED_ON_CPU, routed_compute_for
 from farskip_jax.parallel.foe import GROUP_AXIS, FoECompute, foe_mesh_from, foe_state_shardings, make_foe_mesh
 from farskip_jax.parallel.mesh import make_mesh, mesh_platform
@@ -87,12 +87,12 @@ def state_shardings_on(state, mesh: Mesh):
 
 
 def config_on(cfg: Config, mesh: Mesh) -> Config:
-    """Install cfg.kernels (kernels.install: the CPU kernel backends of the model's seam, model/ops.py,
+    """Install cfg.kernels (kernels.install: the CPU kernel backends of the model's seam, kernels/ops.py,
     or none) and return cfg with moe.gmm=auto and model.attention_impl=auto resolved for the mesh's
     platform: a GPU program compiled from a CPU process (deviceless analysis) runs the GPU expert
     backend and attention core, as a GPU run would (the CPU kernels cannot run there). Attention runs
     in the program partitioned over the whole mesh (so on several CPU devices `auto` is the naive
-    core, see kernels/dispatch.py); the routed experts run inside the expert-parallel shard_map, per
+    core, see kernels/cpu/dispatch.py); the routed experts run inside the expert-parallel shard_map, per
     device. Every model built from a config passes here (create_model, analysis, inference layouts):
     it is the one place the kernels are enabled."""
     kernels.install(cfg.kernels)

@@ -8,7 +8,7 @@ The b*s tokens are split over data x fsdp x expert (every token-parallel shard t
 experts over `expert` (ep = mesh.shape["expert"], E_l = E / ep per device; global expert e lives
 on expert-rank e // E_l). Per device, in three named steps; dispatch and combine are separate
 collectives, so XLA can schedule the combine of layer k-1 under the attention of layer k (FarSkip,
-DESIGN.md §1-2):
+docs/design.md sections 1-2):
 
   dispatch        sort the T_l*k local assignments by expert, pack them, exchange over `expert`
   expert_compute  grouped SwiGLU (model/experts.expert_swiglu) on the rows that arrived, packed

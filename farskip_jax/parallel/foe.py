@@ -24,7 +24,7 @@ its own experts). With H >= ep every device holds whole groups and no all-to-all
   constrain_groups(v [H, b, s, d])
       places group h's stream on its device group (attention of group h runs there).
 
-Token-sharded layout (moe.foe_tokens=sharded, model/foe.TokenLayout): between the groups'
+Token-sharded layout (moe.foe_tokens=sharded, TokenLayout): between the groups'
 sub-blocks tokens are split over `group` as well (SHARD_AXES); the sums are `group_scatter`
 (reduce-scatter), a group's inputs `gather_groups` (all-gather into a copy per device group), so the
 dense parts run once per token. `foe_mesh_from(..., placement="strided")`: group g = ranks r % G_m.
@@ -55,7 +55,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from farskip_jax.config import MeshConfig
 from farskip_jax.errors import ConfigError
 from farskip_jax.model.experts import ExpertWeights, RoutedOutput
-from farskip_jax.model.foe import FoEBackend
+from farskip_jax.model.foe import FoEBackend, GroupValues
 from farskip_jax.model.router import RouteResult
 from farskip_jax.parallel.ep import routed_compute_for
 from farskip_jax.parallel.mesh import BATCH_AXES, make_mesh
@@ -206,14 +206,61 @@ def _on_context_mesh(backend):
     return b
 
 
+class TokenLayout(GroupValues):
+    """Where the [b, s, d] values between the groups' sub-blocks live (moe.foe_tokens) on a FoE mesh.
+
+    replicated (the paper's layout): on every device group; the cross-group sum is an all-reduce, the
+    dense parts (dense MLP, shared expert, final norm, LM head) run once per device group. sharded:
+    split over the device groups too; a cross-group sum is a reduce-scatter, the dense parts run on
+    each device's own tokens, and the groups' inputs are all-gathered per device group. The values
+    are the same in both (only where they live differs). sum_dtype (moe.foe_sum_dtype): payload of
+    the cross-group collectives."""
+
+    def __init__(self, backend: "FoECompute", sharded: bool, sum_dtype: str = "auto"):
+        super().__init__(backend, sum_dtype)
+        self.sharded = bool(sharded)
+
+    def sum(self, v: jax.Array) -> jax.Array:
+        """[H, ...] -> [...]: all-reduce (replicated) or reduce-scatter (sharded)."""
+        if self.sharded:
+            return self.backend.group_scatter(v, self.sum_dtype)
+        return self.backend.group_sum(v, self.sum_dtype)
+
+    def device_groups(self, x: jax.Array, replicated: bool = False) -> jax.Array:
+        """The routed experts' input: x [b, ...] itself (replicated layout), else [G_m, b, ...] each
+        device group's own copy (an all-gather of the token shards, or a local copy of a value that
+        is already on every device group)."""
+        if not self.sharded:
+            return x
+        return self.backend.copy_groups(x) if replicated else self.backend.gather_groups(x, self.sum_dtype)
+
+    def groups_h(self, x: jax.Array, num_groups: int, replicated: bool = False) -> jax.Array:
+        """[H, b, ...]: x for each FoE group (the groups' attention inputs)."""
+        if not self.sharded:
+            return jnp.broadcast_to(x[None], (num_groups, *x.shape))
+        xg = self.device_groups(x, replicated)  # [G_m, b, ...]
+        gm = xg.shape[0]
+        return jnp.broadcast_to(xg[:, None], (gm, num_groups // gm, *x.shape)).reshape(num_groups, *x.shape)
+
+    def replicated(self, x: jax.Array) -> jax.Array:
+        """x pinned group-replicated when sharded (a value computed from replicated inputs)."""
+        return self.backend.to_groups(x) if self.sharded else x
+
+    def shards(self, x):
+        """x (or None) in the token-sharded layout when sharded (a local slice; free)."""
+        return self.backend.to_shards(x) if self.sharded and x is not None else x
+
+
 @dataclasses.dataclass(frozen=True)
 class FoECompute(FoEBackend):
     """FoE routed-compute backend on a mesh from `make_foe_mesh` (see module doc): the model/foe.py
-    FoEBackend protocol on a mesh, token-sharded layout included."""
+    FoEBackend protocol on a mesh, token-sharded layout included (TokenLayout)."""
 
     mesh: Mesh
     dispatch: str = "all_to_all"
-    token_sharding = True
+
+    def token_layout(self, sharded: bool, sum_dtype: str = "auto") -> TokenLayout:
+        return TokenLayout(self, sharded, sum_dtype)
 
     @property
     def device_groups(self) -> int:
@@ -267,7 +314,7 @@ class FoECompute(FoEBackend):
                            out_specs=P(), axis_names={GROUP_AXIS}, check_vma=False)
         return fn(vv)
 
-    # ---- token-sharded layout (moe.foe_tokens=sharded, model/foe.py): [b, ...] values between the
+    # ---- token-sharded layout (moe.foe_tokens=sharded, TokenLayout): [b, ...] values between the
     # groups' sub-blocks are split over the batch axes x `group` (SHARD_AXES), so the dense parts run
     # once; a group-replicated view is gathered where a group's attention or experts read it.
 

@@ -13,7 +13,7 @@ Axis types are `Auto`, chosen deliberately (jax 0.10 `jax.make_mesh` defaults to
   parameters and of the batch through it, and insert the FSDP all-gathers / tensor-parallel
   reductions. With Explicit axes every op whose output sharding is ambiguous (an FSDP-sharded
   contraction dim, a reshape of a sharded dim) must be annotated by the model code, which would drag
-  the mesh into model/ (DESIGN.md section 3: the model never touches a mesh);
+  the mesh into model/ (docs/design.md section 3: the model never touches a mesh);
 - the MoE token exchange, where the schedule matters, is written explicitly in `jax.shard_map`
   (parallel/ep.py): there every collective is ours, visible and named, whatever the axis types.
 Inputs still carry their shardings (`shard_batch`, `create_model` place them), so nothing is

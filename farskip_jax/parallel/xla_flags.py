@@ -9,7 +9,7 @@ XLA_FLAGS win over the preset's (same flag name). Every flag name here is checke
 installed jaxlib by tests/test_parallel_xla_flags.py (an unknown flag aborts XLA at start-up).
 
 Why each flag is there is written next to it; FarSkip's whole gain depends on the scheduler placing
-the async all-to-alls under independent compute (DESIGN.md section 2), so the GPU presets are about
+the async all-to-alls under independent compute (docs/design.md section 2), so the GPU presets are about
 turning that scheduler on and giving it room. Collectives are async (start/done pairs) by default on
 GPU; `--xla_gpu_disable_async_collectives` is the switch that would undo that (an empty value does not
 parse, so the presets leave it unset).
@@ -40,8 +40,6 @@ _SCHEDULING = [
 
 PRESETS: dict[str, list[tuple[str, str, str]]] = {
     "none": [],
-    # (`--xla_cpu_multi_thread_eigen=false`, against oversubscription by 8 virtual devices on 2 cores,
-    # was tried with benchmarks/ep_throughput.py and showed no difference beyond run-to-run noise)
     "cpu": [
         ("xla_cpu_enable_fast_math", "false",
          "IEEE semantics, so EP-vs-single-device parity tests can use tight fp32 tolerances"),

@@ -30,7 +30,7 @@ already saved or in flight is a no-op.
 Layer layout: a checkpoint written with `model.scan_layers` stores stacked parameters
 ("params.stacks.<s>.blocks.<q>....", leading layer axis) where one without stores
 "params.layers.<i>....". `restore` converts either into the other when the template has the other
-layout (optimizer moments included; model/stacking.py maps the keys): a run resumes across a change
+layout (optimizer moments included; convert/layer_keys.py maps the keys): a run resumes across a change
 of model.scan_layers. The stacks of a stacked checkpoint are read back from its own key names and shapes.
 """
 
@@ -47,7 +47,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from farskip_jax.errors import CheckpointError, ConfigError
-from farskip_jax.model import stacking
+from farskip_jax.convert import layer_keys as stacking
 from farskip_jax.train.digest import digest_files, first_mismatch, read_digest, write_digest
 
 SEALED = "digests"  # in data_state/: every committed step of this folder has a digest

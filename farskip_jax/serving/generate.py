@@ -1,6 +1,6 @@
 """Autoregressive generation with a KV cache that honours the model's connectivity.
 
-Every stream of FarSkip connectivity (DESIGN.md section 1) is per token: the streams of token j
+Every stream of FarSkip connectivity (docs/design.md section 1) is per token: the streams of token j
 depend only on token j's own sub-block outputs, and tokens interact only inside attention (through
 keys/values). So a decode step runs the SAME stream logic (model/connectivity.py `Streams`) over the
 new tokens only, with attention reading the cached keys/values of all earlier tokens. The cache
@@ -30,10 +30,10 @@ sits at position i - pad[j]; pad slots are never keys (position FAR) and pad que
 0, so a row's tokens see exactly its own prompt: its logits equal its own unpadded full forward.
 Every row writes slot P + n at decode step n. The prefill handles all P slots in one call.
 
-On a mesh (`layout`, parallel/inference.py TpEpLayout, the paper's TP-attention / replicated-MoE
-serving layout): the model must come from parallel.inference.inference_model; attention heads and
+On a mesh (`layout`, serving/tp_ep.py TpEpLayout, the paper's TP-attention / replicated-MoE
+serving layout): the model must come from serving.tp_ep.inference_model; attention heads and
 the cache's heads are split over `tensor`, rows over `data`; the decode step is the same program.
-Federation of Experts on its own GPUs per group (parallel/foe_inference.FoELayout, model from
+Federation of Experts on its own GPUs per group (serving/foe.FoELayout, model from
 foe_inference_model): the cache rows of group h on its devices, the model's own FoE attention.
 A dropless MoE (capacity_factor null) gives exactly the full forward; with a capacity, tokens routed
 together can drop differently than in a full-sequence forward.
@@ -51,7 +51,7 @@ from flax import nnx
 
 from farskip_jax.config import FarSkipConfig
 from farskip_jax.errors import ConfigError
-from farskip_jax.model.attention import attention_core, attention_mask
+from farskip_jax.model.attention import KVCache
 from farskip_jax.model.stacking import plan_segments
 
 FAR = np.iinfo(np.int32).max  # position given to empty cache slots: never <= a query position
@@ -109,7 +109,7 @@ def init_cache(model, batch: int, max_len: int, layout=None) -> tuple:
     """Zero KV cache in the dtype the attention produces. Unstacked model: per layer (k [b, max_len, kv, d],
     v [b, max_len, kv, dv]). Stacked layers (model.scan_layers): per stack, per block q, (k, v)
     [repeats, b, max_len, heads, dim]. Federation of Experts: rows H*b, heads kv/H. On a `layout`
-    (parallel/inference.TpEpLayout): heads split over `tensor` (replicated kv heads: one per rank),
+    (serving/tp_ep.TpEpLayout): heads split over `tensor` (replicated kv heads: one per rank),
     rows over `data`, created in place on the mesh. model.micro_batches m > 1 (two-batch overlap): a
     tuple of m such caches of batch / m rows each (micro-batch j = rows j, j + m, ...)."""
     m = model.cfg.model.micro_batches
@@ -137,13 +137,6 @@ def _init_cache(model, batch: int, max_len: int, layout=None) -> tuple:
                        for q in range(seg.period)) for seg in plan_segments(model.cfg))
 
 
-def _cache_mask(model, layer: int, positions: jax.Array, k_pos: jax.Array) -> jax.Array:
-    """Causal (or chunked-local) mask of queries at `positions` [b', t] over cache slots at k_pos [b', L]."""
-    m = model.cfg.model
-    chunked = m.attention_chunk_size and (m.chunked_layers is None or layer in m.chunked_layers)
-    return attention_mask(positions, k_pos, None, None, chunk_size=m.attention_chunk_size if chunked else None)
-
-
 def slot_positions(start: jax.Array, t: int, max_len: int, pad: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Positions of the new tokens [b, t] (slot - pad, pad queries at 0) and of every cache slot
     [b, max_len] after writing slots [start, start + t) (slot - pad; FAR for pad and empty slots)."""
@@ -154,53 +147,13 @@ def slot_positions(start: jax.Array, t: int, max_len: int, pad: jax.Array) -> tu
     return positions, jnp.where(valid, slots - pad[:, None], FAR)
 
 
-def cached_attention_hook(model, positions: jax.Array, k_pos: jax.Array, start: jax.Array, layout=None):
-    """The layer loop's attention hook for KV-cache decoding: hook(block, site, entry) -> (fn, get_entry).
-    fn(normalised x [b, t, d]; FoE [H, b, t, d]) writes the new keys/values into the layer's cache
-    entry at slots [start, start + t) (row site.row of a stacked entry, in place) and attends over
-    every slot of it; get_entry() returns the updated entry."""
-    hg = model.cfg.moe.num_groups
-
-    def hook(block, site, entry):
-        attn, row, sink = block.attn, site.row, {}
-        pos = site.rows(positions)  # this micro-batch's rows (model.micro_batches)
-        qp, kp = (pos, site.rows(k_pos)) if hg == 1 else (jnp.tile(pos, (hg, 1)), jnp.tile(site.rows(k_pos), (hg, 1)))
-        mask = _cache_mask(model, block.layer_idx, qp, kp)  # alike layers of a stack share it
-
-        def fn(xn):
-            if layout is not None and layout.tensor_parallel_attention:
-                o, sink["entry"] = layout.cached_attention(attn, xn, pos, entry, start, mask, layer=row)
-                return o
-            with jax.named_scope("attention_qkv"):  # the scopes of Attention.__call__ (the cost model's)
-                q, k, v = attn.qkv(xn, pos) if hg == 1 else attn.qkv(xn, pos, hg)
-            if row is None:
-                kc = jax.lax.dynamic_update_slice(entry[0], k.astype(entry[0].dtype), (0, start, 0, 0))
-                vc = jax.lax.dynamic_update_slice(entry[1], v.astype(entry[1].dtype), (0, start, 0, 0))
-                kl, vl = kc, vc
-            else:
-                kc = jax.lax.dynamic_update_slice(entry[0], k[None].astype(entry[0].dtype), (row, 0, start, 0, 0))
-                vc = jax.lax.dynamic_update_slice(entry[1], v[None].astype(entry[1].dtype), (row, 0, start, 0, 0))
-                kl = jax.lax.dynamic_index_in_dim(kc, row, 0, keepdims=False)
-                vl = jax.lax.dynamic_index_in_dim(vc, row, 0, keepdims=False)
-            sink["entry"] = (kc, vc)
-            with jax.named_scope("attention_core"):
-                o = attention_core(q, kl, vl, mask, attn.scale)
-            with jax.named_scope("attention_out"):
-                return attn.project_out(o, xn) if hg == 1 else attn.project_out(o, xn, hg)
-
-        return fn, lambda: sink["entry"]
-
-    return hook
-
-
 def decode_step(model, tokens: jax.Array, start: jax.Array, cache: tuple, farskip: FarSkipConfig,
-                pad: Optional[jax.Array] = None, layout=None, scan: Optional[bool] = None):
+                pad: Optional[jax.Array] = None, scan: Optional[bool] = None):
     """Run tokens [b, t] in cache slots start..start+t-1 against the cache -> (logits [b, t, V] f32, cache).
 
-    The model's own forward (its streams; FoE's group sums) with each layer's attention replaced by
-    one that writes the new keys/values into cache slots [start, start + t) and reads every slot;
-    slots < start must hold earlier tokens. pad [b]: left-pad tokens per row (module doc); layout:
-    parallel/inference.TpEpLayout (tensor-parallel cached attention), None = one program as is.
+    The model's own forward (its streams; FoE's group sums; a serving layout's step) with a KVCache:
+    each layer's attention writes the new keys/values into cache slots [start, start + t) and reads
+    every slot; slots < start must hold earlier tokens. pad [b]: left-pad tokens per row (module doc).
     scan (stacked layers): scans over layer indices (default) or False: unrolled per-layer views."""
     b, t = tokens.shape
     pad = jnp.zeros((b,), jnp.int32) if pad is None else pad.astype(jnp.int32)
@@ -208,13 +161,10 @@ def decode_step(model, tokens: jax.Array, start: jax.Array, cache: tuple, farski
     caches = list(cache) if m > 1 else [cache]  # one per micro-batch
     max_len = (caches[0][0][0][0] if model.scanned else caches[0][0][0]).shape[-3]
     positions, k_pos = slot_positions(start, t, max_len, pad)
-    sides = [c if model.scanned else tuple((entry,) for entry in c) for c in caches]
-    hook = cached_attention_hook(model, positions, k_pos, start, layout)
-    out = model(tokens, positions, farskip=farskip, attention=hook,
-                layer_step=None if layout is None else layout.layer_step(model, hook, farskip),
-                side=sides if m > 1 else sides[0], weights="indexed",
-                scan=model.scanned and scan is not False and model.cfg.moe.num_groups == 1)
-    new = [sd if model.scanned else tuple(g[0] for g in sd) for sd in (out.side if m > 1 else [out.side])]
+    layers = [c if model.scanned else tuple((entry,) for entry in c) for c in caches]
+    kv = KVCache(layers=tuple(layers) if m > 1 else layers[0], start=start, key_positions=k_pos, scan=scan is not False)
+    out = model(tokens, positions, farskip=farskip, cache=kv)
+    new = [sd if model.scanned else tuple(g[0] for g in sd) for sd in (out.cache.layers if m > 1 else [out.cache.layers])]
     return out.logits, tuple(new) if m > 1 else new[0]
 
 
@@ -224,7 +174,7 @@ def make_decode_fn(graphdef, farskip: FarSkipConfig, layout=None, scan: Optional
     scan: as decode_step; jit=False: the plain function (e.g. for jax.make_jaxpr)."""
 
     def fn(state, tokens, start, cache, pad):
-        return decode_step(nnx.merge(graphdef, state), tokens, start, cache, farskip, pad, layout, scan)
+        return decode_step(nnx.merge(graphdef, state), tokens, start, cache, farskip, pad, scan)
 
     if not jit:
         return fn
@@ -263,7 +213,7 @@ def generate(model, prompt, max_new_tokens: int, *, farskip: Optional[FarSkipCon
              top_p: float = 1.0, seed: int = 0, eos_id: Optional[int] = None, decode_fn=None, layout=None,
              pad_id: int = 0) -> Generation:
     """Generate `max_new_tokens` after prompt [b, P] or a list of b prompts of any lengths (see the
-    module docstring). `model`: a Transformer (on a layout: from parallel.inference.inference_model).
+    module docstring). `model`: a Transformer (on a layout: from serving.tp_ep.inference_model).
     Sampling (temperature > 0, top_p) draws from jax.random.key(seed): the same seed gives the same
     tokens, on one device or a mesh."""
     check_sampling(max_new_tokens, temperature, top_p)

@@ -3,20 +3,20 @@ decode programs as abstract (deviceless-lowerable) jitted functions.
 
     model, layout = serving_model(cfg, graphdef, st)          # layout None = the training layout
                                                               # tp_ep: TpEpLayout; foe: FoELayout
-    out = generate(model, [ids_a, ids_b], 32, layout=layout)  # eval/generate.py, ragged prompts
+    out = generate(model, [ids_a, ids_b], 32, layout=layout)  # serving/generate.py, ragged prompts
 
     mesh = jax.sharding.Mesh(...)                            # e.g. over analysis.deviceless.gpu_devices
     fn, args = decode_program(cfg, mesh, batch=8, max_len=4096)           # one new token per row
     fn, args = prefill_program(cfg, mesh, batch=8, prompt_len=1024, max_len=4096)
     compiled = fn.lower(*args).compile(compiler_options=TpEpLayout.compiler_options())
 
-Both programs are `make_decode_fn` of eval/generate.py (the same step `generate` runs) on the tp_ep
-layout (parallel/inference.py), or with inference.layout=foe on the Federation-of-Experts layout
-(parallel/foe_inference.py: one group per GPU, cache rows by group): state, tokens [b, t], start [], cache, pad [b] as ShapeDtypeStructs
+Both programs are `make_decode_fn` of serving/generate.py (the same step `generate` runs) on the tp_ep
+layout (serving/tp_ep.py), or with inference.layout=foe on the Federation-of-Experts layout
+(serving/foe.py: one group per GPU, cache rows by group): state, tokens [b, t], start [], cache, pad [b] as ShapeDtypeStructs
 with their shardings, so nothing is materialised and a CPU host can compile them for 8 GPUs. Under
-model.scan_layers the programs are the scanned decode of eval/generate.py (the stacked cache:
+model.scan_layers the programs are the scanned decode of serving/generate.py (the stacked cache:
 per stack, per block, [repeats, b, max_len, heads, dim]). model.micro_batches = m > 1 (two-batch
-overlap): the cache is a tuple of m such caches of batch / m rows (eval/generate.init_cache).
+overlap): the cache is a tuple of m such caches of batch / m rows (serving/generate.init_cache).
 """
 
 from __future__ import annotations
@@ -29,13 +29,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from farskip_jax.config import Config, MeshConfig, ModelConfig
-from farskip_jax.eval.generate import decode_step, make_decode_fn, stacked_cache_shapes
 from farskip_jax.errors import ConfigError
 from farskip_jax.parallel.foe import foe_mesh_from
-from farskip_jax.parallel.foe_inference import (FoELayout, abstract_foe_inference_model, check_foe_inference,
-                                                foe_inference_model)
-from farskip_jax.parallel.inference import abstract_inference_model, inference_model, layout_for
 from farskip_jax.parallel.mesh import make_mesh
+from farskip_jax.serving.foe import FoELayout, abstract_foe_inference_model, check_foe_inference, foe_inference_model
+from farskip_jax.serving.generate import decode_step, make_decode_fn, stacked_cache_shapes
+from farskip_jax.serving.tp_ep import abstract_inference_model, inference_model, layout_for
 
 
 def restore_mesh(devices=None) -> Mesh:
@@ -79,11 +78,11 @@ def cache_entry_shapes(m: ModelConfig, batch: int, max_len: int, layout, groups:
 
 
 def _abstract_cache(cfg: Config, layout, rows: int, max_len: int):
-    """The ShapeDtypeStructs of a KV cache of `rows` requests on the layout (eval/generate.init_cache)."""
+    """The ShapeDtypeStructs of a KV cache of `rows` requests on the layout (serving/generate.init_cache)."""
     dt = jnp.dtype(cfg.model.compute_dtype)
     cs = layout.cache_sharding()
     ks, vs = cache_entry_shapes(cfg.model, rows, max_len, layout, cfg.moe.num_groups)
-    if cfg.model.scan_layers:  # the stacked cache of eval/generate.py: per stack, per block, [repeats, ...]
+    if cfg.model.scan_layers:  # the stacked cache of serving/generate.py: per stack, per block, [repeats, ...]
         ss = layout.stacked_cache_sharding()
         return tuple(tuple(tuple(jax.ShapeDtypeStruct(x, dt, sharding=ss) for x in kv) for kv in stack)
                      for stack in stacked_cache_shapes(cfg, lambda layer: (ks, vs)))
@@ -113,7 +112,7 @@ def _program(cfg: Config, mesh: Mesh, batch: int, t: int, max_len: int, last_log
         model = nnx.merge(graphdef, state)
         output = model.output
         model.output = lambda full, *rest, **kw: output(full[:, -1:], *rest, **kw)
-        return decode_step(model, tokens, start, cache, fs, pad, layout)
+        return decode_step(model, tokens, start, cache, fs, pad)
 
     return jax.jit(fn, donate_argnums=3, compiler_options=layout.compiler_options()), args
 

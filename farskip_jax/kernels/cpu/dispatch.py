@@ -1,13 +1,13 @@
-"""The dispatcher of the CPU kernels: which backend the model's seam (model/ops.py) gets, and when.
+"""The dispatcher of the CPU kernels: which backend the model's seam (kernels/ops.py) gets, and when.
 
     from farskip_jax import kernels
     kernels.install(cfg.kernels)   # parallel/build.config_on does it for every model built from a config
 
-Named backends, each an op of the model's backend seam (model/ops.py), registered for CPU programs:
+Named backends, each an op of the model's backend seam (kernels/ops.py), registered for CPU programs:
 
-    blas        grouped matmul (moe.gmm)              kernels/gmm.gmm: one BLAS sgemm per group part, bf16 on AMX
-    fused_cpu   attention core (model.attention_impl) kernels/attention.py: score blocks in cache, FA-2 VJP
-    blas_dense  dense matmul (every Linear)           kernels/gmm.matmul: gmm with one group
+    blas        grouped matmul (moe.gmm)              kernels/cpu/gmm.gmm: one BLAS sgemm per group part, bf16 on AMX
+    fused_cpu   attention core (model.attention_impl) kernels/cpu/attention.py: score blocks in cache, FA-2 VJP
+    blas_dense  dense matmul (every Linear)           kernels/cpu/gmm.matmul: gmm with one group
 
 `resolve(cfg)` is the one place that knows when they apply:
   - CPU programs only: each is registered for platform "cpu" (the grouped matmul and attention core
@@ -18,7 +18,7 @@ Named backends, each an op of the model's backend seam (model/ops.py), registere
     core there (the routed experts run per device inside the expert-parallel shard_map), and the
     dense matmul runs only in a process with one device (a traced Linear cannot tell its program's
     partitioning);
-  - the library builds here (kernels/library.py: a C++ compiler and a CBLAS); if not, `auto` keeps
+  - the library builds here (kernels/cpu/library.py: a C++ compiler and a CBLAS); if not, `auto` keeps
     the plain-JAX implementations with one warning, and an explicit `moe.gmm: blas` or
     `model.attention_impl: fused_cpu` raises KernelUnavailable naming the fix.
 The settings come from the config's `kernels:` section (config.KernelsConfig); host memory
@@ -31,11 +31,11 @@ import jax
 import jax.numpy as jnp
 
 from farskip_jax.config import KernelsConfig
-from farskip_jax.kernels import library
-from farskip_jax.kernels.library import available
-from farskip_jax.model import ops
+from farskip_jax.kernels.cpu import library
+from farskip_jax.kernels.cpu.library import available
+from farskip_jax.kernels import ops
 
-# backend name -> the op of model/ops.py it implements
+# backend name -> the op of kernels/ops.py it implements
 BACKENDS = {"blas": ops.GROUPED_MATMUL, "fused_cpu": ops.ATTENTION_CORE, "blas_dense": ops.MATMUL}
 # the custom-call targets the library registers (what a program containing a kernel names)
 FFI_TARGETS = ("farskip_gmm", "farskip_tgmm", "farskip_gmm_bf16", "farskip_tgmm_bf16", "farskip_attention_fwd",
@@ -56,7 +56,7 @@ def _one_device(devices: int) -> bool:
 def _dense_accepts(x2: jax.Array, w: jax.Array, transpose_w: bool) -> bool:
     """bf16 rows on AMX (not transposed; K, N multiples of 32), or float32 x and w unless
     kernels.dense_matmul: xla; in a one-device process only."""
-    from farskip_jax.kernels import gmm
+    from farskip_jax.kernels.cpu import gmm
 
     if process_devices() != 1 or not available():
         return False
@@ -69,7 +69,7 @@ def resolve(cfg: KernelsConfig) -> dict[str, ops.Backend]:
     """The backends `cfg` installs, by name (none when cfg.enabled is false)."""
     if not cfg.enabled:
         return {}
-    from farskip_jax.kernels import attention, gmm
+    from farskip_jax.kernels.cpu import attention, gmm
 
     return {
         "blas": ops.Backend(gmm.gmm, platform="cpu", auto=_one_device, stored_weights=True),
@@ -79,7 +79,7 @@ def resolve(cfg: KernelsConfig) -> dict[str, ops.Backend]:
 
 
 def install(cfg: KernelsConfig) -> tuple[str, ...]:
-    """Make `cfg` the process's kernel settings and register its backends in model/ops.py (replacing
+    """Make `cfg` the process's kernel settings and register its backends in kernels/ops.py (replacing
     any installed before; cfg.enabled false removes them). Returns the names installed. Cheap: the
     library is built and loaded on first use, not here."""
     global _installed

@@ -1,13 +1,13 @@
 """The model's replaceable computations and the registry a backend fills (the one backend seam).
 
     matmul(x [m, i], w [i, o] (or [o, i] with transpose_w)) -> [m, o]   every Linear, tied logits, router
-    grouped matmul                                                      model/gmm.py, by name (moe.gmm)
-    attention core                                                      model/attention.py, by name
+    grouped matmul                                                      kernels/gmm.py, by name (moe.gmm)
+    attention core                                                      kernels/attention.py, by name
                                                                         (model.attention_impl)
 
-The model's own implementations are plain JAX (XLA's dot; gmm.py's ragged_dot / tiled / einsum;
-attention.py's naive / blockwise / causal_blocks). A backend package may register more with
-`register(op, name, Backend(...))`; farskip_jax.kernels registers the CPU C++ kernels (`blas`,
+The built-in implementations are plain JAX (XLA's dot; gmm.py's ragged_dot / tiled / einsum;
+attention.py's naive / blockwise / causal_blocks). A backend may register more with
+`register(op, name, Backend(...))`; kernels/cpu/dispatch.py registers the CPU C++ kernels (`blas`,
 `fused_cpu`, the dense BLAS/AMX matmul) when the config's `kernels:` section enables them, and the
 overlap analysis registers a grouped-GEMM cost proxy while it traces. model/ never imports a backend:
 it asks this registry, by name, whether one is there.

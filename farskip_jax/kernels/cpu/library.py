@@ -13,7 +13,7 @@ threads; MKL runs in its sequential threading layer. `available()` says whether 
 `amx_available()` whether the bf16 grouped GEMM (Intel AMX tiles) can run too.
 The settings are the config's `kernels:` section, handed over by kernels.install (`configure`);
 they are read once, at the first load of the process.
-Users: kernels/gmm.py, kernels/attention.py; the choice of kernel is kernels/__init__.py's.
+Users: kernels/cpu/gmm.py, kernels/cpu/attention.py; the choice of kernel is kernels/cpu/dispatch.py's.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def _intel_cpu() -> bool:
 
 def _mkl_libraries() -> list[str]:
     """libmkl_rt of the `mkl` wheel (the `mkl` extra) in this environment; under kernels.blas: auto
-    only on Intel CPUs, where its sgemm is 1.2-1.4x OpenBLAS's on the expert shapes
+    only on Intel CPUs, where its sgemm is faster than OpenBLAS's on the expert shapes
     (benchmarks/moe_layer.py) -- MKL takes slower paths on other vendors' CPUs."""
     choice = _settings.blas
     if choice == "openblas" or (choice == "auto" and not _intel_cpu()):

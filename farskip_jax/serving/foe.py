@@ -27,7 +27,7 @@ XLA:CPU's combiner otherwise merges FarSkip's two independent sums of a layer ba
     mesh = foe_inference_mesh(cfg)                    # or foe_mesh_from(any plain mesh, H)
     layout = FoELayout(mesh)
     model = foe_inference_model(cfg, mesh, st)         # any state, placed for the layout
-    out = generate(model, prompts, 32, layout=layout)  # eval/generate.py: = the one-device model
+    out = generate(model, prompts, 32, layout=layout)  # serving/generate.py: = the one-device model
 """
 
 from __future__ import annotations
@@ -39,12 +39,15 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from farskip_jax.config import Config, FarSkipConfig, ModelConfig
+from farskip_jax.config import Config, ModelConfig
 from farskip_jax.errors import ConfigError
+from farskip_jax.model.foe import check_foe
+from farskip_jax.model.transformer import Transformer
+from farskip_jax.parallel.build import config_on
 from farskip_jax.parallel.foe import FOE_EXPERT_RULES, FOE_RULES, GROUP_AXIS, FoECompute, foe_mesh_from
-from farskip_jax.parallel.inference import NO_COMBINER_PASSES
 from farskip_jax.parallel.mesh import BATCH_AXES, make_mesh
 from farskip_jax.parallel.sharding import abstract_state, logical_to_spec
+from farskip_jax.serving.tp_ep import NO_COMBINER_PASSES
 
 # attention heads over the device groups (each GPU its group's heads), the rest as FoE training
 SERVING_RULES = {**FOE_RULES, "heads": (GROUP_AXIS, "tensor"), "kv_heads": (GROUP_AXIS, "tensor"),
@@ -55,8 +58,6 @@ ROWS = (GROUP_AXIS, *BATCH_AXES)  # cache rows h*b + j: group-major, then the ba
 
 def check_foe_inference(cfg: Config, mesh: Optional[Mesh] = None) -> int:
     """ConfigError unless cfg can run inference.layout=foe (on `mesh`); returns H."""
-    from farskip_jax.model.foe import check_foe
-
     h = cfg.moe.num_groups
     if h < 2 or not cfg.moe.num_experts:
         raise ConfigError(f"inference.layout=foe needs a Federation of Experts: moe.num_groups >= 2 and routed "
@@ -99,11 +100,10 @@ def serving_state_shardings(state, mesh: Mesh):
 
 @dataclasses.dataclass(frozen=True)
 class FoELayout:
-    """The foe inference layout on a FoE mesh: shardings of batches and caches for eval/generate.py.
+    """The foe inference layout on a FoE mesh: shardings of batches and caches for serving/generate.py.
     Attention and the layer step are the model's own (FoEStep with the FoECompute backend)."""
 
     mesh: Mesh
-    tensor_parallel_attention = False  # generate's cached attention is the model's own
 
     @staticmethod
     def compiler_options() -> dict:
@@ -123,16 +123,10 @@ class FoELayout:
     def cache_heads(self, m: ModelConfig, heads: int) -> int:
         return heads
 
-    def layer_step(self, model, attention, farskip: Optional[FarSkipConfig] = None):
-        return None  # the model's own FoEStep
-
 
 def _foe_graph(cfg: Config, mesh: Mesh):
-    from farskip_jax.model.transformer import Transformer
-    from farskip_jax.parallel.build import config_on
-
     if GROUP_AXIS not in mesh.shape:
-        raise ConfigError("inference.layout=foe needs a FoE mesh (parallel.foe_inference.foe_inference_mesh)")
+        raise ConfigError("inference.layout=foe needs a FoE mesh (serving.foe.foe_inference_mesh)")
     check_foe_inference(cfg, mesh)
     cfg = config_on(cfg, mesh)
     rc = FoECompute(mesh, cfg.moe.dispatch)
@@ -152,6 +146,6 @@ def foe_inference_model(cfg: Config, mesh: Mesh, state):
 
 def abstract_foe_inference_model(cfg: Config, mesh: Mesh):
     """(graphdef, state) of cfg's foe-layout model, every leaf a ShapeDtypeStruct with its sharding
-    (deviceless lowering for compile-only GPUs, eval/serving.py)."""
+    (deviceless lowering for compile-only GPUs, serving/programs.py)."""
     graphdef, state = _foe_graph(cfg, mesh)
     return graphdef, abstract_state(state, serving_state_shardings(state, mesh))
