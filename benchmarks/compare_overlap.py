@@ -124,6 +124,7 @@ def cost_model_of(r) -> dict:
     """The two-stream model a ProgramResult was timed with."""
     topo = r.topology
     return {"hardware": r.hardware, "contention": r.contention, "fused_attention": r.fused_attention,
+            "calibrated": "2026-12-07",  # constants fitted to component measurements (docs/calibration.md)
             "nodes": len({d.process_index for d in r.mesh.devices.flat}),
             "topology": None if topo is None else repr(topo.links)}
 
@@ -258,6 +259,15 @@ def verdicts(rows: list[dict], share: float) -> list[str]:
                    f"alone {best:.2f} ms (communication {100 * share:.1f}% of the no-overlap step; the goal applies "
                    f"{'here' if need else 'only at >= 20%'})")
     return out
+
+
+def calibration_note(setting: dict) -> str:
+    """Whether every row of the setting was timed with the calibrated constants (docs/calibration.md)."""
+    rows = [r for t in setting["tokens"] for r in t["rows"] if "cost_model" in r]
+    if rows and all(r["cost_model"].get("calibrated") for r in rows):
+        return "Cost model: constants fitted to component measurements (docs/calibration.md)."
+    return ("**Pre-calibration** rows (timed before the constants were fitted, 2026-12-07; docs/calibration.md): "
+            "read them as the earlier model's.")
 
 
 def table_md(setting: dict) -> str:
@@ -453,7 +463,7 @@ def main(argv=None) -> int:
           f"modelled, two-stream {a.hardware} model, contention {hw.contention:.2f}"
           + (", steady state of gradient accumulation (gradient reductions and update at zero)" if a.accum == "inf"
              else ", every collective counted"), "",
-          f"`{setting['command']}` ({setting['date']})", "", table_md(setting)]
+          f"`{setting['command']}` ({setting['date']})", "", calibration_note(setting), "", table_md(setting)]
     text = "\n".join(md)
     print(text)
     with open(os.path.join(a.out, name + ".md"), "w") as f:

@@ -58,14 +58,16 @@ from multinode_scaling import MODEL_OVERRIDES, MODELS  # noqa: E402
 VARIANTS = ("standard", "standard_tbo", "farskip", "farskip_tbo", "foe", "foe_farskip")
 ROWS = ("standard", "no_overlap", "standard_tbo", "farskip", "farskip_tbo", "foe", "foe_farskip")
 LABELS = {"standard": "standard (XLA schedule)", "no_overlap": "standard, no overlap",
-          "standard_tbo": "standard + TBO", "farskip": "FarSkip", "farskip_tbo": "FarSkip + TBO",
+          "standard_tbo": "standard + TBO (tp_ep)", "farskip": "FarSkip", "farskip_tbo": "FarSkip + TBO (tp_ep)",
           "foe": "FoE (H = GPUs)", "foe_farskip": "FoE + FarSkip"}
 # what others measured (issue 33's sources): shown next to our rows, not compared number for number
 PUBLISHED = [
-    "SGLang two-batch overlap, DeepSeek-V3 on H100 (SGLang large-scale EP write-up, 2025-05): prefill +27-35% "
-    "throughput; decode +25.5% at 256 tokens per GPU, -27% at 32; on MI355 TTFT -8.7%",
-    "FarSkip-Collective (arXiv 2511.11505): TTFT -18.5% Llama-4-Scout (vLLM), up to -32.6% DeepSeek-V3 (SGLang); "
-    "the authors' SGLang path refuses TBO",
+    "SGLang two-batch overlap, DeepSeek-V3 on 96 H100 in the dp_ep layout (DP attention + DeepEP all-to-all, EP 32 "
+    "prefill / EP 72 decode, FP8; LMSYS large-scale EP write-up, 2025-05-05): prefill +27-35% throughput; decode "
+    "+25.5% at 256 tokens per GPU, -27% at 32 (not the tp_ep layout of these rows)",
+    "FarSkip-Collective (arXiv 2511.11505; AMD ROCm blog): 18% TTFT speedup Llama-4-Scout (vLLM); 32.6% TTFT "
+    "speedup (1.33x, v1: up to 1.34x) DeepSeek-V3 (SGLang, CUDA graphs disabled); the authors' SGLang path "
+    "refuses TBO",
 ]
 
 

@@ -29,7 +29,8 @@ import time
 from typing import Optional
 
 from farskip_jax.analysis.calibration_fit import DATA_DIR, fit_constants, fitted_json, load_components, load_fitted
-from farskip_jax.analysis.calibration_programs import PROGRAMS, ROOT, VARIANTS, compile_program_file
+from farskip_jax.analysis.calibration_programs import PROGRAMS, ROOT, VARIANTS, compile_program_file, overrides_of
+from farskip_jax.errors import ConfigError
 
 OUT = os.path.join(ROOT, "benchmarks", "results", "calibration")
 # constants varied for the spread: label -> (Hardware fields, Links fields), varied together when one
@@ -70,19 +71,23 @@ def score_flops(spec) -> float:
 
 
 def retime(schedule, node_of, hardware: str, hw_which: dict, link_which: dict, flops_per_score: float,
-           nics_per_node: Optional[int] = None) -> dict:
+           nics_per_node: Optional[int] = None, contention: Optional[float] = None) -> dict:
     """One compiled train step re-timed: steady / full (gradient reductions and update counted), each
     overlapped as scheduled and with every all-to-all synchronous; the all-to-all totals per direction."""
-    from farskip_jax.analysis.cost_model import hardware_from_fit, optimizer_step, simulate
+    from farskip_jax.analysis.cost_model import hardware_from_fit, optimizer_step, simulate, with_contention
     from farskip_jax.analysis.report import ALL_TO_ALLS, analyze
     from farskip_jax.analysis.topology import Topology, links_from_fit, resized
 
     fitted = load_fitted()
-    hw = hardware_from_fit(hardware, fitted, hw_which)
+    hw = with_contention(hardware_from_fit(hardware, fitted, hw_which), contention)
     links = links_from_fit(hardware, fitted, link_which)
+    import dataclasses
+
     per = max(node_of.count(x) for x in set(node_of))
-    over = {} if nics_per_node is None else {"nics_per_node": nics_per_node}
-    topo = Topology(resized(links, per, **over), tuple(node_of))
+    lk = resized(links, per)
+    if nics_per_node is not None:
+        lk = dataclasses.replace(lk, nics_per_node=nics_per_node)
+    topo = Topology(lk, tuple(node_of))
     free = optimizer_step(schedule)
     out = {}
     for part, fr in (("steady", free), ("full", None)):
@@ -108,19 +113,26 @@ def _lin(a, b, f):
 def program_figures(spec, cache_dir: str, log=None, nic_sweep: tuple = ()) -> dict:
     """{constant-set key: {variant: retime figures}} of one program (extrapolated to full depth when
     compiled at two depths); keys: 'central', '<constant>:low|high', 'nics<N>' (central constants,
-    N NICs per node)."""
+    N NICs per node), 'diag:no_contention' (central constants without any contention: a diagnostic
+    of how much the contention costs, never a fit)."""
     from farskip_jax.analysis.schedule_store import load_schedule_file
 
     fps = score_flops(spec)
     out: dict = {}
-    sets = [(f"{lab}:{end}" if end else lab, hw_w, lk_w, None) for lab, end, hw_w, lk_w in variants_of_constants()]
-    sets += [(f"nics{n}", {}, {}, n) for n in nic_sweep]
+    sets = [(f"{lab}:{end}" if end else lab, hw_w, lk_w, None, None)
+            for lab, end, hw_w, lk_w in variants_of_constants()]
+    sets += [(f"nics{n}", {}, {}, n, None) for n in nic_sweep]
+    sets.append(("diag:no_contention", {}, {}, None, 1.0))
     for variant in VARIANTS:
         per_depth = {}
         for layers in spec.layers:
-            sched, meta = load_schedule_file(os.path.join(cache_dir, spec.key(variant, layers) + ".json.gz"))
-            per_depth[layers] = {key: retime(sched, meta["node_of"], spec.hardware, hw_w, lk_w, fps, nics)
-                                 for key, hw_w, lk_w, nics in sets}
+            path = os.path.join(cache_dir, spec.key(variant, layers) + ".json.gz")
+            sched, meta = load_schedule_file(path)
+            if meta.get("overrides") != overrides_of(spec, layers, variant):
+                raise ConfigError(f"{path} was compiled with {meta.get('overrides')}, not the program's "
+                                  f"{overrides_of(spec, layers, variant)}: delete it and re-run to recompile")
+            per_depth[layers] = {key: retime(sched, meta["node_of"], spec.hardware, hw_w, lk_w, fps, nics, c)
+                                 for key, hw_w, lk_w, nics, c in sets}
             if log:
                 log(f"[calibration] re-timed {spec.key(variant, layers)} under {len(sets)} constant sets")
         if len(spec.layers) == 2:
@@ -147,7 +159,8 @@ def row_value(row: dict, figs: dict, spec) -> float:
         return step_us(figs["standard"], "serial", n) / step_us(figs["farskip"], "overlap", n)
     d = row["kind"].split("_")[1]
     f = figs["farskip"]["steady_overlap"]
-    return f[f"a2a_{d}_hidden_us"] / f[f"a2a_{d}_us"] if f[f"a2a_{d}_us"] else 1.0
+    # at most 1: hidden time and all-to-all time are extrapolated apart (program_figures)
+    return min(f[f"a2a_{d}_hidden_us"] / f[f"a2a_{d}_us"], 1.0) if f[f"a2a_{d}_us"] else 1.0
 
 
 def tolerance(row: dict) -> float:
@@ -166,7 +179,7 @@ def evaluate(rows: list[dict], results: dict) -> list[dict]:
             continue
         spec = PROGRAMS[row["program"]]
         res = results[row["program"]]
-        vals = {k: row_value(row, v, spec) for k, v in res.items() if not k.startswith("nics")}
+        vals = {k: row_value(row, v, spec) for k, v in res.items() if not k.startswith(("nics", "diag"))}
         central = vals["central"]
         swings = {}
         for k, v in vals.items():
@@ -174,6 +187,7 @@ def evaluate(rows: list[dict], results: dict) -> list[dict]:
                 name = k.split(":")[0]
                 swings.setdefault(name, []).append(v)
         dom = max(swings, key=lambda n: max(swings[n] + [central]) - min(swings[n] + [central]))
+        e["no_contention"] = row_value(row, res["diag:no_contention"], spec) if "diag:no_contention" in res else None
         e.update(central=central, low=min(vals.values()), high=max(vals.values()), dominant=dom,
                  error=central - row["published"], agrees=abs(central - row["published"]) <= e["tolerance"] + 1e-12)
         if row["kind"] == "speedup":
@@ -197,26 +211,62 @@ def _fmt(e: dict) -> str:
 
 
 def table_md(entries: list[dict], reasons: Optional[dict] = None) -> str:
+    """The hold-out table (markdown) of evaluate()'s entries; `reasons` {row id: why it misses}."""
     reasons = reasons or {}
     lines = ["| row | published | modelled (central) | range over the constants' spread | dominant constant | "
-             "error (speedup / gain) | agrees (tolerance) | why not |",
-             "|---|---|---|---|---|---|---|---|"]
+             "error (speedup / gain) | agrees (tolerance) | diagnostics (not fits) | why not |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for e in entries:
         f = _fmt(e)
         pub = f(e["published"])
         if "pending" in e:
-            lines.append(f"| {e['id']} | {pub} | pending: {e['pending']} | | | | counted as no | |")
+            lines.append(f"| {e['id']} | {pub} | pending: {e['pending']} | | | | counted as no | | |")
             continue
         err = (f"{100 * e['error']:+.1f} pts / gain x{e['gain_ratio']:.2f}" if e["kind"] == "speedup"
                else f"{100 * e['error']:+.1f} pts")
         tol = f"±{100 * e['tolerance']:.1f} pts"
+        diag = []
+        if e.get("no_contention") is not None:
+            diag.append(f"no contention {f(e['no_contention'])}")
+        for k, v in sorted((e.get("nics") or {}).items()):
+            diag.append(f"{k[4:]} NICs/node {f(v)}")
+        if "vs_xla_standard" in e:
+            diag.append(f"vs XLA-overlapped standard {e['vs_xla_standard']:.3f}x; a2a {100 * e['a2a_share']:.1f}% of "
+                        "the no-overlap micro-batch")
         lines.append(f"| {e['id']} | {pub} | {f(e['central'])} | {f(e['low'])} - {f(e['high'])} | {e['dominant']} | "
-                     f"{err} | {'yes' if e['agrees'] else 'no'} ({tol}) | {reasons.get(e['id'], '') if not e['agrees'] else ''} |")
+                     f"{err} | {'yes' if e['agrees'] else 'no'} ({tol}) | {'; '.join(diag)} | "
+                     f"{reasons.get(e['id'], '') if not e['agrees'] else ''} |")
     n_eval = sum(1 for e in entries if "pending" not in e)
     n_ok = sum(1 for e in entries if e.get("agrees"))
     lines += ["", f"Agreement: {n_ok} of {n_eval} evaluated rows ({100 * n_ok / max(n_eval, 1):.0f}%); "
                   f"{n_ok} of {len(entries)} listed rows ({100 * n_ok / len(entries):.0f}%), pending rows counted as not "
                   "agreeing."]
+    return "\n".join(lines)
+
+
+def _num(k: str, v: float) -> str:
+    if k in ("coll_bw", "a2a_bw"):
+        return f"{v / 1e9:.1f} GB/s"
+    if k == "coll_size_half":
+        return f"{v / 2**20:.2f} MiB"
+    if k.endswith("_us"):
+        return f"{v:.1f} us"
+    return f"{v:.3f}"
+
+
+def constants_md(fitted: dict) -> str:
+    """The constants table per hardware: value, spread, what it is fitted to, residuals (fitted.json)."""
+    lines = ["| hardware | constant | value | spread (low - high) | fitted to (source, setting) | residuals |",
+             "|---|---|---|---|---|---|"]
+    for hw, consts in fitted.items():
+        for k, f in consts.items():
+            src = "; ".join(dict.fromkeys(t for _, _, t in f["sources"])) if f["sources"] else ""
+            what = (f["note"] + (": " if f["note"] and src else "") + src) if f["note"] not in src else src
+            if not f["fitted"]:
+                what = "**not fitted** - " + what
+            res = ", ".join(f"{100 * r:+.1f}%" for _, r, _ in f["sources"]) if f["sources"] else "-"
+            lines.append(f"| {hw} | {k} | {_num(k, f['value'])} | {_num(k, f['low'])} - {_num(k, f['high'])} | "
+                         f"{what.replace('|', '/')} | {res} |")
     return "\n".join(lines)
 
 
@@ -252,10 +302,13 @@ def write_table(out_dir: str = OUT) -> str:
     with open(os.path.join(out_dir, "results.json")) as f:
         payload = json.load(f)
     hold = holdout_rows()
-    reasons = hold.get("reasons", {})
+    rpath = os.path.join(DATA_DIR, "holdout_reasons.json")
+    reasons = json.load(open(rpath))["reasons"] if os.path.exists(rpath) else {}
     entries = evaluate(hold["rows"], payload["programs"])
     extra = evaluate([dict(r, kind="speedup", published=float("nan"), source="", setting=r["note"])
                       for r in hold["extra_rows"]], payload["programs"])
+    with open(os.path.join(out_dir, "constants.md"), "w") as f:
+        f.write(constants_md(load_fitted()) + "\n")
     md = [f"Modelled {payload['date']} (`JAX_PLATFORMS=cpu python -m farskip_jax.analysis.calibration`)", "",
           table_md(entries, reasons), ""]
     for e in extra:
@@ -268,6 +321,26 @@ def write_table(out_dir: str = OUT) -> str:
     return text
 
 
+DOC = os.path.join(ROOT, "docs", "calibration.md")
+
+
+def update_doc(text: str, marker: str, path: str = DOC) -> bool:
+    """Replace what stands between `<!-- marker:begin -->` and `<!-- marker:end -->` in `path` by
+    `text`; False (nothing written) when the file or the markers are missing."""
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        doc = f.read()
+    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
+    if begin not in doc or end not in doc:
+        return False
+    head, rest = doc.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    with open(path, "w") as f:
+        f.write(head + begin + "\n" + text.strip() + "\n" + end + tail)
+    return True
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m farskip_jax.analysis.calibration", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=OUT, help="results folder (schedules/, results.json, table.md)")
@@ -278,9 +351,17 @@ def main(argv=None) -> int:
     try:
         if not a.table_only:
             run(a.out, compile_missing=not a.no_compile, log=log)
-        print(write_table(a.out))
+        text = write_table(a.out)
+        print(text)
+        if a.out == OUT:  # the committed results: docs/calibration.md quotes them
+            update_doc(text, "holdout")
+            with open(os.path.join(a.out, "constants.md")) as f:
+                update_doc(f.read(), "constants")
     except FileNotFoundError as e:
         print(f"error: {e}: compile it (drop --no-compile) or re-table with --table-only", file=sys.stderr)
+        return 2
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
 

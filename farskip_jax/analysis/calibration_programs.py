@@ -11,8 +11,9 @@ the target's memory set to MI325X's 256 GB, moe.dispatch=all_to_all at capacity 
 useful bytes at balance), no remat, the routed experts traced as a grouped GEMM's cost proxy
 (programs.grouped_gemm_proxy, the one expert-compute proxy of every calibrated row) and the
 attention as the model's plain core (priced by the cost model as the kernel the setting ran).
-DeepSeek-V2-Lite is compiled scanned at 2 and 4 layers and extrapolated to 27 (the rule of
-compare_overlap / inference_report); DeepSeek-V3-6L unrolled at its 6 layers.
+DeepSeek-V2-Lite is compiled unrolled (as Megatron runs its layers) at 4 and 6 layers and
+extrapolated linearly to 27 (the rule of compare_overlap / inference_report: exact when the layers
+between are the model's repeating MoE layer); DeepSeek-V3-6L unrolled at its 6 layers.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ PROGRAMS = {
         _spec("dsv3_6l_ep8_b1", "configs/deepseek_v3_6l.yaml", 8, 1, 4096, (6,), 6, False),
         _spec("dsv3_6l_ep16_b1", "configs/deepseek_v3_6l.yaml", 16, 1, 4096, (6,), 6, False),
         _spec("dsv3_6l_ep32_b1", "configs/deepseek_v3_6l.yaml", 32, 1, 4096, (6,), 6, False),
-        _spec("dsv2_lite_ep8_b4", "configs/deepseek_v2_lite.yaml", 8, 4, 4096, (2, 4), 27, True),
+        _spec("dsv2_lite_ep8_b4", "configs/deepseek_v2_lite.yaml", 8, 4, 4096, (4, 6), 27, False),
     )
 }
 
