@@ -124,6 +124,7 @@ def cost_model_of(r) -> dict:
     """The two-stream model a ProgramResult was timed with."""
     topo = r.topology
     return {"hardware": r.hardware, "contention": r.contention, "fused_attention": r.fused_attention,
+            "calibrated": "2026-12-07",  # constants fitted to component measurements (docs/calibration.md)
             "nodes": len({d.process_index for d in r.mesh.devices.flat}),
             "topology": None if topo is None else repr(topo.links)}
 
@@ -150,12 +151,46 @@ def compile_variant(cfg, variant: str, program: str, batch: int, seq: int, ep: i
     kw = dict(topology=r.topology, in_place_updates=True, fused_attention=r.fused_attention,
               free=optimizer_step(r.schedule) if program == "train" else None)
     steady = [analyze(*simulate(r.schedule, hw, ep, serialize=ser, **kw)) for ser in ((), ALL_TO_ALLS)]
+    spread = spread_steps(r, hardware, ep, program) if contention is None else {}
     return {"modelled": figures(r.modelled), "no_overlap": figures(r.serial), "cost_model": cost_model_of(r),
+            "spread": spread,
             "steady": figures(steady[0]), "steady_no_overlap": figures(steady[1]),
             "micro_batches": c.model.micro_batches, "preset": c.farskip.preset, "num_groups": c.moe.num_groups,
             "layout": r.layout, "compile_s": r.compile_s, "num_layers": c.model.num_layers,
             "xla_step_time": r.report.step_time, "scheduler_peak_memory_gib": r.report.peak_memory / 2**30,
             "memory_gb": MEMORY_GB.get(hardware)}
+
+
+def spread_steps(r, hardware: str, ep: int, program: str) -> dict:
+    """{constant-set: {modelled, no_overlap, steady, steady_no_overlap: step us}}: the compiled schedule
+    re-timed with each fitted constant at the low and the high end of its spread (docs/calibration.md)."""
+    import dataclasses
+
+    from farskip_jax.analysis.calibration import variants_of_constants
+    from farskip_jax.analysis.calibration_fit import load_fitted
+    from farskip_jax.analysis.cost_model import hardware_from_fit, optimizer_step, simulate
+    from farskip_jax.analysis.report import ALL_TO_ALLS
+    from farskip_jax.analysis.topology import Topology, links_from_fit
+
+    fitted = load_fitted()
+    out = {}
+    for lab, end, hw_w, lk_w in variants_of_constants():
+        if not end:
+            continue
+        hw = hardware_from_fit(hardware, fitted, hw_w)
+        topo = None
+        if r.topology is not None:
+            lk = links_from_fit(hardware, fitted, lk_w)
+            keep = {f: getattr(r.topology.links, f) for f in ("gpus_per_node", "nics_per_node", "intra_links")}
+            topo = Topology(dataclasses.replace(lk, **keep), r.topology.node_of)
+        fig = {}
+        for part, free in (("modelled", None), ("steady", optimizer_step(r.schedule) if program == "train" else None)):
+            for mode, ser in (("", ()), ("_no_overlap", ALL_TO_ALLS)):
+                sched, _ = simulate(r.schedule, hw, ep, serialize=ser, topology=topo, in_place_updates=True,
+                                    fused_attention=r.fused_attention, free=free)
+                fig[("no_overlap" if part == "modelled" and mode else part + mode)] = sched.makespan
+        out[f"{lab}:{end}"] = fig
+    return out
 
 
 def extrapolate(a: dict, la: int, b: dict, lb: int, layers: int) -> dict:
@@ -172,6 +207,8 @@ def extrapolate(a: dict, la: int, b: dict, lb: int, layers: int) -> dict:
         return x + (y - x) * f
 
     out = dict(b, num_layers=layers, extrapolated_from=[la, lb], compile_s=a["compile_s"] + b["compile_s"])
+    if a.get("spread") and b.get("spread"):
+        out["spread"] = lin(a["spread"], b["spread"])
     for part in ("modelled", "no_overlap"):
         out[part] = lin(a[part], b[part])
         t = out[part]["a2a"]
@@ -206,6 +243,7 @@ def rows_of(entries: dict, reasons: dict, steady: bool = False) -> list[dict]:
             continue
         sp = split_speedup(ref, _rep(f))
         a2a = f["a2a"]
+        rng = speedup_range(std, meta, name, steady, sp.total)
         rows.append({"row": name, "label": LABELS[name], "step_ms": f["step_time"] / 1e3,
                      "compute_ms": f["compute_time"] / 1e3, "exposed_ms": (f["step_time"] - f["compute_time"]) / 1e3,
                      "a2a_ms": a2a["duration"] / 1e3, "a2a_count": a2a["count"],
@@ -214,9 +252,25 @@ def rows_of(entries: dict, reasons: dict, steady: bool = False) -> list[dict]:
                      "speedup": sp.total, "hiding": sp.hiding, "compute": sp.compute,
                      "differs": [k for k, a, b in sp.scopes], "micro_batches": meta["micro_batches"],
                      "preset": meta["preset"], "cost_model": meta["cost_model"],
-                     "peak_gib": meta.get("scheduler_peak_memory_gib", float("nan")),
+                     "peak_gib": meta.get("scheduler_peak_memory_gib", float("nan")), **rng,
                      "memory_limited": memory_limited(meta)})
     return rows
+
+
+def speedup_range(std: dict, meta: dict, name: str, steady: bool, central: float) -> dict:
+    """{range: [low, high], dominant: constant} of a row's speedup over standard across the fitted
+    constants' spread (compile_variant's `spread`); {} without it."""
+    a, b = std.get("spread"), meta.get("spread")
+    if not a or not b:
+        return {}
+    part = "steady" if steady else "modelled"
+    serial = "steady_no_overlap" if steady else "no_overlap"
+    vals = {k: a[k][part] / (b[k][serial] if name == "no_overlap" else b[k][part]) for k in a if k in b}
+    swing: dict = {}
+    for k, v in vals.items():
+        swing.setdefault(k.split(":")[0], []).append(v)
+    dom = max(swing, key=lambda n: max(swing[n] + [central]) - min(swing[n] + [central]))
+    return {"range": [min(list(vals.values()) + [central]), max(list(vals.values()) + [central])], "dominant": dom}
 
 
 def memory_limited(entry: dict) -> bool:
@@ -260,22 +314,32 @@ def verdicts(rows: list[dict], share: float) -> list[str]:
     return out
 
 
+def calibration_note(setting: dict) -> str:
+    """Whether every row of the setting was timed with the calibrated constants (docs/calibration.md)."""
+    rows = [r for t in setting["tokens"] for r in t["rows"] if "cost_model" in r]
+    if rows and all(r["cost_model"].get("calibrated") for r in rows):
+        return "Cost model: constants fitted to component measurements (docs/calibration.md)."
+    return ("**Pre-calibration** rows (timed before the constants were fitted, 2026-12-07; docs/calibration.md): "
+            "read them as the earlier model's.")
+
+
 def table_md(setting: dict) -> str:
     """Markdown of one setting: a table per token shape."""
     out = []
     for t in setting["tokens"]:
         out += [f"#### {t['batch']} x {t['seq']} tokens per GPU (global batch {t['batch'] * setting['ep']} x "
                 f"{t['seq']}); all-to-all {100 * t['comm_share']:.1f}% of the no-overlap step", "",
-                "| row | step ms | exposed comm ms | a2a exposed ms | a2a hidden | a2a count | vs standard | = hiding "
-                "| x compute | compute differs most | sched. peak GiB |",
-                "|---|---|---|---|---|---|---|---|---|---|---|"]
+                "| row | step ms | exposed comm ms | a2a exposed ms | a2a hidden | a2a count | vs standard | range over "
+                "the constants' spread (dominant) | = hiding | x compute | compute differs most | sched. peak GiB |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in t["rows"]:
             if "na" in r:
-                out.append(f"| {r['label']} | {r['na']} | | | | | | | | | |")
+                out.append(f"| {r['label']} | {r['na']} | | | | | | | | | | |")
                 continue
+            rng = f"{r['range'][0]:.3f}-{r['range'][1]:.3f}x ({r['dominant']})" if "range" in r else "-"
             out.append(f"| {r['label']} | {r['step_ms']:.2f} | {r['exposed_ms']:.2f} | {r['a2a_exposed_ms']:.2f} | "
                        f"{r['hidden_pct']:.1f}% | "
-                       f"{r['a2a_count']} | {r['speedup']:.3f}x | {r['hiding']:.3f}x | {r['compute']:.3f}x | "
+                       f"{r['a2a_count']} | {r['speedup']:.3f}x | {rng} | {r['hiding']:.3f}x | {r['compute']:.3f}x | "
                        f"{', '.join(r['differs'][:2]) or '-'} | {r['peak_gib']:.0f}"
                        f"{' (!)' if r['memory_limited'] else ''} |")
         out += [""] + [f"- {v}" for v in t["verdicts"]] + [""]
@@ -453,7 +517,7 @@ def main(argv=None) -> int:
           f"modelled, two-stream {a.hardware} model, contention {hw.contention:.2f}"
           + (", steady state of gradient accumulation (gradient reductions and update at zero)" if a.accum == "inf"
              else ", every collective counted"), "",
-          f"`{setting['command']}` ({setting['date']})", "", table_md(setting)]
+          f"`{setting['command']}` ({setting['date']})", "", calibration_note(setting), "", table_md(setting)]
     text = "\n".join(md)
     print(text)
     with open(os.path.join(a.out, name + ".md"), "w") as f:

@@ -58,14 +58,16 @@ from multinode_scaling import MODEL_OVERRIDES, MODELS  # noqa: E402
 VARIANTS = ("standard", "standard_tbo", "farskip", "farskip_tbo", "foe", "foe_farskip")
 ROWS = ("standard", "no_overlap", "standard_tbo", "farskip", "farskip_tbo", "foe", "foe_farskip")
 LABELS = {"standard": "standard (XLA schedule)", "no_overlap": "standard, no overlap",
-          "standard_tbo": "standard + TBO", "farskip": "FarSkip", "farskip_tbo": "FarSkip + TBO",
+          "standard_tbo": "standard + TBO (tp_ep)", "farskip": "FarSkip", "farskip_tbo": "FarSkip + TBO (tp_ep)",
           "foe": "FoE (H = GPUs)", "foe_farskip": "FoE + FarSkip"}
 # what others measured (issue 33's sources): shown next to our rows, not compared number for number
 PUBLISHED = [
-    "SGLang two-batch overlap, DeepSeek-V3 on H100 (SGLang large-scale EP write-up, 2025-05): prefill +27-35% "
-    "throughput; decode +25.5% at 256 tokens per GPU, -27% at 32; on MI355 TTFT -8.7%",
-    "FarSkip-Collective (arXiv 2511.11505): TTFT -18.5% Llama-4-Scout (vLLM), up to -32.6% DeepSeek-V3 (SGLang); "
-    "the authors' SGLang path refuses TBO",
+    "SGLang two-batch overlap, DeepSeek-V3 on 96 H100 in the dp_ep layout (DP attention + DeepEP all-to-all, EP 32 "
+    "prefill / EP 72 decode, FP8; LMSYS large-scale EP write-up, 2025-05-05): prefill +27-35% throughput; decode "
+    "+25.5% at 256 tokens per GPU, -27% at 32 (not the tp_ep layout of these rows)",
+    "FarSkip-Collective (arXiv 2511.11505; AMD ROCm blog): 18% TTFT speedup Llama-4-Scout (vLLM); 32.6% TTFT "
+    "speedup (1.33x, v1: up to 1.34x) DeepSeek-V3 (SGLang, CUDA graphs disabled); the authors' SGLang path "
+    "refuses TBO",
 ]
 
 
@@ -138,6 +140,43 @@ def time_point(c: dict, program: str, hardware: str, contention: Optional[float]
     t = ir.time_serving(c["schedule"], c["node_of"], hardware, program, c["scores"] or None, contention)
     meta = {k: c[k] for k in ("compile_s", "mesh", "layers", "layout", "micro_batches", "preset", "num_groups")}
     return {**t.to_json(), **meta, "nodes": len(set(c["node_of"]))}
+
+
+def time_spread(c: dict, program: str, hardware: str) -> dict:
+    """{constant-set: {time_us, serial_us}} of a compiled point under each fitted constant at the low
+    and high end of its spread (calibration.variants_of_constants; docs/calibration.md)."""
+    from farskip_jax.analysis import inference_report as ir
+    from farskip_jax.analysis.calibration import variants_of_constants
+
+    out = {}
+    for lab, end, hw_w, lk_w in variants_of_constants():
+        if not end:
+            continue
+        t = ir.time_serving(c["schedule"], c["node_of"], hardware, program, c["scores"] or None, None,
+                            which=(hw_w, lk_w))
+        out[f"{lab}:{end}"] = {"time_us": t.time_us, "serial_us": t.serial_us}
+    return out
+
+
+def add_ranges(rows: list[dict], entries: dict, spread: dict) -> None:
+    """Each timed row's speedup range over the constants' spread and the constant that moves it most
+    (`spread` {variant: time_spread(...)}; rows without every variant's spread are left as they are)."""
+    std = spread.get("standard")
+    for r in rows:
+        if "speedup" not in r or std is None:
+            continue
+        v = "standard" if r["row"] == "no_overlap" else r["row"]
+        if v not in spread:
+            continue
+        vals = {}
+        for k in std:
+            t = spread[v][k]["serial_us"] if r["row"] == "no_overlap" else spread[v][k]["time_us"]
+            vals[k] = std[k]["time_us"] / t
+        swing = {}
+        for k, x in vals.items():
+            swing.setdefault(k.split(":")[0], []).append(x)
+        r["range"] = [min(list(vals.values()) + [r["speedup"]]), max(list(vals.values()) + [r["speedup"]])]
+        r["dominant"] = max(swing, key=lambda n: max(swing[n] + [r["speedup"]]) - min(swing[n] + [r["speedup"]]))
 
 
 def _rep(t: dict, serial: bool = False):
@@ -213,14 +252,16 @@ def table_md(setting: dict) -> str:
     out = []
     for p in setting["points"]:
         out += [f"#### {point_title(p)}: all-reduces {100 * p['comm_share']:.1f}% of the no-overlap time", "",
-                "| row | ms | exposed comm ms | AR exposed ms | AR hidden | collectives (AR) | vs standard | = hiding "
-                "| x compute | compute differs most |", "|---|---|---|---|---|---|---|---|---|---|"]
+                "| row | ms | exposed comm ms | AR exposed ms | AR hidden | collectives (AR) | vs standard | range over "
+                "the constants' spread (dominant) | = hiding | x compute | compute differs most |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in p["rows"]:
             if "na" in r:
-                out.append(f"| {r['label']} | {r['na']} | | | | | | | | |")
+                out.append(f"| {r['label']} | {r['na']} | | | | | | | | | |")
                 continue
+            rng = f"{r['range'][0]:.3f}-{r['range'][1]:.3f}x ({r['dominant']})" if "range" in r else "-"
             out.append(f"| {r['label']} | {r['time_ms']:.3f} | {r['exposed_ms']:.3f} | {r['ar_exposed_ms']:.3f} | "
-                       f"{r['hidden_pct']:.1f}% | {r['ar_count']} | {r['speedup']:.3f}x | {r['hiding']:.3f}x | "
+                       f"{r['hidden_pct']:.1f}% | {r['ar_count']} | {r['speedup']:.3f}x | {rng} | {r['hiding']:.3f}x | "
                        f"{r['compute']:.3f}x | {', '.join(r['differs'][:2]) or '-'} |")
         out += [""] + [f"- {v}" for v in p["verdicts"]] + [""]
     return "\n".join(out)
@@ -233,7 +274,9 @@ def summary_md(setting: dict) -> str:
            "|---|---|" + "---|" * len(names)]
     for p in setting["points"]:
         by = {r["row"]: r for r in p["rows"]}
-        cells = [f"{by[n]['speedup']:.3f}x" if "speedup" in by.get(n, {}) else "n/a" for n in names]
+        cells = [(f"{by[n]['speedup']:.3f}x" + (f" ({by[n]['range'][0]:.3f}-{by[n]['range'][1]:.3f}x)"
+                                                 if "range" in by[n] else ""))
+                 if "speedup" in by.get(n, {}) else "n/a" for n in names]
         out.append(f"| {point_title(p)} | {100 * p['comm_share']:.1f}% | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -323,13 +366,14 @@ def main(argv=None) -> int:
     stem = os.path.join(a.out, f"{a.model}_g{a.gpus}")
     old = json.load(open(stem + ".json")) if os.path.exists(stem + ".json") else {}
     timings = old.get("timings", {}) if old.get("contention") == hw.contention else {}
+    spreads = old.get("spreads", {}) if old.get("contention") == hw.contention else {}
     extra = "|".join(a.overrides)
     cmd = (f"JAX_PLATFORMS=cpu python benchmarks/compare_serving.py --model {a.model} --gpus {a.gpus}"
            + (f" --contention {a.contention:g}" if a.contention is not None else "")
            + (f" --hardware {a.hardware}" if a.hardware != "h200" else "") + "".join(f" {o}" for o in a.overrides))
     setting = {"model": a.model, "gpus": a.gpus, "nodes": max(1, a.gpus // 8), "num_layers": base.model.num_layers,
                "hardware": a.hardware, "contention": hw.contention, "command": cmd, "date": time.strftime("%Y-%m-%d"),
-               "points": [], "timings": timings}
+               "points": [], "timings": timings, "spreads": spreads}
     t_start = time.time()
     for program, batch, tokens in points:
         ctx = a.context if program == "decode" else tokens
@@ -356,11 +400,20 @@ def main(argv=None) -> int:
                     f"({100 * timings[k]['layer_hidden_frac']:.1f}% of the layer all-reduces hidden; "
                     f"{time.time() - t_start:.0f}s so far)")
             entries[v] = timings[k]
+            if k not in spreads and not a.plot_only and a.hardware in ("mi300x", "mi325x", "h100_sxm", "h200"):
+                c = compile_point(base, a.model, a.gpus, program, batch, tokens, ctx, v, a.cache, log, extra)
+                spreads[k] = time_spread(c, program, a.hardware)
+                with open(stem + ".json", "w") as f:
+                    json.dump(setting, f, indent=1)
         if "standard" not in entries:
             log(f"[serving] {program} {batch} x {tokens}: no standard row; skipped")
             continue
         share = comm_share(entries)
         rows = rows_of(entries, reasons)
+        if a.contention is None:  # the spread is of the fitted constants (an override fixes contention)
+            add_ranges(rows, entries, {v: spreads[key(a.model, a.gpus, program, batch, tokens, ctx, v, extra)]
+                                       for v in entries
+                                       if key(a.model, a.gpus, program, batch, tokens, ctx, v, extra) in spreads})
         setting["points"].append({"program": program, "batch": batch, "tokens": tokens, "context": ctx,
                                   "comm_share": share, "rows": rows, "verdicts": verdicts(rows, share)})
     setting["wall_s"] = time.time() - t_start
@@ -368,7 +421,8 @@ def main(argv=None) -> int:
         json.dump(setting, f, indent=1)
     md = [f"### {a.model} ({base.model.num_layers} layers) serving on {a.gpus} GPUs ({setting['nodes']} node(s)), "
           f"{a.hardware} two-stream model, contention {hw.contention:.2f} (modelled, {setting['date']})", "",
-          f"Command: `{cmd}`", "", "Speedup over standard (XLA's schedule of the tp_ep layout) per point:", "",
+          f"Command: `{cmd}`", "", "Speedup over standard (XLA's schedule of the tp_ep layout) per point, with its "
+          "range over the fitted constants' spread (docs/calibration.md):", "",
           summary_md(setting), "", "Published, for reference (other systems and models):", ""]
     md += [f"- {p}" for p in PUBLISHED] + ["", table_md(setting)]
     with open(stem + ".md", "w") as f:

@@ -511,6 +511,8 @@ def main() -> int:
     md = [f"# Multi-node scaling (modelled): {a.model}, two-stream {a.hardware} model on a topology of "
           f"{a.gpus_per_node} GPUs per node", "",
           "Modelled (deviceless compiles re-timed on a multi-node topology; docs/multinode.md). "
+          "Entries of results.json timed before 2026-12-07 are **pre-calibration** (the cost model's constants "
+          "before they were fitted to component measurements; docs/calibration.md). "
           "Speedups: over standard WITHOUT overlap of the same lever / over XLA's overlapped standard. "
           "Each table names the command of its rows (EP, data-parallel size D, sequence length S: the "
           "row's columns).", ""]

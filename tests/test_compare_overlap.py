@@ -60,7 +60,10 @@ def test_rows_share_one_cost_model_and_tbo_is_two_micro_batches():
     models = {tuple(sorted(r["cost_model"].items())) for r in timed}
     assert len(models) == 1
     (cm,) = models
-    assert dict(cm)["hardware"] == "mi300x" and dict(cm)["contention"] == 0.8 and dict(cm)["fused_attention"]
+    from farskip_jax.analysis.cost_model import HARDWARE
+
+    assert dict(cm)["hardware"] == "mi300x" and dict(cm)["contention"] == HARDWARE["mi300x"].contention
+    assert dict(cm)["fused_attention"] and dict(cm)["calibrated"]
     # TBO rows compiled with two micro-batches, and their programs have twice the all-to-alls
     assert by["standard_tbo"]["micro_batches"] == 2 and by["farskip_tbo"]["micro_batches"] == 2
     assert by["standard"]["micro_batches"] == 1 and by["no_overlap"]["micro_batches"] == 1
@@ -121,3 +124,17 @@ def test_verdicts_name_the_winner_and_whether_they_add_up():
     assert m.verdicts(rows, 0.1)[1].startswith("does NOT add up") and "only at >= 20%" in m.verdicts(rows, 0.1)[1]
     rows[1]["memory_limited"] = True
     assert m.verdicts(rows, 0.3)[0].startswith("MEMORY-LIMITED (standard + TBO)")
+
+
+def test_speedup_range_by_hand():
+    """speedup_range: standard's step / the row's under each constant end, the central value included;
+    the no-overlap row divides by standard's synchronous step."""
+    m = _module()
+    std = {"spread": {"mem_eff:low": {"modelled": 110.0, "no_overlap": 121.0, "steady": 50.0, "steady_no_overlap": 60.0},
+                      "mem_eff:high": {"modelled": 90.0, "no_overlap": 99.0, "steady": 40.0, "steady_no_overlap": 44.0}}}
+    fs = {"spread": {"mem_eff:low": {"modelled": 100.0, "steady": 50.0},
+                     "mem_eff:high": {"modelled": 75.0, "steady": 32.0}}}
+    r = m.speedup_range(std, fs, "farskip", False, 1.15)
+    assert r["range"] == [pytest.approx(1.1), pytest.approx(1.2)] and r["dominant"] == "mem_eff"
+    assert m.speedup_range(std, std, "no_overlap", True, 0.85)["range"] == [pytest.approx(50 / 60), pytest.approx(0.909, abs=1e-3)]
+    assert m.speedup_range({}, fs, "farskip", False, 1.0) == {}

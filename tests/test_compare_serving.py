@@ -104,3 +104,21 @@ def test_serving_programs_compile_a_servers_kernels():
         assert cfg.moe.gmm == "auto" and cfg.model.attention_impl == "auto" and cfg.inference.layout == "tp_ep"
     foe = serving_config(_tiny(), "standard", 8, foe_groups=8)
     assert foe.inference.layout == "foe" and foe.moe.gmm == "auto" and foe.moe.dispatch == "local"
+
+
+def test_speedup_ranges_over_the_constants_spread_by_hand():
+    """add_ranges: a row's range holds its central speedup and every re-timing's, and names the
+    constant whose two ends move it most (hand-made timings)."""
+    m = _module()
+    rows = [{"row": "standard", "speedup": 1.0}, {"row": "no_overlap", "speedup": 0.9},
+            {"row": "farskip", "speedup": 1.25}, {"row": "standard_tbo", "na": "n/a: x"}]
+    spread = {"standard": {"contention:low": {"time_us": 100.0, "serial_us": 110.0},
+                           "contention:high": {"time_us": 90.0, "serial_us": 110.0},
+                           "matmul_eff:low": {"time_us": 120.0, "serial_us": 130.0}},
+              "farskip": {"contention:low": {"time_us": 80.0}, "contention:high": {"time_us": 60.0},
+                          "matmul_eff:low": {"time_us": 100.0}}}
+    m.add_ranges(rows, {}, spread)
+    fs, no = rows[2], rows[1]
+    assert fs["range"] == [pytest.approx(1.2), pytest.approx(1.5)] and fs["dominant"] == "contention"
+    assert no["range"] == [pytest.approx(90 / 110), pytest.approx(120 / 130)]
+    assert "range" not in rows[3]

@@ -88,8 +88,11 @@ def test_no_overlap_means_no_contention():
 
 def test_default_is_the_hardware_field():
     assert all(0.0 < hw.contention <= 1.0 for hw in HARDWARE.values())
-    hw = with_contention(TOY, 0.5)
-    assert simulate(toy_schedule(30.0, 20.0), hw, group_size=2)[0].makespan == pytest.approx(60.0)
+    hw = with_contention(TOY, 0.5)  # compute and communication alike: the 20 us all-to-all takes 40 us under y,
+    # y (30 us) does 20 us of work by then (50) and its last 10 at full speed (60); z: 70
+    assert (hw.contention, hw.contention_comm) == (0.5, 0.5)
+    assert simulate(toy_schedule(30.0, 20.0), hw, group_size=2)[0].makespan == pytest.approx(70.0)
+    assert simulate(toy_schedule(30.0, 20.0), hw, group_size=2, contention_comm=1.0)[0].makespan == pytest.approx(60.0)
     assert simulate(toy_schedule(30.0, 20.0), TOY, group_size=2)[0].makespan == pytest.approx(50.0)  # TOY: 1.0
     assert with_contention(TOY, None) is TOY
     for bad in (0.0, -0.1, 1.5):

@@ -48,18 +48,21 @@ def test_farskip_hides_more_allreduce_time_than_standard(h100x8, program, batch,
 
 
 def test_allreduce_cost_matches_hand_computed():
+    from farskip_jax.analysis.cost_model import size_efficiency
+
     payload = 4 * 16 * 32 * 2  # batch 4 x 16 tokens x d_model 32, bf16
     lk = LINKS["h200"]
-    intra = 0.7 * 450e9  # NVLink 4 per direction x efficiency
+    # the fitted intra-node all-reduce bus bandwidth x the size curve at this payload; fitted latency
+    intra = lk.intra_allreduce_bw * size_efficiency(payload, lk.size_half, lk.size_q)
     # one node, 8 GPUs: ring all-reduce 2 (n-1)/n P / bw + latency
     one = Topology.of(lk, 8)
-    want = 10.0 + 1e6 * 2 * 7 / 8 * payload / intra
+    want = lk.intra_latency_us + 1e6 * 2 * 7 / 8 * payload / intra
     assert one.all_reduce_us(payload, [tuple(range(8))]) == pytest.approx(want)
     assert one.collective_time_us("all-reduce", payload, [tuple(range(8))]) == pytest.approx(want)
     assert collective_time_us("all-reduce", payload, 8, HARDWARE["h200"]) == pytest.approx(want)
     # two nodes of 8: reduce-scatter + all-gather inside the node, the 1/8 shard all-reduced over the NICs
     two = Topology.of(lk, 16, gpus_per_node=8)
-    inter = 0.8 * 400 * GBIT  # one 400 Gb/s NIC per GPU x efficiency
+    inter = lk.inter_eff * 400 * GBIT  # one 400 Gb/s NIC per GPU x efficiency
     want2 = 20.0 + 1e6 * (2 * 7 / 8 * payload / intra + 2 * 1 / 2 * (payload / 8) / inter)
     assert two.all_reduce_us(payload, [tuple(range(16))]) == pytest.approx(want2)
     # the TP groups of a 2 x 8 mesh stay inside their node: the one-node figure

@@ -42,13 +42,16 @@ def test_expert_parallel_across_two_nodes_train_step():
     pairs = [p for p in r.schedule.pairs if p.collective == "all-to-all"]
     assert pairs and all(p.groups == (tuple(range(8)),) for p in pairs)  # EP 8 spans both hosts
     assert r.topology.crossing_fraction(pairs[0].groups) == pytest.approx(4 / 7)
-    # each all-to-all is priced by hand's formula: 4 of 8 chunks through the NIC (0.8 x 50 GB/s)
+    # each all-to-all is priced by hand's formula: 4 of 8 chunks through the NIC (inter_eff x 50 GB/s), 3
+    # to node peers over the node's fabric at the size curve's share of its bandwidth, the slower of the two
     lk = r.topology.links
     for s in _token_a2a(r):
         nic = 1e6 * s.bytes * 4 / 8 / lk.inter_bw
-        assert s.duration == pytest.approx(lk.inter_latency_us + nic, rel=1e-6)
-        one_node = Topology.of(LINKS["mi325x"], 8).all_to_all_us(s.bytes)
-        assert s.duration > 2 * one_node  # the NIC is ~6x slower than the node's fabric
+        intra = 1e6 * max(s.bytes * 3 / 8 / lk.intra_bw, s.bytes / 8 / lk.intra_peer_bw) / lk.g(s.bytes)
+        assert s.duration == pytest.approx(lk.inter_latency_us + max(nic, intra), rel=1e-6)
+    # the NIC's share per GPU is several times slower than the node's fabric (at these tiny payloads the
+    # fitted size curve makes both paths latency- and protocol-bound, so the times themselves are close)
+    assert 4 * lk.inter_bw < Topology.of(LINKS["mi325x"], 8).links.intra_bw
     assert {s.direction for s in r.modelled.stats} == {"fwd", "bwd"}
     assert r.modelled.step_time > 0 and r.serial.step_time >= r.modelled.step_time - 1e-6
 

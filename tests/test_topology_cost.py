@@ -62,10 +62,11 @@ def test_switch_vs_full_mesh_and_single_node_formula():
     hw = HARDWARE["mi300x"]
     for kind in ("all-to-all", "all-reduce", "all-gather"):
         assert one.collective_time_us(kind, 2**24) == pytest.approx(collective_time_us(kind, 2**24, 8, hw))
-    # 4 nodes x 8: 24 of 31 peers are remote; NIC = 0.8 * 50 GB/s per GPU
+    # 4 nodes x 8: 24 of 31 peers are remote; NIC = inter_eff (fitted) * 50 GB/s per GPU
     four = Topology.of(LINKS["mi325x"], 32)
-    assert four.num_nodes == 4 and four.links.inter_bw == pytest.approx(0.8 * 400 * GBIT)
-    assert four.all_to_all_us(32e6) == pytest.approx(20.0 + 1e6 * 24e6 / (0.8 * 50e9))
+    eff = LINKS["mi325x"].inter_eff
+    assert four.num_nodes == 4 and four.links.inter_bw == pytest.approx(eff * 400 * GBIT)
+    assert four.all_to_all_us(32e6) == pytest.approx(20.0 + 1e6 * 24e6 / (eff * 50e9))
     small = Topology.of(LINKS["mi325x"], 32, gpus_per_node=4).links
     assert small.intra_links == 3 and small.nics_per_node == 4  # one NIC per GPU stays one per GPU
     assert small.inter_bw == pytest.approx(four.links.inter_bw)

@@ -10,14 +10,17 @@ Model (assumptions, all parameters of `Hardware`):
   launch + max(FLOPs / (peak * matmul_eff), bytes / (hbm_bw * mem_eff))  (roofline per fused kernel);
 - one communication stream executes collectives in the order of their starts, one at a time; a
   collective begins at max(its start on the compute stream, end of the previous collective) and
-  lasts latency + wire bytes / bandwidth, with wire bytes = payload * (n-1)/n for all-to-all,
-  all-gather and reduce-scatter, 2 * payload * (n-1)/n for all-reduce (ring); payload = the
-  operands' bytes, for an all-gather the gathered buffer (collective_payload);
+  lasts latency + wire bytes / (bandwidth x g(payload)), with wire bytes = payload * (n-1)/n for
+  all-to-all, all-gather and reduce-scatter, 2 * payload * (n-1)/n for all-reduce (ring); payload =
+  the operands' bytes, for an all-gather the gathered buffer (collective_payload); g(S) = S^q /
+  (S^q + S_half^q) is the size curve fitted to rccl-tests (size_efficiency; 1 when S_half = 0);
 - a done blocks the compute stream until its collective has finished;
 - contention: while a collective is in flight (between its begin and end on a communication
   stream) compute runs at `Hardware.contention` of its speed (RCCL/NCCL kernels occupy CUs/SMs and
-  HBM bandwidth); only the part of a compute op that overlaps a collective is stretched, the
-  collective's own time is unchanged. The stretch is recorded per op (HloOp.stretch);
+  HBM bandwidth); only the part of a compute op that overlaps a collective is stretched. With
+  `Hardware.contention_comm` < 1 a collective also progresses at that fraction of its speed while
+  compute runs (the two streams re-timed together, event by event: simulate's dynamic path). The
+  stretch is recorded per op (HloOp.stretch);
 - ragged all-to-all moves the smaller of its send and receive buffers (the real rows at perfect
   balance: the dispatch's send buffer, the combine's receive buffer; data dependent otherwise);
 - `serialize=("all-to-all", ...)` runs those collectives synchronously instead (the compute stream
@@ -26,6 +29,10 @@ Model (assumptions, all parameters of `Hardware`):
 A done op's [start, end] is the time the compute stream waits at it (zero when the transfer is over).
 The order is the one LHS picked for the compiled target (H100 spec when no ROCm compiler is
 present), so this answers "how does this schedule fare on MI300X", not "what would LHS do there".
+
+Constants: HARDWARE holds the central values fitted to published component measurements
+(analysis/calibration_fit.py, calibration_data/fitted.json; sources, spread and residuals in
+docs/calibration.md); `hardware_variant(name, which)` gives a constant at its low / high end.
 """
 
 from __future__ import annotations
@@ -51,32 +58,52 @@ class Hardware:
     mem_eff: float = 0.8  # achieved / peak HBM bandwidth
     attn_eff: float = 0.5  # achieved / peak FLOP/s of a fused (flash) attention kernel (fused_attention=True)
     contention: float = 1.0  # compute speed while a collective is in flight / its speed alone (1 = none)
+    contention_comm: float = 1.0  # a collective's speed while compute runs / its speed alone (1 = none)
+    coll_size_half: float = 0.0  # bytes at which the size curve g(S) reaches half its bandwidth (0: no curve)
+    coll_size_q: float = 1.0  # exponent of the size curve g(S) = S^q / (S^q + S_half^q)
 
 
-# Vendor peak numbers; fabric numbers are 7 x 64 GB/s (MI300X/MI325X Infinity Fabric, one direction)
-# and 450 GB/s (H100 NVLink 4) derated to ~70% for what RCCL/NCCL all-to-all reach at MB sizes.
-# Contention 0.8 (compute at 80% of its speed under a collective):
-# - NVIDIA: Megatron-Core's "Combined 1F1B: Expert-Parallel All-to-All Overlap" guide (Megatron-LM
-#   docs/user-guide/features/moe_a2a_overlap.md, after arXiv 2603.07685 sec. 4.2.3): DeepEP's
-#   20 SMs per GPU reserved for communication cost about 20% GEMM efficiency (H100: 20 of 132 SMs).
-# - AMD: RCCL's collectives are kernels on the CUs as well; AMD's MI300X characterisation (Agrawal et
-#   al., arXiv 2412.14335) finds GEMM + RCCL collective overlap realising on average only 21% of the
-#   ideal speedup, from shared CUs, caches and HBM. No per-CU figure is published, so the NVIDIA
-#   figure is taken: likely optimistic for RCCL; docs/overlap.md sweeps 1.0-0.7.
-HARDWARE = {
-    "mi300x": Hardware("MI300X", peak_flops=1307.4e12, hbm_bw=5.3e12, a2a_bw=0.7 * 448e9, coll_bw=0.7 * 448e9,
-                       contention=0.8),
-    "mi325x": Hardware("MI325X", peak_flops=1307.4e12, hbm_bw=6.0e12, a2a_bw=0.7 * 448e9, coll_bw=0.7 * 448e9,
-                       contention=0.8),
-    "h100_sxm": Hardware("H100-SXM", peak_flops=989.4e12, hbm_bw=3.35e12, a2a_bw=0.7 * 450e9, coll_bw=0.7 * 450e9,
-                         contention=0.8),
-    "h200": Hardware("H200", peak_flops=989.4e12, hbm_bw=4.8e12, a2a_bw=0.7 * 450e9, coll_bw=0.7 * 450e9,
-                     contention=0.8),
-}
+# Vendor peaks (calibration_data/components.json "peaks"); every efficiency, bandwidth, latency and
+# contention is the central value fitted to published component measurements
+# (analysis/calibration_fit.py -> calibration_data/fitted.json; docs/calibration.md has the sources,
+# spread and residuals). Earlier hand-set values (matmul_eff 0.7, contention 0.8, 0.7 x 448 GB/s)
+# are in git history and the pre-calibration tables of docs/.
+PEAKS = {"mi300x": ("MI300X", 1307.4e12, 5.3e12), "mi325x": ("MI325X", 1307.4e12, 6.0e12),
+         "h100_sxm": ("H100-SXM", 989.4e12, 3.35e12), "h200": ("H200", 989.4e12, 4.8e12)}
+FITTED_FIELDS = ("matmul_eff", "mem_eff", "attn_eff", "launch_us", "contention", "contention_comm", "coll_bw",
+                 "a2a_bw", "coll_latency_us", "coll_size_half", "coll_size_q")
+
+
+def hardware_from_fit(name: str, fitted: dict, which: Optional[dict] = None) -> Hardware:
+    """Hardware `name` with every FITTED_FIELDS constant at its central value in `fitted`
+    (calibration_fit.load_fitted()), except those named in `which` ({constant: "low" | "high"})."""
+    label, peak, hbm = PEAKS[name]
+    f = fitted[name]
+    which = which or {}
+    vals = {k: float(f[k][which.get(k, "value")]) for k in FITTED_FIELDS}
+    return Hardware(label, peak_flops=peak, hbm_bw=hbm, **vals)
+
+
+def _hardware_table() -> dict:
+    from farskip_jax.analysis.calibration_fit import load_fitted
+
+    fitted = load_fitted()
+    return {name: hardware_from_fit(name, fitted) for name in PEAKS}
+
+
+HARDWARE = _hardware_table()
+
+
+def hardware_variant(name: str, which: Optional[dict] = None) -> Hardware:
+    """HARDWARE[name] with the constants named in `which` at their fitted low / high end."""
+    from farskip_jax.analysis.calibration_fit import load_fitted
+
+    return hardware_from_fit(name, load_fitted(), which)
 
 
 def with_contention(hw: Hardware, contention: Optional[float]) -> Hardware:
-    """`hw` with its contention replaced (None: unchanged); ConfigError outside (0, 1]."""
+    """`hw` with its contention replaced, of compute and of communication alike (None: unchanged);
+    ConfigError outside (0, 1]."""
     import dataclasses
 
     from farskip_jax.errors import ConfigError
@@ -86,7 +113,7 @@ def with_contention(hw: Hardware, contention: Optional[float]) -> Hardware:
     if not 0.0 < contention <= 1.0:
         raise ConfigError(f"contention {contention} must be in (0, 1]: the fraction of its speed compute keeps "
                           "while a collective is in flight (1.0 = no contention)")
-    return dataclasses.replace(hw, contention=float(contention))
+    return dataclasses.replace(hw, contention=float(contention), contention_comm=float(contention))
 
 
 CAUSAL_FRACTION = 0.5  # share of the [s, s] score blocks a causal flash kernel computes
@@ -99,6 +126,26 @@ def fused_attention_us(flops: float, nbytes: float, direction: str, hw: Hardware
     factor backward) at attn_eff of peak, or its bytes at the HBM bandwidth, whichever is longer."""
     f = flops * CAUSAL_FRACTION * (FLASH_BWD_RECOMPUTE if direction == "bwd" else 1.0)
     return hw.launch_us + 1e6 * max(f / (hw.peak_flops * hw.attn_eff), nbytes / (hw.hbm_bw * hw.mem_eff))
+
+
+UNFUSED_FWD_PASSES = 4  # score-sized HBM passes of an unfused core forward: QK^T writes S, softmax reads S writes P, PV reads P
+UNFUSED_BWD_PASSES = 7  # backward: dP written, softmax-backward reads P, dP writes dS, dV reads P, dQ and dK read dS
+UNFUSED_FWD_KERNELS, UNFUSED_BWD_KERNELS = 3, 5
+SCORE_BYTES = 2  # bf16 scores / probabilities (Megatron's fused scale-mask-softmax keeps them in the compute dtype)
+
+
+def unfused_attention_us(flops: float, nbytes: float, direction: str, hw: Hardware, flops_per_score: float) -> float:
+    """One attention core priced as an unfused kernel chain (Megatron's local core attention: no
+    flash kernel): its GEMMs' compiled FLOPs (the full [t, s] scores) at matmul_eff, plus the scores
+    moved through HBM: UNFUSED_FWD_PASSES (fwd) / UNFUSED_BWD_PASSES (bwd) passes of E elements, E =
+    FLOPs / flops_per_score forward (flops_per_score = 2 (qk head dim + v head dim)), half that
+    per FLOP backward (4 GEMMs to the forward's 2), plus the kernel's q, k, v, O (dO, dQ, dK, dV) bytes."""
+    if direction == "bwd":
+        scores, passes, kernels = flops / (2.0 * flops_per_score), UNFUSED_BWD_PASSES, UNFUSED_BWD_KERNELS
+    else:
+        scores, passes, kernels = flops / flops_per_score, UNFUSED_FWD_PASSES, UNFUSED_FWD_KERNELS
+    moved = nbytes + passes * scores * SCORE_BYTES
+    return kernels * hw.launch_us + 1e6 * (flops / (hw.peak_flops * hw.matmul_eff) + moved / (hw.hbm_bw * hw.mem_eff))
 
 
 def in_place_update(o) -> bool:
@@ -120,13 +167,20 @@ def compute_time_us(flops: float, bytes_moved: float, hw: Hardware) -> float:
     return hw.launch_us + 1e6 * max(flops / (hw.peak_flops * hw.matmul_eff), bytes_moved / (hw.hbm_bw * hw.mem_eff))
 
 
-def flash_attention_times(schedule: Schedule, hw, in_place_updates: bool = False) -> dict[int, float]:
+def flash_attention_times(schedule: Schedule, hw, in_place_updates: bool = False,
+                          unfused_flops_per_score: Optional[float] = None) -> dict[int, float]:
     """{op id: modelled us} of every attention_core compute op: its kernel's time (
-    fused_attention_us; 0 for a kernel without dots) spread over its ops in proportion to their
-    compiled roofline times (cost_model.compute_time_us; `in_place_updates` as cost_model.moved_bytes)."""
+    fused_attention_us, or unfused_attention_us when `unfused_flops_per_score` is given; 0 for a
+    kernel without dots) spread over its ops in proportion to their compiled roofline times
+    (cost_model.compute_time_us; `in_place_updates` as cost_model.moved_bytes)."""
     out: dict[int, float] = {}
     for k in attention_kernels(schedule):
-        t = fused_attention_us(k.flops, k.bytes, k.direction, hw) if k.flops > 0 else 0.0
+        if k.flops <= 0:
+            t = 0.0
+        elif unfused_flops_per_score:
+            t = unfused_attention_us(k.flops, k.bytes, k.direction, hw, unfused_flops_per_score)
+        else:
+            t = fused_attention_us(k.flops, k.bytes, k.direction, hw)
         naive = {i: compute_time_us(schedule.by_id[i].flops, moved_bytes(schedule.by_id[i], in_place_updates), hw)
                  for i in k.ops}
         total = sum(naive.values())
@@ -135,13 +189,22 @@ def flash_attention_times(schedule: Schedule, hw, in_place_updates: bool = False
     return out
 
 
+def size_efficiency(payload: float, half: float, q: float) -> float:
+    """g(S) = S^q / (S^q + half^q): the share of its large-message bandwidth a collective of S bytes
+    per device reaches (fitted to rccl-tests, calibration_fit.fit_allreduce); 1 when half <= 0."""
+    if half <= 0.0 or payload <= 0.0:
+        return 1.0
+    return payload ** q / (payload ** q + half ** q)
+
+
 def collective_time_us(kind: str, payload: float, group: int, hw: Hardware) -> float:
     n = max(group, 1)
     frac = (n - 1) / n
+    g = size_efficiency(payload, hw.coll_size_half, hw.coll_size_q)
     if kind in ("all-to-all", "ragged-all-to-all"):
-        return hw.coll_latency_us + 1e6 * payload * frac / hw.a2a_bw
+        return hw.coll_latency_us + 1e6 * payload * frac / (hw.a2a_bw * g)
     factor = 2.0 if kind == "all-reduce" else 1.0
-    return hw.coll_latency_us + 1e6 * factor * payload * frac / hw.coll_bw
+    return hw.coll_latency_us + 1e6 * factor * payload * frac / (hw.coll_bw * g)
 
 
 @dataclass(frozen=True)
@@ -241,7 +304,8 @@ def simulate(schedule: Schedule, hw: Hardware, group_size: int = 8,
              serialize: tuple[str, ...] = (), topology=None,
              own_stream: tuple[str, ...] = (), fused_attention: bool = False,
              free: Optional["OptimizerStep"] = None, in_place_updates: bool = False,
-             contention: Optional[float] = None) -> tuple[Schedule, list[float]]:
+             contention: Optional[float] = None, unfused_attention: Optional[float] = None,
+             imbalance: float = 1.0, contention_comm: Optional[float] = None) -> tuple[Schedule, list[float]]:
     """Re-time `schedule` on `hw` with the two-stream model; collectives whose kind is in `serialize`
     block the compute stream from their start to their end (no overlap). With `topology`
     (analysis/topology.Topology) a collective's time depends on which of its replica-group members
@@ -251,33 +315,64 @@ def simulate(schedule: Schedule, hw: Hardware, group_size: int = 8,
     groups are separate NCCL/RCCL communicators; the two streams do not share bandwidth here, an
     optimistic assumption). `fused_attention` prices each layer's `attention_core` as one causal
     flash kernel per pass (analysis/attention_cost.py) instead of the compiled kernels (the naive
-    core's materialised [s, s] scores). `free` (optimizer_step(schedule)) prices the gradient
-    reductions and the parameter update at zero: the steady state of gradient accumulation over many
-    micro-batches, where they run once per step. `in_place_updates` prices a dynamic-update-slice (a
-    KV-cache write) at its update's bytes (moved_bytes) instead of the whole buffer in and out.
-    `contention`: compute speed while a collective is in flight (default hw.contention; 1.0 = none).
+    core's materialised [s, s] scores); `unfused_attention` (FLOPs per score element forward, 2 (qk
+    + v head dims)) prices it as an unfused kernel chain instead (unfused_attention_us). `free`
+    (optimizer_step(schedule)) prices the gradient reductions and the parameter update at zero: the
+    steady state of gradient accumulation over many micro-batches, where they run once per step.
+    `in_place_updates` prices a dynamic-update-slice (a KV-cache write) at its update's bytes
+    (moved_bytes) instead of the whole buffer in and out. `contention`: compute speed while a
+    collective is in flight (default hw.contention); `contention_comm`: a collective's speed while
+    compute runs (default hw.contention_comm); 1.0 = none.
+    `imbalance` (>= 1, default 1 = balanced): the busiest device's expert load / the mean; the
+    expert_compute ops and the all-to-all payloads scale with it (the busiest device sets the pace).
 
-    Returns (the re-timed copy, modelled duration of every entry of `.pairs`)."""
+    Returns (the re-timed copy, modelled duration of every entry of `.pairs`: alone, without
+    contention)."""
+    from farskip_jax.analysis.scopes import scope_of
+
     sched = copy.deepcopy(schedule)
     speed = with_contention(hw, contention).contention
+    comm_speed = with_contention(hw, contention_comm).contention_comm if contention_comm is not None \
+        else hw.contention_comm
     pair_of_start = {p.start.id: i for i, p in enumerate(sched.pairs)}
     pair_of_done = {p.done.id: i for i, p in enumerate(sched.pairs)}
     durations = [0.0] * len(sched.pairs)
+    free_ops = free.ops if free is not None else frozenset()
+    free_pairs = free.pairs if free is not None else frozenset()
+    attn = {}
+    if fused_attention or unfused_attention:
+        attn = flash_attention_times(sched, hw, in_place_updates, unfused_attention)
+    n_all = len(topology.node_of) if topology is not None else group_size
+
+    def duration_of(i: int) -> float:
+        p = sched.pairs[i]
+        if i in free_pairs:
+            return 0.0
+        payload = collective_payload(sched, p, n_all)
+        if imbalance != 1.0 and p.collective in ("all-to-all", "ragged-all-to-all"):
+            payload *= imbalance
+        if topology is not None:
+            return topology.collective_time_us(p.collective, payload, p.groups)
+        return collective_time_us(p.collective, payload, p.group_size or group_size, hw)
+
+    def work_of(o) -> float:
+        w = attn[o.id] if o.id in attn else compute_time_us(o.flops, moved_bytes(o, in_place_updates), hw)
+        if imbalance != 1.0 and scope_of(o.op_name) == "expert_compute":
+            w *= imbalance
+        return w
+
+    if comm_speed < 1.0:
+        return _simulate_coupled(sched, durations, pair_of_start, pair_of_done, duration_of, work_of, free_ops,
+                                 serialize, own_stream, speed, comm_speed)
     finish = [0.0] * len(sched.pairs)
     t, comm_free = 0.0, [0.0, 0.0]
     flight: list = []  # (begin, end) of collectives not over at t
     busy: list = []  # their union
-    free_ops = free.ops if free is not None else frozenset()
-    free_pairs = free.pairs if free is not None else frozenset()
-    attn = {}
-    if fused_attention:
-
-        attn = flash_attention_times(sched, hw, in_place_updates)
     for o in sched.ops:
         if o.kind == "compute" and o.id in free_ops:
             o.start = o.end = t
         elif o.kind == "compute":
-            work = attn[o.id] if o.id in attn else compute_time_us(o.flops, moved_bytes(o, in_place_updates), hw)
+            work = work_of(o)
             if any(e <= t for _, e in flight):  # drop the collectives over by now
                 flight = [iv for iv in flight if iv[1] > t]
                 busy = _union(flight)
@@ -287,14 +382,7 @@ def simulate(schedule: Schedule, hw: Hardware, group_size: int = 8,
         elif o.kind == "start" and o.id in pair_of_start:
             i = pair_of_start[o.id]
             p = sched.pairs[i]
-            n_all = len(topology.node_of) if topology is not None else group_size
-            payload = collective_payload(sched, p, n_all)
-            if i in free_pairs:
-                durations[i] = 0.0
-            elif topology is not None:
-                durations[i] = topology.collective_time_us(p.collective, payload, p.groups)
-            else:
-                durations[i] = collective_time_us(p.collective, payload, p.group_size or group_size, hw)
+            durations[i] = duration_of(i)
             lane = 1 if p.collective in own_stream else 0
             begin = max(t, comm_free[lane])
             finish[i] = comm_free[lane] = begin + durations[i]
@@ -313,6 +401,72 @@ def simulate(schedule: Schedule, hw: Hardware, group_size: int = 8,
             o.start = t
             t = max(t, finish[i])
             o.end = t
+        else:
+            o.start = o.end = t
+    return sched, durations
+
+
+def _simulate_coupled(sched, durations, pair_of_start, pair_of_done, duration_of, work_of, free_ops,
+                      serialize, own_stream, speed: float, comm_speed: float):
+    """simulate's path where compute and communication slow each other: time advances event by
+    event; while a compute op runs, the collective at the head of each stream progresses at
+    comm_speed and the op at `speed` (if any collective is in flight, else 1); while the compute
+    stream waits at a done (or a serialised collective), collectives progress at full speed."""
+    eps = 1e-9
+    lanes: list[list] = [[], []]  # per stream: [[pair index, remaining us], ...] in FIFO order
+    finish: dict[int, float] = {}
+    t = 0.0
+
+    def advance(dt: float, rate: float) -> None:
+        nonlocal t
+        for lane in lanes:
+            if lane:
+                lane[0][1] -= rate * dt
+        t += dt
+        for lane in lanes:
+            while lane and lane[0][1] <= eps:
+                finish[lane.pop(0)[0]] = t
+
+    def head_time(rate: float) -> float:
+        return min((lane[0][1] / rate for lane in lanes if lane), default=float("inf"))
+
+    def wait_for(i: int) -> None:
+        while i not in finish:
+            advance(head_time(1.0), 1.0)
+
+    for o in sched.ops:
+        if o.kind == "compute" and o.id in free_ops:
+            o.start = o.end = t
+        elif o.kind == "compute":
+            work = work_of(o)
+            o.start, left = t, work
+            while left > eps:
+                busy = any(lanes)
+                s = speed if busy else 1.0
+                dt = min(left / s, head_time(comm_speed))
+                left -= s * dt
+                advance(dt, comm_speed)
+            o.end = t
+            o.stretch = o.end - o.start - work
+        elif o.kind == "start" and o.id in pair_of_start:
+            i = pair_of_start[o.id]
+            p = sched.pairs[i]
+            durations[i] = duration_of(i)
+            o.start = o.end = t
+            if durations[i] <= 0.0:
+                finish[i] = t
+            else:
+                lanes[1 if p.collective in own_stream else 0].append([i, durations[i]])
+            if p.collective in serialize:
+                wait_for(i)
+                o.end = t
+        elif o.kind == "done" and o.id in pair_of_done:
+            i = pair_of_done[o.id]
+            o.start = t
+            wait_for(i)
+            o.end = t
+            if sched.pairs[i].collective in serialize:
+                o.start = o.end
         else:
             o.start = o.end = t
     return sched, durations

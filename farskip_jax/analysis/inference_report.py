@@ -337,12 +337,14 @@ def flash_scores(schedule, scores: int):
 
 
 def time_serving(schedule, node_of_devices: Sequence[int], hardware: str = "h200", program: str = "prefill",
-                 scores: Optional[int] = None, contention: Optional[float] = None, **links_over) -> ServingTiming:
+                 scores: Optional[int] = None, contention: Optional[float] = None, which: Optional[tuple] = None,
+                 **links_over) -> ServingTiming:
     """Re-time a compiled serving program with the two-stream model on `hardware` (cost_model.HARDWARE,
     topology.LINKS), its collectives priced by which devices share a node (`node_of_devices`).
     Prefill: the attention core as a causal flash kernel, `scores` (score_elements) marks the
     materialised softmax of the naive core as part of it (flash_scores). contention: compute speed
-    while a collective is in flight (default the hardware's)."""
+    while a collective is in flight (default the hardware's). which: (Hardware fields, Links fields)
+    {name: "low" | "high"} to take at that end of their fitted spread (calibration.SPREAD)."""
     from farskip_jax.analysis.cost_model import HARDWARE, OptimizerStep, simulate, with_contention
     from farskip_jax.analysis.hlo import COLLECTIVES
     from farskip_jax.analysis.loop_schedule import row_copy_ops
@@ -352,8 +354,19 @@ def time_serving(schedule, node_of_devices: Sequence[int], hardware: str = "h200
     proxy = frozenset(o.id for o in schedule.ops if o.kind == "compute" and USED_EXPERTS in (o.op_name or ""))
     if program == "prefill" and scores:
         schedule = flash_scores(schedule, scores)
-    topo = topology_for(node_of_devices, hardware, **links_over)
-    hw = with_contention(HARDWARE[hardware], contention)
+    if which:
+        from farskip_jax.analysis.calibration_fit import load_fitted
+        from farskip_jax.analysis.cost_model import hardware_from_fit
+        from farskip_jax.analysis.topology import Topology, links_from_fit, resized
+
+        fitted = load_fitted()
+        nodes = tuple(node_of_devices)
+        per = max(nodes.count(x) for x in set(nodes))
+        topo = Topology(resized(links_from_fit(hardware, fitted, which[1]), per, **links_over), nodes)
+        hw = with_contention(hardware_from_fit(hardware, fitted, which[0]), contention)
+    else:
+        topo = topology_for(node_of_devices, hardware, **links_over)
+        hw = with_contention(HARDWARE[hardware], contention)
     kw = dict(topology=topo, fused_attention=program == "prefill", in_place_updates=True)
     free = OptimizerStep(ops=proxy, pairs=frozenset()) if proxy else None
     sched, durs = simulate(schedule, hw, free=free, **kw)

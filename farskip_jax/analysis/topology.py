@@ -12,13 +12,16 @@ docs/multinode.md):
                    Infinity Fabric: 7 links, one per peer); = intra_bw behind a switch (NVSwitch)
     inter_bw       bytes/s a GPU sends off its node: nics_per_node * nic_bw / gpus_per_node
 
-Each bandwidth is the line rate times an efficiency (what RCCL/NCCL reach at MB message sizes).
+Each bandwidth is the line rate times an efficiency, and inside a node also times the size curve
+g(S) of cost_model.size_efficiency (S = the payload per device); the efficiencies, the intra-node
+all-reduce bus bandwidth, the curve and the intra-node latency are the values fitted to published
+component measurements (calibration_data/fitted.json, docs/calibration.md).
 
 All-to-all over a group of n devices, payload P per device (P/n to every member, itself included):
 each device sends L = (local peers) * P/n inside its node and R = (remote members) * P/n through
 its NIC, both at once on separate links, so
 
-    t = latency + max(L / intra_bw, (P/n) / intra_peer_bw [if it has a local peer], R / inter_bw)
+    t = latency + max(L / (intra_bw g), (P/n) / (intra_peer_bw g) [if it has a local peer], R / inter_bw)
 
 with latency = inter_latency_us when any member is on another node, else intra_latency_us; the
 group's time is its slowest member's (all groups of a collective run at the same time on disjoint
@@ -28,7 +31,7 @@ of cost_model.py: P (n-1)/n / intra_bw.
 All-reduce (and reduce-scatter / all-gather = half of it), hierarchical as NCCL/RCCL run it on
 rail-connected nodes: l members per node, m nodes,
 
-    t = latency + 2 (l-1)/l * P / intra_bw + 2 (m-1)/m * (P / l) / inter_bw
+    t = latency + 2 (l-1)/l * P / (allreduce_bw g) + 2 (m-1)/m * (P / l) / inter_bw
 
 (a reduce-scatter inside the node, an all-reduce of each GPU's 1/l shard with its rail peers across
 the nodes, an all-gather inside the node). Collective-permute: one peer, P over the link it uses.
@@ -60,6 +63,9 @@ class Links:
     inter_eff: float = 0.8  # achieved / line rate across nodes (RDMA all-to-all at MB sizes)
     intra_latency_us: float = 10.0  # fixed cost of one collective inside a node
     inter_latency_us: float = 20.0  # fixed cost of one collective that crosses nodes
+    intra_allreduce_bw: float = 0.0  # bus bandwidth of an intra-node all-reduce (0: intra_bw)
+    size_half: float = 0.0  # size curve g(S) of intra-node transfers (cost_model.size_efficiency; 0: none)
+    size_q: float = 1.0
 
     @property
     def intra_bw(self) -> float:
@@ -73,22 +79,54 @@ class Links:
     def inter_bw(self) -> float:
         return self.inter_eff * self.nic_bw * self.nics_per_node / self.gpus_per_node
 
+    @property
+    def allreduce_bw(self) -> float:
+        return self.intra_allreduce_bw or self.intra_bw
+
+    def g(self, payload: float) -> float:
+        from farskip_jax.analysis.cost_model import size_efficiency
+
+        return size_efficiency(payload, self.size_half, self.size_q)
+
 
 # Line rates (vendor data sheets): MI300X / MI325X: 7 Infinity Fabric links per GPU, 64 GB/s per
 # direction each (AMD: "896 GB/s aggregate bidirectional peer-to-peer" = 7 x 128 GB/s), full mesh of
 # 8 GPUs per node. H100 / H200 SXM: NVLink 4, 450 GB/s per direction through NVSwitch. NICs: 8 x
 # 400 Gb/s per node, one per GPU (AMD Instinct MI300X/MI325X platforms with Pollara 400 / ConnectX-7;
-# NVIDIA DGX H100/H200 with ConnectX-7), the paper's "400 Gb/s between nodes" per GPU.
-LINKS = {
-    "mi300x": Links("MI300X", intra_link_bw=64e9, intra_links=7, switch=False, nic_bw=400 * GBIT, nics_per_node=8,
-                    gpus_per_node=8),
-    "mi325x": Links("MI325X", intra_link_bw=64e9, intra_links=7, switch=False, nic_bw=400 * GBIT, nics_per_node=8,
-                    gpus_per_node=8),
-    "h100_sxm": Links("H100-SXM", intra_link_bw=450e9, intra_links=1, switch=True, nic_bw=400 * GBIT,
-                      nics_per_node=8, gpus_per_node=8),
-    "h200": Links("H200", intra_link_bw=450e9, intra_links=1, switch=True, nic_bw=400 * GBIT, nics_per_node=8,
-                  gpus_per_node=8),
-}
+# NVIDIA DGX H100/H200 with ConnectX-7), the paper's "400 Gb/s between nodes" per GPU; the count is
+# an assumption the calibration sweeps (nics_per_node). Efficiencies, the intra-node all-reduce bus
+# bandwidth, latency and size curve: fitted (calibration_data/fitted.json); the cross-node latency
+# (20 us) is not (no measurement confirmed).
+_LINE = {"mi300x": ("MI300X", 64e9, 7, False), "mi325x": ("MI325X", 64e9, 7, False),
+         "h100_sxm": ("H100-SXM", 450e9, 1, True), "h200": ("H200", 450e9, 1, True)}
+
+
+def links_from_fit(name: str, fitted: dict, which: Optional[dict] = None, **overrides) -> Links:
+    """Links of `name` with the fitted constants at their central value in `fitted`
+    (calibration_fit.load_fitted()), or at "low" / "high" for those named in `which`."""
+    label, link_bw, n_links, switch = _LINE[name]
+    f = fitted[name]
+    which = which or {}
+
+    def v(k):
+        return float(f[k][which.get(k, "value")])
+
+    base = dict(intra_link_bw=link_bw, intra_links=n_links, switch=switch, nic_bw=400 * GBIT, nics_per_node=8,
+                gpus_per_node=8, intra_eff=v("intra_eff"), inter_eff=v("inter_eff"),
+                intra_latency_us=v("coll_latency_us"), inter_latency_us=20.0, intra_allreduce_bw=v("coll_bw"),
+                size_half=v("coll_size_half"), size_q=v("coll_size_q"))
+    base.update(overrides)
+    return Links(label, **base)
+
+
+def _links_table() -> dict:
+    from farskip_jax.analysis.calibration_fit import load_fitted
+
+    fitted = load_fitted()
+    return {name: links_from_fit(name, fitted) for name in _LINE}
+
+
+LINKS = _links_table()
 
 
 def resized(links: Links, gpus_per_node: int, **overrides) -> Links:
@@ -143,10 +181,11 @@ class Topology:
             if n < 2:
                 continue
             chunk = payload / n
+            ge = lk.g(payload)
             for d in g:
                 local = sum(1 for x in g if x != d and self.node_of[x] == self.node_of[d])
                 remote = n - 1 - local
-                t = max(local * chunk / lk.intra_bw, chunk / lk.intra_peer_bw if local else 0.0,
+                t = max(local * chunk / (lk.intra_bw * ge), chunk / (lk.intra_peer_bw * ge) if local else 0.0,
                         remote * chunk / lk.inter_bw)
                 lat = lk.inter_latency_us if remote else lk.intra_latency_us
                 worst = max(worst, lat + 1e6 * t)
@@ -164,7 +203,7 @@ class Topology:
             for d in g:
                 per_node[self.node_of[d]] = per_node.get(self.node_of[d], 0) + 1
             m, l = len(per_node), max(per_node.values())
-            t = factor * (l - 1) / l * payload / lk.intra_bw
+            t = factor * (l - 1) / l * payload / (lk.allreduce_bw * lk.g(payload))
             if m > 1:
                 t += factor * (m - 1) / m * (payload / l) / lk.inter_bw
             worst = max(worst, (lk.inter_latency_us if m > 1 else lk.intra_latency_us) + 1e6 * t)
