@@ -1,6 +1,6 @@
-"""Where FarSkip pays: expert parallelism across nodes (EP 8 -> 32), side by side with FoE (issue 23).
+"""Where FarSkip pays: expert parallelism across nodes (EP 8 -> 32), side by side with FoE.
 
-    JAX_PLATFORMS=cpu python benchmarks/multinode_scaling.py [--model dsv3_6l|dsv2_lite] [--ep 8,16,32]
+    JAX_PLATFORMS=cpu python -m farskip_jax.studies.multinode_scaling [--model dsv3_6l|dsv2_lite] [--ep 8,16,32]
         [--per-gpu-batch 1] [--seq 4096] [--variants standard,farskip,foe,foe_farskip] [--programs train]
         [--gpus-per-node 8] [--data 1] [--hardware mi325x] [--target h200 --memory-gb 256]
         [--lever NAME] [--out benchmarks/results/multinode] [--plot-only] [config overrides ...]
@@ -56,27 +56,18 @@ Cost-model levers re-time the cached compiles: --streams, --attention, --accum, 
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
-import pickle
-import tempfile
 import os
 import sys
+import tempfile
 import time
 from typing import Optional
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODELS = {"dsv3_6l": "configs/deepseek_v3_6l.yaml", "dsv3_6l_gqa": "configs/deepseek_v3_6l.yaml",
-          "dsv2_lite": "configs/deepseek_v2_lite.yaml"}
-# FoE needs GQA attention and no group-limited routing (model/foe.check_foe): the `_gqa` model is
-# DeepSeek-V3-6L with a GQA attention of the same 128 query heads (16 kv heads of 128) and plain
-# top-8 routing, on which all four variants compile (same FLOP class as MLA: 264M vs 187M attention
-# parameters per layer)
-MODEL_OVERRIDES = {"dsv3_6l_gqa": ["model.attention=gqa", "model.num_kv_heads=16", "model.head_dim=128",
-                                   "moe.n_group=1", "moe.topk_group=1"]}
+from farskip_jax.studies.harness import (MODEL_OVERRIDES, MODELS, CompileCache, ResultStore, contention_error, fail,
+                                          figure, grid, log, md_header, model_config_path, results_dir)
+
 # the paper's Figure 5 (arXiv 2511.11505, DeepSeek-V3 cut to 6 layers, Megatron on MI325X nodes, 400 Gb/s
 # between nodes): FarSkip step speedup over the baseline without overlap, as quoted in issue 23
 PAPER = {8: 1.10, 32: 1.22}
@@ -288,9 +279,9 @@ def table_md(rows: list[dict], title: str, base: Optional[list[dict]] = None) ->
     out = [f"### {title}", "",
            "Step time (ms) and speedup over standard WITHOUT overlap (the paper's baseline) / over XLA's "
            "overlapped standard.", "",
-           "| EP | GPUs (nodes) | batch x seq | a2a share | cross-node | NIC GB/GPU | no overlap | "
-           + " | ".join(c for _, c in cols) + " | paper farskip |" + (" farskip / `none` no overlap / `none` XLA standard |" if base else ""),
-           "|---|---|---|---|---|---|---|" + "---|" * len(cols) + "---|" + ("---|" if base else "")]
+           *md_header(["EP", "GPUs (nodes)", "batch x seq", "a2a share", "cross-node", "NIC GB/GPU", "no overlap"]
+                      + [c for _, c in cols] + ["paper farskip"]
+                      + (["farskip / `none` no overlap / `none` XLA standard"] if base else []))]
     base_of = {(r["ep"], r["data"], r["batch"], r["seq"]): r for r in base or []}
     for r in rows:
         cells = []
@@ -331,7 +322,7 @@ def tag_command(model: str, tag: str, layers: Optional[int] = None) -> str:
             out.append(f"--retime-gpus-per-node {o[:-3]}")
         elif o == "strided":
             out.append("--foe-groups strided")
-    return "`JAX_PLATFORMS=cpu python benchmarks/multinode_scaling.py " + " ".join(out) + "`"
+    return "`JAX_PLATFORMS=cpu python -m farskip_jax.studies.multinode_scaling " + " ".join(out) + "`"
 
 
 def _vs_base(r: dict, base_of: dict) -> str:
@@ -344,15 +335,14 @@ def _vs_base(r: dict, base_of: dict) -> str:
 def plot(rows: list[dict], path: str, title: str, seq: Optional[int] = None) -> None:
     """Speedups over no overlap against EP (pure expert-parallel rows of sequence length `seq`) and
     the step times, with the paper's points."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = [r for r in rows if r["data"] == 1 and (seq is None or r["seq"] == seq)]
     if not rows:
         return
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.4))
+    with figure(path, 1, 2, figsize=(12, 4.4), dpi=120) as (fig, axes):
+        _plot_axes(rows, fig, *axes[0], title)
+
+
+def _plot_axes(rows: list[dict], fig, ax, bx, title: str) -> None:
     eps = [r["ep"] for r in rows]
     style = {"standard": ("standard (XLA overlap)", "#8C8C8C", "o"), "farskip": ("farskip", "#C44E52", "s"),
              "foe": ("FoE H=nodes", "#4C72B0", "^"), "foe_farskip": ("FoE + farskip", "#8172B3", "D"),
@@ -380,8 +370,6 @@ def plot(rows: list[dict], path: str, title: str, seq: Optional[int] = None) -> 
     bx.set_title("step time", fontsize=10)
     bx.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def main() -> int:
@@ -399,7 +387,7 @@ def main() -> int:
     ap.add_argument("--target", default="h200")
     ap.add_argument("--memory-gb", type=float, default=256.0, help="MI325X's 256 GB (LHS memory limit)")
     ap.add_argument("--lever", default="none", choices=sorted(LEVERS))
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "multinode"))
+    ap.add_argument("--out", default=results_dir("multinode"))
     ap.add_argument("--plot-only", action="store_true", help="rewrite table.md / scaling.png from results.json")
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "farskip_multinode_cache"),
                     help="compiled schedules (pickled) by key: a re-run re-times them without compiling")
@@ -425,22 +413,18 @@ def main() -> int:
                     help="FoE group placement the FoE compiles are re-timed with (contiguous: a group per node)")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
-    if a.contention is not None and not 0.0 < a.contention <= 1.0:
-        print(f"error: --contention {a.contention} must be in (0, 1]: the fraction of its speed compute keeps while "
-              "a collective is in flight (1.0 = no contention)", file=sys.stderr)
-        return 2
+    if contention_error(a.contention):
+        return fail(contention_error(a.contention))
 
     os.makedirs(a.out, exist_ok=True)
-    res_path = os.path.join(a.out, "results.json")
-    results = json.load(open(res_path)) if os.path.exists(res_path) else {}
-    log = lambda m: print(m, file=sys.stderr, flush=True)
+    results = ResultStore(os.path.join(a.out, "results.json"))
     if not a.plot_only:
         from farskip_jax.analysis.deviceless import LHS_FLAGS, preset_options
         from farskip_jax.config import load_config
 
         from farskip_jax.analysis.topology import GBIT
 
-        os.makedirs(a.cache, exist_ok=True)
+        cache = CompileCache(a.cache)
         links_over = {}
         if a.nic_gbps:
             links_over["nic_bw"] = a.nic_gbps * GBIT
@@ -454,8 +438,8 @@ def main() -> int:
             + ("+strided" if a.foe_groups == "strided" else "") \
             + (f"+c{a.contention:g}" if a.contention is not None else "")
         flags = dict(preset_options("cuda_hopper"), **LHS_FLAGS, **lever_flags)
-        for b in [int(x) for x in a.per_gpu_batch.split(",")]:
-            for ep in [int(x) for x in a.ep.split(",")]:
+        for point in grid(b=[int(x) for x in a.per_gpu_batch.split(",")], ep=[int(x) for x in a.ep.split(",")]):
+                b, ep = point["b"], point["ep"]
                 n = ep * a.data
                 nodes = max(1, n // a.gpus_per_node)
                 over = [f"mesh.data={a.data}", f"mesh.expert={ep}", "moe.dispatch=all_to_all",
@@ -466,7 +450,7 @@ def main() -> int:
                 if a.layers:
                     over.append(f"model.num_layers={a.layers}")
                 model_over = MODEL_OVERRIDES.get(a.model, [])
-                cfg = load_config(os.path.join(ROOT, MODELS[a.model]), over + model_over + lever_over + a.overrides)
+                cfg = load_config(model_config_path(a.model), over + model_over + lever_over + a.overrides)
                 for prog in a.programs.split(","):
                     for var in a.variants.split(","):
                         foe_only = a.lever in FOE_ONLY_LEVERS and not var.startswith("foe")
@@ -485,24 +469,19 @@ def main() -> int:
                         if var.startswith("foe") and cfg.model.attention == "mla":
                             log(f"[multinode] {k}: skipped (FoE needs GQA attention; use --model {a.model}_gqa)")
                             continue
-                        cpath = os.path.join(a.cache, k.replace("|", "_") + ".pkl.gz")
-                        if os.path.exists(cpath):
-                            with gzip.open(cpath, "rb") as f:
-                                c = pickle.load(f)
-                        else:
+                        c = cache.get(k)
+                        if c is None:
                             t0 = time.time()
                             epo = None if var.startswith("foe") else EP_OPTIONS.get(a.lever)
                             c = compile_one(cfg, var, prog, b * n, a.seq, n, a.gpus_per_node, nodes, flags, a.target,
                                             a.memory_gb, log, ep_options=epo, groups=FOE_GROUPS.get(a.lever))
-                            with gzip.open(cpath, "wb") as f:
-                                pickle.dump(c, f)
+                            cache.put(k, c)
                             log(f"[multinode] {k}: compiled in {time.time() - t0:.0f}s")
                         gm = min(FOE_GROUPS.get(a.lever, nodes), ep)  # FoE device groups
                         place = (gm, a.data, "strided") if var.startswith("foe") and a.foe_groups == "strided" else None
                         results[rk] = entry_of(c, a.hardware, links_over, a.streams, a.attention == "fused",
                                                a.accum == "inf", a.retime_gpus_per_node, place, a.contention)
-                        with open(res_path, "w") as f:
-                            json.dump(results, f, indent=1, sort_keys=True)
+                        results.save()
                         e = results[rk]
                         log(f"[multinode] {rk}: step {e['step_us'] / 1e3:.2f} ms, no-overlap "
                             f"{e['no_overlap_us'] / 1e3:.2f} ms, a2a {e['a2a_us'] / 1e3:.2f} ms "
