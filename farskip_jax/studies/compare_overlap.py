@@ -1,14 +1,14 @@
 """FarSkip against two-batch overlap (TBO) and FoE: one table per setting, every row from the same
 compiled programs and the same cost model.
 
-    JAX_PLATFORMS=cpu python benchmarks/compare_overlap.py --model dsv2_lite --ep 8 --tokens 1x1024,2x512,2x4096,8x4096
-    JAX_PLATFORMS=cpu python benchmarks/compare_overlap.py --model dsv3_6l --ep 16 --tokens 1x1024,2x512,2x2048
+    JAX_PLATFORMS=cpu python -m farskip_jax.studies.compare_overlap --model dsv2_lite --ep 8 --tokens 1x1024,2x512,2x4096,8x4096
+    JAX_PLATFORMS=cpu python -m farskip_jax.studies.compare_overlap --model dsv3_6l --ep 16 --tokens 1x1024,2x512,2x2048
         [--layers N] [--full-layers N] [--hardware mi325x] [--program train|forward] [--contention F] [--accum 1|inf]
         [--out benchmarks/results/compare] [--plot-only] [config overrides ...]
 
 A setting is (model, EP size, per-GPU tokens list). For each per-GPU token shape `b x s` (b
 sequences of s tokens per GPU; the global batch is b * EP) the train step (default) is compiled
-deviceless for EP GPUs (8 per node; EP 16 / 32 span 2 / 4 hosts as benchmarks/multinode_scaling.py
+deviceless for EP GPUs (8 per node; EP 16 / 32 span 2 / 4 hosts as studies/multinode_scaling.py
 compiles them) with the cuda_hopper preset and the latency-hiding scheduler, layers scanned, the
 routed experts traced as a grouped GEMM's cost proxy where the config's moe.gmm resolves to ragged_dot
 (a config's moe.gmm=tiled runs its tiled walk), and re-timed by the two-stream cost model of
@@ -36,7 +36,6 @@ without compiling); the table goes to stdout and OUT/<model>_ep<EP>_<program>.{j
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -46,10 +45,9 @@ from typing import Optional
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-
-from multinode_scaling import MODEL_OVERRIDES, MODELS  # noqa: E402
+from farskip_jax.studies.harness import (MODEL_OVERRIDES, MODELS, ResultStore, fail, figure, log, md_header,
+                                          md_row, model_config_path, results_dir, spread_range, tbo_verdicts,
+                                          write_json, write_text)
 
 # the depth the existing tools extrapolate from (overlap_levers / multinode_scaling --layers 4 for
 # DeepSeek-V2-Lite: layer 0 dense + 3 MoE); DeepSeek-V3-6L is compiled at its 6 layers
@@ -265,12 +263,8 @@ def speedup_range(std: dict, meta: dict, name: str, steady: bool, central: float
         return {}
     part = "steady" if steady else "modelled"
     serial = "steady_no_overlap" if steady else "no_overlap"
-    vals = {k: a[k][part] / (b[k][serial] if name == "no_overlap" else b[k][part]) for k in a if k in b}
-    swing: dict = {}
-    for k, v in vals.items():
-        swing.setdefault(k.split(":")[0], []).append(v)
-    dom = max(swing, key=lambda n: max(swing[n] + [central]) - min(swing[n] + [central]))
-    return {"range": [min(list(vals.values()) + [central]), max(list(vals.values()) + [central])], "dominant": dom}
+    return spread_range({k: a[k][part] for k in a},
+                        {k: b[k][serial] if name == "no_overlap" else b[k][part] for k in b}, central)
 
 
 def memory_limited(entry: dict) -> bool:
@@ -298,19 +292,10 @@ def verdicts(rows: list[dict], share: float) -> list[str]:
                    "latency-hiding scheduler stops overlapping; these rows do not show what the hardware would run "
                    "(use fewer tokens per GPU, or model.remat)")
     fs, tbo, both = by.get("farskip"), by.get("standard_tbo"), by.get("farskip_tbo")
-    if fs and tbo:
-        win = "FarSkip" if fs["step_ms"] < tbo["step_ms"] else "TBO"
-        out.append(f"{win} is faster: FarSkip {fs['step_ms']:.2f} ms vs standard + TBO {tbo['step_ms']:.2f} ms "
-                   f"({tbo['step_ms'] / fs['step_ms']:.3f}x FarSkip over TBO)")
-    elif fs and not tbo:
+    ms = lambda r: r["step_ms"] if r else None  # noqa: E731
+    out += tbo_verdicts(ms(fs), ms(tbo), ms(both), share, "communication {pct} of the no-overlap step")
+    if fs and not tbo:
         out.append("TBO " + next(r["na"] for r in rows if r["row"] == "standard_tbo"))
-    if fs and tbo and both:
-        best = min(fs["step_ms"], tbo["step_ms"])
-        ok = both["step_ms"] <= best * (1 + 1e-9)
-        need = share >= 0.2
-        out.append(f"{'adds up' if ok else 'does NOT add up'}: FarSkip + TBO {both['step_ms']:.2f} ms vs the better "
-                   f"alone {best:.2f} ms (communication {100 * share:.1f}% of the no-overlap step; the goal applies "
-                   f"{'here' if need else 'only at >= 20%'})")
     return out
 
 
@@ -329,12 +314,12 @@ def table_md(setting: dict) -> str:
     for t in setting["tokens"]:
         out += [f"#### {t['batch']} x {t['seq']} tokens per GPU (global batch {t['batch'] * setting['ep']} x "
                 f"{t['seq']}); all-to-all {100 * t['comm_share']:.1f}% of the no-overlap step", "",
-                "| row | step ms | exposed comm ms | a2a exposed ms | a2a hidden | a2a count | vs standard | range over "
-                "the constants' spread (dominant) | = hiding | x compute | compute differs most | sched. peak GiB |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                *md_header(["row", "step ms", "exposed comm ms", "a2a exposed ms", "a2a hidden", "a2a count",
+                            "vs standard", "range over the constants' spread (dominant)", "= hiding", "x compute",
+                            "compute differs most", "sched. peak GiB"])]
         for r in t["rows"]:
             if "na" in r:
-                out.append(f"| {r['label']} | {r['na']} | | | | | | | | | | |")
+                out.append(md_row([r["label"], r["na"]] + [""] * 10))
                 continue
             rng = f"{r['range'][0]:.3f}-{r['range'][1]:.3f}x ({r['dominant']})" if "range" in r else "-"
             out.append(f"| {r['label']} | {r['step_ms']:.2f} | {r['exposed_ms']:.2f} | {r['a2a_exposed_ms']:.2f} | "
@@ -348,16 +333,15 @@ def table_md(setting: dict) -> str:
 
 def plot(setting: dict, path: str) -> None:
     """Step time per row (bars) for each token shape, speedup over standard printed on the bars."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     colors = {"standard": "#8C8C8C", "no_overlap": "#333333", "standard_tbo": "#DD8452", "farskip": "#C44E52",
               "farskip_tbo": "#8C1C13", "foe": "#4C72B0", "foe_farskip": "#8172B3"}
     toks = setting["tokens"]
-    fig, axes = plt.subplots(1, len(toks), figsize=(4.2 * len(toks) + 1, 4.2), squeeze=False)
-    for ax, t in zip(axes[0], toks):
+    with figure(path, 1, len(toks), figsize=(4.2 * len(toks) + 1, 4.2)) as (fig, axes):
+        _plot_axes(setting, colors, fig, axes[0])
+
+
+def _plot_axes(setting: dict, colors: dict, fig, axes) -> None:
+    for ax, t in zip(axes, setting["tokens"]):
         rows = [r for r in t["rows"] if "step_ms" in r]
         xs = range(len(rows))
         ax.bar(xs, [r["step_ms"] for r in rows], color=[colors[r["row"]] for r in rows])
@@ -372,9 +356,6 @@ def plot(setting: dict, path: str) -> None:
                  f"{setting['contention']:.2f}"
                  + (", steady state of gradient accumulation" if setting.get("accum") == "inf" else "")
                  + " (modelled; label: speedup over standard)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def command_of(a) -> str:
@@ -391,7 +372,7 @@ def command_of(a) -> str:
         parts.append(f"--contention {a.contention:g}")
     if a.accum != "1":
         parts.append(f"--accum {a.accum}")
-    return "JAX_PLATFORMS=cpu python benchmarks/compare_overlap.py " + " ".join(parts + a.overrides)
+    return "JAX_PLATFORMS=cpu python -m farskip_jax.studies.compare_overlap " + " ".join(parts + a.overrides)
 
 
 def main(argv=None) -> int:
@@ -416,7 +397,7 @@ def main(argv=None) -> int:
                     help="1: one micro-batch per step, everything counted (the overlap report's model); inf: the "
                          "steady state of gradient accumulation, gradient reductions and the update priced at zero")
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "compare"))
+    ap.add_argument("--out", default=results_dir("compare"))
     ap.add_argument("--plot-only", action="store_true", help="re-table from OUT/cache.json, compile nothing")
     ap.add_argument("overrides", nargs="*", help="config overrides key=value")
     a = ap.parse_args(argv)
@@ -447,15 +428,12 @@ def main(argv=None) -> int:
                 f"model.max_seq_len={max([4096] + [s for _, s in tokens])}", "model.remat=none",
                 "model.scan_layers=true"]
         over += [f"model.num_layers={layers}"] if layers else []
-        cfg = load_config(os.path.join(ROOT, MODELS[a.model]), over + MODEL_OVERRIDES.get(a.model, []) + a.overrides)
+        cfg = load_config(model_config_path(a.model), over + MODEL_OVERRIDES.get(a.model, []) + a.overrides)
     except FarSkipError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(str(e))
 
     os.makedirs(a.out, exist_ok=True)
-    cache_path = os.path.join(a.out, "cache.json")
-    cache = json.load(open(cache_path)) if os.path.exists(cache_path) else {}
-    log = lambda m: print(m, file=sys.stderr, flush=True)
+    cache = ResultStore(os.path.join(a.out, "cache.json"))  # figures of every compiled variant by key
     nodes = max(1, a.ep // 8)
     ctag = f"c{hw.contention:g}"
     extra = "|".join(a.overrides)
@@ -488,8 +466,7 @@ def main(argv=None) -> int:
                         reasons[v] = f"n/a: {e}"
                         log(f"[compare] {k}: {e}")
                         break
-                    with open(cache_path, "w") as f:
-                        json.dump(cache, f, indent=1, sort_keys=True)
+                    cache.save()
                     step = cache[k]["modelled"]["step_time"] / 1e3
                     log(f"[compare] {k}: {time.time() - t0:.0f}s, step {step:.2f} ms")
                 got[depth] = cache[k]
@@ -520,10 +497,8 @@ def main(argv=None) -> int:
           f"`{setting['command']}` ({setting['date']})", "", calibration_note(setting), "", table_md(setting)]
     text = "\n".join(md)
     print(text)
-    with open(os.path.join(a.out, name + ".md"), "w") as f:
-        f.write(text + "\n")
-    with open(os.path.join(a.out, name + ".json"), "w") as f:
-        json.dump(setting, f, indent=1)
+    write_text(os.path.join(a.out, name + ".md"), text + "\n")
+    write_json(os.path.join(a.out, name + ".json"), setting)
     if setting["tokens"]:
         plot(setting, os.path.join(a.out, name + ".png"))
     log(f"[compare] wrote {os.path.join(a.out, name)}.{{md,json,png}} ({time.time() - t_start:.0f}s)")

@@ -135,8 +135,8 @@ def grid(**axes: Sequence) -> Iterator[dict]:
 
 
 def md_row(cells: Sequence) -> str:
-    """One markdown table row."""
-    return "| " + " | ".join(str(c) for c in cells) + " |"
+    """One markdown table row (an empty cell is written `| |`)."""
+    return "|" + "|".join(f" {c} " if str(c) else " " for c in cells) + "|"
 
 
 def md_header(columns: Sequence[str]) -> list[str]:
