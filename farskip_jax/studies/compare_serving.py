@@ -2,8 +2,8 @@
 token (decode), one table and one plot per setting, every row from serving programs compiled the same
 way and timed by the same cost model (modelled).
 
-    JAX_PLATFORMS=cpu python benchmarks/compare_serving.py --gpus 8      # one node
-    JAX_PLATFORMS=cpu python benchmarks/compare_serving.py --gpus 16     # two nodes
+    JAX_PLATFORMS=cpu python -m farskip_jax.studies.compare_serving --gpus 8      # one node
+    JAX_PLATFORMS=cpu python -m farskip_jax.studies.compare_serving --gpus 16     # two nodes
         [--model dsv3_6l_gqa|dsv3_6l|dsv2_lite] [--programs prefill,decode] [--prompts 1024,4096,16384]
         [--prefill-batch 16] [--decode-batches 16,64,256,1024] [--context 2048] [--hardware h200]
         [--contention F] [--variants ...] [--out benchmarks/results/compare_serving] [--plot-only]
@@ -37,10 +37,7 @@ OUT/<model>_g<GPUs>.{json,md,png}.
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import os
-import pickle
 import sys
 import tempfile
 import time
@@ -50,17 +47,16 @@ from typing import Optional
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-
-from multinode_scaling import MODEL_OVERRIDES, MODELS  # noqa: E402
+from farskip_jax.studies.harness import (MODEL_OVERRIDES, MODELS, CompileCache, ResultStore, fail, figure, grid,
+                                          log, md_header, md_row, model_config_path, results_dir, spread_range,
+                                          tbo_verdicts, write_json, write_text)
 
 VARIANTS = ("standard", "standard_tbo", "farskip", "farskip_tbo", "foe", "foe_farskip")
 ROWS = ("standard", "no_overlap", "standard_tbo", "farskip", "farskip_tbo", "foe", "foe_farskip")
 LABELS = {"standard": "standard (XLA schedule)", "no_overlap": "standard, no overlap",
           "standard_tbo": "standard + TBO (tp_ep)", "farskip": "FarSkip", "farskip_tbo": "FarSkip + TBO (tp_ep)",
           "foe": "FoE (H = GPUs)", "foe_farskip": "FoE + FarSkip"}
-# what others measured (issue 33's sources): shown next to our rows, not compared number for number
+# what others measured: shown next to our rows, not compared number for number
 PUBLISHED = [
     "SGLang two-batch overlap, DeepSeek-V3 on 96 H100 in the dp_ep layout (DP attention + DeepEP all-to-all, EP 32 "
     "prefill / EP 72 decode, FP8; LMSYS large-scale EP write-up, 2025-05-05): prefill +27-35% throughput; decode "
@@ -107,16 +103,16 @@ def key(model, gpus, program, batch, tokens, ctx, variant, extra=""):
     return f"{model}|g{gpus}|{program}|b{batch}|t{tokens}|c{ctx}|{variant}|{extra}"
 
 
-def compile_point(base, model, gpus, program, batch, tokens, ctx, variant, cache_dir, log, extra="") -> dict:
+def compile_point(base, model, gpus, program, batch, tokens, ctx, variant, cache_dir, log=log, extra="") -> dict:
     """The compiled schedule of one point (cached in cache_dir) and what it was compiled as."""
     from farskip_jax.analysis import inference_report as ir
     from farskip_jax.analysis.deviceless import gpu_devices
 
     k = key(model, gpus, program, batch, tokens, ctx, variant, extra)
-    path = os.path.join(cache_dir, k.replace("|", "_").replace("=", "-") + ".pkl.gz")
-    if os.path.exists(path):
-        with gzip.open(path, "rb") as f:
-            return pickle.load(f)
+    cache = CompileCache(cache_dir)
+    kept = cache.get(k)
+    if kept is not None:
+        return kept
     foe = foe_groups_for(base, gpus)[0] if variant.startswith("foe") else None
     cfg = ir.serving_config(base, preset_of(variant), gpus, 8, None, False, foe_groups=foe, **variant_overrides(variant))
     mesh = ir.serving_mesh(cfg, gpu_devices("h200", gpus, gpus_per_node=min(8, gpus), memory_gb=1e4))
@@ -127,8 +123,7 @@ def compile_point(base, model, gpus, program, batch, tokens, ctx, variant, cache
          "mesh": dict(mesh.shape), "layers": cfg.model.num_layers, "layout": cfg.inference.layout,
          "micro_batches": cfg.model.micro_batches, "preset": cfg.farskip.preset, "num_groups": cfg.moe.num_groups,
          "scores": ir.score_elements(cfg, mesh, batch, tokens, tokens) if program == "prefill" else 0}
-    with gzip.open(path, "wb") as f:
-        pickle.dump(c, f)
+    cache.put(k, c)
     log(f"[serving] {k}: compiled in {c['compile_s']:.0f}s (mesh {c['mesh']})")
     return c
 
@@ -168,15 +163,9 @@ def add_ranges(rows: list[dict], entries: dict, spread: dict) -> None:
         v = "standard" if r["row"] == "no_overlap" else r["row"]
         if v not in spread:
             continue
-        vals = {}
-        for k in std:
-            t = spread[v][k]["serial_us"] if r["row"] == "no_overlap" else spread[v][k]["time_us"]
-            vals[k] = std[k]["time_us"] / t
-        swing = {}
-        for k, x in vals.items():
-            swing.setdefault(k.split(":")[0], []).append(x)
-        r["range"] = [min(list(vals.values()) + [r["speedup"]]), max(list(vals.values()) + [r["speedup"]])]
-        r["dominant"] = max(swing, key=lambda n: max(swing[n] + [r["speedup"]]) - min(swing[n] + [r["speedup"]]))
+        part = "serial_us" if r["row"] == "no_overlap" else "time_us"
+        r.update(spread_range({k: std[k]["time_us"] for k in std}, {k: t[part] for k, t in spread[v].items()},
+                              r["speedup"]))
 
 
 def _rep(t: dict, serial: bool = False):
@@ -224,16 +213,8 @@ def verdicts(rows: list[dict], share: float) -> list[str]:
     by = {r["row"]: r for r in rows if "time_ms" in r}
     out = []
     fs, tbo, both, foe = by.get("farskip"), by.get("standard_tbo"), by.get("farskip_tbo"), by.get("foe")
-    if fs and tbo:
-        win = "FarSkip" if fs["time_ms"] < tbo["time_ms"] else "TBO"
-        out.append(f"{win} is faster: FarSkip {fs['time_ms']:.2f} ms vs standard + TBO {tbo['time_ms']:.2f} ms "
-                   f"({tbo['time_ms'] / fs['time_ms']:.3f}x FarSkip over TBO)")
-    if fs and tbo and both:
-        best = min(fs["time_ms"], tbo["time_ms"])
-        ok = both["time_ms"] <= best * (1 + 1e-9)
-        out.append(f"{'adds up' if ok else 'does NOT add up'}: FarSkip + TBO {both['time_ms']:.2f} ms vs the better "
-                   f"alone {best:.2f} ms (all-reduces {100 * share:.1f}% of the no-overlap time; the goal applies "
-                   f"{'here' if share >= 0.2 else 'only at >= 20%'})")
+    ms = lambda r: r["time_ms"] if r else None  # noqa: E731
+    out += tbo_verdicts(ms(fs), ms(tbo), ms(both), share, "all-reduces {pct} of the no-overlap time")
     if foe:
         best = min(by.values(), key=lambda r: r["time_ms"])
         fsf = by.get("foe_farskip")
@@ -252,12 +233,12 @@ def table_md(setting: dict) -> str:
     out = []
     for p in setting["points"]:
         out += [f"#### {point_title(p)}: all-reduces {100 * p['comm_share']:.1f}% of the no-overlap time", "",
-                "| row | ms | exposed comm ms | AR exposed ms | AR hidden | collectives (AR) | vs standard | range over "
-                "the constants' spread (dominant) | = hiding | x compute | compute differs most |",
-                "|---|---|---|---|---|---|---|---|---|---|---|"]
+                *md_header(["row", "ms", "exposed comm ms", "AR exposed ms", "AR hidden", "collectives (AR)",
+                            "vs standard", "range over the constants' spread (dominant)", "= hiding", "x compute",
+                            "compute differs most"])]
         for r in p["rows"]:
             if "na" in r:
-                out.append(f"| {r['label']} | {r['na']} | | | | | | | | | |")
+                out.append(md_row([r["label"], r["na"]] + [""] * 9))
                 continue
             rng = f"{r['range'][0]:.3f}-{r['range'][1]:.3f}x ({r['dominant']})" if "range" in r else "-"
             out.append(f"| {r['label']} | {r['time_ms']:.3f} | {r['exposed_ms']:.3f} | {r['ar_exposed_ms']:.3f} | "
@@ -270,29 +251,27 @@ def table_md(setting: dict) -> str:
 def summary_md(setting: dict) -> str:
     """One line per point: every row's speedup over standard."""
     names = [n for n in ROWS if n != "standard"]
-    out = ["| point | AR share | " + " | ".join(LABELS[n] for n in names) + " |",
-           "|---|---|" + "---|" * len(names)]
+    out = md_header(["point", "AR share"] + [LABELS[n] for n in names])
     for p in setting["points"]:
         by = {r["row"]: r for r in p["rows"]}
         cells = [(f"{by[n]['speedup']:.3f}x" + (f" ({by[n]['range'][0]:.3f}-{by[n]['range'][1]:.3f}x)"
                                                  if "range" in by[n] else ""))
                  if "speedup" in by.get(n, {}) else "n/a" for n in names]
-        out.append(f"| {point_title(p)} | {100 * p['comm_share']:.1f}% | " + " | ".join(cells) + " |")
+        out.append(md_row([point_title(p), f"{100 * p['comm_share']:.1f}%"] + cells))
     return "\n".join(out)
 
 
 def plot(setting: dict, path: str) -> None:
     """Speedup over standard per row, prefill points (left) and decode points (right)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     colors = {"no_overlap": "#333333", "standard_tbo": "#DD8452", "farskip": "#C44E52", "farskip_tbo": "#8C1C13",
               "foe": "#4C72B0", "foe_farskip": "#8172B3"}
     programs = [g for g in ("prefill", "decode") if any(p["program"] == g for p in setting["points"])]
-    fig, axes = plt.subplots(1, len(programs), figsize=(6.2 * len(programs), 4.4), squeeze=False)
-    for ax, prog in zip(axes[0], programs):
+    with figure(path, 1, len(programs), figsize=(6.2 * len(programs), 4.4)) as (fig, axes):
+        _plot_axes(setting, colors, programs, fig, axes[0])
+
+
+def _plot_axes(setting: dict, colors: dict, programs: list, fig, axes) -> None:
+    for ax, prog in zip(axes, programs):
         pts = [p for p in setting["points"] if p["program"] == prog]
         xs = [p["tokens"] if prog == "prefill" else p["batch"] for p in pts]
         for name, col in colors.items():
@@ -310,9 +289,6 @@ def plot(setting: dict, path: str) -> None:
     fig.suptitle(f"{setting['model']} ({setting['num_layers']} layers) serving on {setting['gpus']} GPUs "
                  f"({setting['nodes']} node(s)), two-stream {setting['hardware']} model, contention "
                  f"{setting['contention']:.2f} (modelled)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv=None) -> int:
@@ -328,7 +304,7 @@ def main(argv=None) -> int:
     ap.add_argument("--contention", type=float, default=None,
                     help="compute speed under a collective in flight (default: the hardware's, cost_model.HARDWARE)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "compare_serving"))
+    ap.add_argument("--out", default=results_dir("compare_serving"))
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "farskip_compare_serving"))
     ap.add_argument("--plot-only", action="store_true", help="re-table OUT/<model>_g<GPUs>.json, compile nothing")
     ap.add_argument("overrides", nargs="*", help="config overrides key=value")
@@ -338,7 +314,6 @@ def main(argv=None) -> int:
     from farskip_jax.config import load_config
     from farskip_jax.errors import ConfigError, FarSkipError
 
-    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     try:
         if a.hardware not in HARDWARE:
             raise ConfigError(f"--hardware {a.hardware!r} is unknown; choose one of {sorted(HARDWARE)}")
@@ -350,25 +325,26 @@ def main(argv=None) -> int:
             raise ConfigError(f"--variants {a.variants!r}: give some of {list(VARIANTS)}, standard included")
         points = []
         if "prefill" in a.programs:
-            points += [("prefill", a.prefill_batch, int(p)) for p in a.prompts.split(",") if p]
+            points += [(p["program"], p["batch"], p["tokens"]) for p in
+                       grid(program=["prefill"], batch=[a.prefill_batch], tokens=[int(t) for t in a.prompts.split(",") if t])]
         if "decode" in a.programs:
-            points += [("decode", int(b), 1) for b in a.decode_batches.split(",") if b]
+            points += [(p["program"], p["batch"], p["tokens"]) for p in
+                       grid(program=["decode"], batch=[int(b) for b in a.decode_batches.split(",") if b], tokens=[1])]
         if not points:
             raise ConfigError(f"--programs {a.programs!r}: give prefill and/or decode")
         top = max([a.context] + [t for g, _, t in points if g == "prefill"])
-        base = load_config(os.path.join(ROOT, MODELS[a.model]),
+        base = load_config(model_config_path(a.model),
                            MODEL_OVERRIDES.get(a.model, []) + [f"model.max_seq_len={max(top, 4096)}"] + a.overrides)
     except FarSkipError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(str(e))
     os.makedirs(a.out, exist_ok=True)
     os.makedirs(a.cache, exist_ok=True)
     stem = os.path.join(a.out, f"{a.model}_g{a.gpus}")
-    old = json.load(open(stem + ".json")) if os.path.exists(stem + ".json") else {}
+    old = ResultStore(stem + ".json")
     timings = old.get("timings", {}) if old.get("contention") == hw.contention else {}
     spreads = old.get("spreads", {}) if old.get("contention") == hw.contention else {}
     extra = "|".join(a.overrides)
-    cmd = (f"JAX_PLATFORMS=cpu python benchmarks/compare_serving.py --model {a.model} --gpus {a.gpus}"
+    cmd = (f"JAX_PLATFORMS=cpu python -m farskip_jax.studies.compare_serving --model {a.model} --gpus {a.gpus}"
            + (f" --contention {a.contention:g}" if a.contention is not None else "")
            + (f" --hardware {a.hardware}" if a.hardware != "h200" else "") + "".join(f" {o}" for o in a.overrides))
     setting = {"model": a.model, "gpus": a.gpus, "nodes": max(1, a.gpus // 8), "num_layers": base.model.num_layers,
@@ -394,8 +370,7 @@ def main(argv=None) -> int:
                 except FarSkipError as e:
                     reasons[v] = f"n/a: {e}"
                     continue
-                with open(stem + ".json", "w") as f:
-                    json.dump(setting, f, indent=1)
+                write_json(stem + ".json", setting)
                 log(f"[serving] {k}: {timings[k]['time_us'] / 1e3:.3f} ms "
                     f"({100 * timings[k]['layer_hidden_frac']:.1f}% of the layer all-reduces hidden; "
                     f"{time.time() - t_start:.0f}s so far)")
@@ -403,8 +378,7 @@ def main(argv=None) -> int:
             if k not in spreads and not a.plot_only and a.hardware in ("mi300x", "mi325x", "h100_sxm", "h200"):
                 c = compile_point(base, a.model, a.gpus, program, batch, tokens, ctx, v, a.cache, log, extra)
                 spreads[k] = time_spread(c, program, a.hardware)
-                with open(stem + ".json", "w") as f:
-                    json.dump(setting, f, indent=1)
+                write_json(stem + ".json", setting)
         if "standard" not in entries:
             log(f"[serving] {program} {batch} x {tokens}: no standard row; skipped")
             continue
@@ -417,16 +391,14 @@ def main(argv=None) -> int:
         setting["points"].append({"program": program, "batch": batch, "tokens": tokens, "context": ctx,
                                   "comm_share": share, "rows": rows, "verdicts": verdicts(rows, share)})
     setting["wall_s"] = time.time() - t_start
-    with open(stem + ".json", "w") as f:
-        json.dump(setting, f, indent=1)
+    write_json(stem + ".json", setting)
     md = [f"### {a.model} ({base.model.num_layers} layers) serving on {a.gpus} GPUs ({setting['nodes']} node(s)), "
           f"{a.hardware} two-stream model, contention {hw.contention:.2f} (modelled, {setting['date']})", "",
           f"Command: `{cmd}`", "", "Speedup over standard (XLA's schedule of the tp_ep layout) per point, with its "
           "range over the fitted constants' spread (docs/calibration.md):", "",
           summary_md(setting), "", "Published, for reference (other systems and models):", ""]
     md += [f"- {p}" for p in PUBLISHED] + ["", table_md(setting)]
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(md) + "\n")
+    write_text(stem + ".md", "\n".join(md) + "\n")
     if setting["points"]:
         plot(setting, stem + ".png")
     print("\n".join(md))
