@@ -1,7 +1,7 @@
 """FarSkip at inference, modelled: TTFT and time per output token on the paper's TP = EP all-reduce
-layout, standard vs farskip, on 8 GPUs (one node) and 16 GPUs (two nodes) (issue 24 part 4).
+layout, standard vs farskip, on 8 GPUs (one node) and 16 GPUs (two nodes).
 
-    JAX_PLATFORMS=cpu python benchmarks/inference_overlap.py [--models dsv2_lite,dsv2,scout]
+    JAX_PLATFORMS=cpu python -m farskip_jax.studies.inference_overlap [--models dsv2_lite,dsv2,scout]
         [--gpus 8,16] [--programs prefill,decode] [--prompts 1024,...,16384] [--decode-batches 16,...,1024]
         [--context 2048] [--depth auto|full|cut] [--hardware h200] [--out benchmarks/results/inference]
         [--scan-layers config|true|false] [--contention 0.8] [--plot-only]
@@ -27,10 +27,7 @@ OUT/results.json (raw, per compiled depth), OUT/table.md, OUT/speedup.png.
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import os
-import pickle
 import sys
 import tempfile
 import time
@@ -38,14 +35,16 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from farskip_jax.studies.harness import (REPO, CompileCache, ResultStore, fail, figure, grid, log, md_header,
+                                          results_dir, write_json, write_text)
+
 # name: (config, label, depths to compile when cut)
 MODELS = {"dsv2_lite": ("configs/deepseek_v2_lite.yaml", "DeepSeek-V2-Lite", (2, 4)),
           "dsv2": ("configs/deepseek_v2.yaml", "DeepSeek-V2", (2, 4)),
           "scout": ("configs/llama4_scout.yaml", "Llama-4-Scout", (2, 4))}
 FULL_BY_DEFAULT = ("dsv2_lite",)
 MODEL_CFGS: dict = {}  # name -> loaded config (main)
-# the paper's inference figures (arXiv 2511.11505, as quoted in issue 24): vLLM TTFT at EP 8 / TP 8 with
+# the paper's inference figures (arXiv 2511.11505): vLLM TTFT at EP 8 / TP 8 with
 # 16 concurrent requests, all-reduce overlap; SGLang DeepSeek-V3
 PAPER = {"dsv2": {"ttft": (1.082, 1.168), "overlap": 0.976}, "scout": {"ttft": (1.122, 1.185), "overlap": 0.953},
          "sglang_dsv3": {"prefill": 1.34, "decode_2node": 1.25}}
@@ -76,10 +75,10 @@ def compile_point(base, model, gpus, gpn, program, batch, tokens, ctx, layers, p
     k = key(model, gpus, program, batch, tokens, ctx if program == "decode" else tokens,
             layers or base.model.num_layers, preset)  # = the results key
     scan = base.model.scan_layers if scan_layers is None else scan_layers
-    cpath = os.path.join(cache_dir, k.replace("|", "_") + ("_scan" if scan else "") + ".pkl.gz")
-    if os.path.exists(cpath):
-        with gzip.open(cpath, "rb") as f:
-            c = pickle.load(f)
+    cache, ckey = CompileCache(cache_dir), k + ("|scan" if scan else "")
+    c = cache.get(ckey)
+    if c is not None:
+        pass
     elif not compile_missing:
         return None
     else:
@@ -94,8 +93,7 @@ def compile_point(base, model, gpus, gpn, program, batch, tokens, ctx, layers, p
         c = {"schedule": prog.schedule, "node_of": ir.node_of(mesh), "compile_s": time.time() - t0,
              "mesh": dict(mesh.shape), "layers": cfg.model.num_layers, "scan_layers": bool(cfg.model.scan_layers),
              "expected_ar_bytes": ir.expected_ar_bytes(cfg, batch, tokens if program == "prefill" else 1)}
-        with gzip.open(cpath, "wb") as f:
-            pickle.dump(c, f)
+        cache.put(ckey, c)
         log(f"[inference] {k}: compiled in {c['compile_s']:.0f}s (mesh {c['mesh']})")
     t = ir.time_serving(c["schedule"], c["node_of"], hardware, program, scores_of(base, c["mesh"], program, batch, tokens),
                         contention)
@@ -161,10 +159,9 @@ def rows_of(results, models, gpus_list, points, ctx, full_layers):
 
 
 def table_md(rows) -> str:
-    out = ["| model | GPUs (nodes) | mesh E x T | program | batch x tokens | depth | standard ms | farskip ms | "
-           "speedup | vs sync AR | ceiling | AR share | AR hidden std / farskip | MB per AR | "
-           "rows in place: std / farskip ms, speedup | contention |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = md_header(["model", "GPUs (nodes)", "mesh E x T", "program", "batch x tokens", "depth", "standard ms",
+                     "farskip ms", "speedup", "vs sync AR", "ceiling", "AR share", "AR hidden std / farskip",
+                     "MB per AR", "rows in place: std / farskip ms, speedup", "contention"])
     for r in rows:
         what = "TTFT" if r["program"] == "prefill" else f"TPOT (ctx {r['context']})"
         bt = f"{r['batch']} x {r['tokens']}" if r["program"] == "prefill" else f"{r['batch']} x 1"
@@ -187,12 +184,11 @@ def inplace_cell(r) -> str:
 
 
 def plot(rows, path, hardware: str = "h200"):
-    import matplotlib
+    with figure(path, 1, 2, figsize=(12, 4.4), dpi=120, squeeze=True) as (fig, axes):
+        _plot_axes(rows, hardware, fig, axes)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+def _plot_axes(rows, hardware: str, fig, axes) -> None:
     colors = {"dsv2_lite": "#4C72B0", "dsv2": "#C44E52", "scout": "#55A868"}
     for ax, program in zip(axes, ("prefill", "decode")):
         for m in colors:
@@ -223,8 +219,6 @@ def plot(rows, path, hardware: str = "h200"):
         ax.legend(fontsize=7)
     fig.suptitle(f"FarSkip at inference, modelled: tp_ep layout, two-stream {hardware} model "
                  "(8 x 400 Gb/s NICs per node)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def paper_cell(model: str, gpus: int, program: str) -> str:
@@ -240,8 +234,8 @@ def paper_cell(model: str, gpus: int, program: str) -> str:
 
 def summary_md(rows) -> str:
     """Per model, GPUs and program: the range over the points of the speedups and hidden fractions."""
-    out = ["| model | GPUs (nodes) | program | points | speedup vs XLA standard | vs synchronous all-reduces | "
-           "ceiling | AR hidden: standard | AR hidden: farskip | paper |", "|---|---|---|---|---|---|---|---|---|---|"]
+    out = md_header(["model", "GPUs (nodes)", "program", "points", "speedup vs XLA standard",
+                     "vs synchronous all-reduces", "ceiling", "AR hidden: standard", "AR hidden: farskip", "paper"])
     groups: dict = {}
     for r in rows:
         groups.setdefault((list(MODELS).index(r["model"]), r["gpus"], r["program"]), []).append(r)
@@ -272,7 +266,7 @@ def weight_floor_md(rows, bases, gpn, hardware: str = "h200") -> list[str]:
     out = ["", "Decode plausibility: parameter bytes each GPU reads per step / (HBM bandwidth x "
            f"{hw.mem_eff}) = the weight-bandwidth floor, next to the modelled standard time per output token "
            "(scanned programs: as compiled, and with the stacked-row copies free).", "",
-           "| model | GPUs | GB per GPU | weight floor ms | TPOT ms by batch (standard) |", "|---|---|---|---|---|"]
+           *md_header(["model", "GPUs", "GB per GPU", "weight floor ms", "TPOT ms by batch (standard)"])]
     seen = sorted({(r["model"], r["gpus"]) for r in rows if r["program"] == "decode"})
     for m, g in seen:
         cfg = ir.serving_config(bases[m], "standard", g, gpn)
@@ -290,22 +284,19 @@ def timelines(cache_dir, hardware, out, ctx, full_layers, contention=None) -> li
     cached) at prefill 16 x 4096 and decode batch 64 on 8 GPUs, from the schedule cache."""
     from farskip_jax.analysis.inference_report import plot_serving_timelines
 
-    written = []
+    written, cache = [], CompileCache(cache_dir)
     for program, batch, tokens in (("prefill", 16, 4096), ("decode", 64, 1)):
         for m in MODELS:
             for layers in (full_layers[m], MODELS[m][2][1]):
-                for suffix in ("_scan", ""):  # a scanned program's schedule (loop unrolled), else the per-layer one
-                    paths = [os.path.join(cache_dir, key(m, 8, program, batch, tokens,
-                                                          ctx if program == "decode" else tokens, layers,
-                                                          p).replace("|", "_") + suffix + ".pkl.gz")
-                             for p in ("standard", "farskip")]
-                    if all(os.path.exists(p) for p in paths):
+                for suffix in ("|scan", ""):  # a scanned program's schedule (loop unrolled), else the per-layer one
+                    keys = [key(m, 8, program, batch, tokens, ctx if program == "decode" else tokens, layers, p) + suffix
+                            for p in ("standard", "farskip")]
+                    if all(os.path.exists(cache.path(k)) for k in keys):
                         break
-                if all(os.path.exists(p) for p in paths):
+                if all(os.path.exists(cache.path(k)) for k in keys):
                     items = []
-                    for preset, p in zip(("standard", "farskip"), paths):
-                        with gzip.open(p, "rb") as f:
-                            c = pickle.load(f)
+                    for preset, k in zip(("standard", "farskip"), keys):
+                        c = cache.get(k)
                         items.append((f"{MODELS[m][1]} {program} {preset}", c["schedule"], c["node_of"]))
                     path = os.path.join(out, f"timeline_{m}_{program}.png")
                     plot_serving_timelines(items, hardware, program, layers // 2, path,
@@ -335,7 +326,7 @@ def main() -> int:
                          "cost_model.HARDWARE; 1.0 = no contention)")
     ap.add_argument("--scan-layers", choices=("config", "true", "false"), default="config",
                     help="stacked layers decoded as a scan (serving/generate.py) or per-layer weights unrolled")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "inference"))
+    ap.add_argument("--out", default=results_dir("inference"))
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "farskip_inference_cache"))
     ap.add_argument("--plot-only", action="store_true", help="rewrite table.md / speedup.png from results.json")
     ap.add_argument("--retime-only", action="store_true",
@@ -348,13 +339,10 @@ def main() -> int:
     try:
         contention = _contention(a.hardware, a.contention)
     except (FarSkipError, KeyError) as e:
-        print(f"error: --hardware {a.hardware!r} / --contention {a.contention}: {e}", file=sys.stderr)
-        return 2
-    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+        return fail(f"--hardware {a.hardware!r} / --contention {a.contention}: {e}")
     os.makedirs(a.out, exist_ok=True)
     os.makedirs(a.cache, exist_ok=True)
-    res_path = os.path.join(a.out, "results.json")
-    results = json.load(open(res_path)) if os.path.exists(res_path) else {}
+    results = ResultStore(os.path.join(a.out, "results.json"))
     models = [m for m in a.models.split(",") if m]
     gpus_list = [int(g) for g in a.gpus.split(",")]
     points = []
@@ -362,39 +350,35 @@ def main() -> int:
         points += [("prefill", a.prefill_batch, int(p)) for p in a.prompts.split(",")]
     if "decode" in a.programs:
         points += [("decode", int(b), 1) for b in a.decode_batches.split(",")]
-    bases = {m: load_config(os.path.join(ROOT, MODELS[m][0])) for m in MODELS}
+    bases = {m: load_config(os.path.join(REPO, MODELS[m][0])) for m in MODELS}
     MODEL_CFGS.update(bases)
     full_layers = {m: bases[m].model.num_layers for m in MODELS}
     if not a.plot_only:
         for m in models:
             full = a.depth == "full" or (a.depth == "auto" and m in FULL_BY_DEFAULT)
             depths = [None] if full else list(MODELS[m][2])
-            for g in gpus_list:
-                for program, batch, tokens in points:
-                    for layers in depths:
-                        for preset in ("standard", "farskip"):
-                            n_l = layers or full_layers[m]
-                            k = key(m, g, program, batch, tokens, a.context if program == "decode" else tokens,
-                                    n_l, preset)
-                            try:
-                                e = compile_point(bases[m], m, g, a.gpus_per_node, program, batch, tokens, a.context,
-                                                  layers, preset, a.hardware, a.cache, log, not a.retime_only,
-                                                  None if a.scan_layers == "config" else a.scan_layers == "true",
-                                                  a.contention)
-                                if e is None:
-                                    continue
-                                results[k] = e
-                            except Exception as e:  # keep the sweep going; the row stays missing
-                                log(f"[inference] {k}: FAILED {type(e).__name__}: {str(e)[:300]}")
-                                continue
-                            with open(res_path, "w") as f:
-                                json.dump(results, f, indent=1, sort_keys=True)
-                            e = results[k]
-                            log(f"[inference] {k}: {e['time_us'] / 1e3:.3f} ms, all-reduces {e['ar_us'] / 1e3:.3f} ms "
-                                f"({100 * e['layer_hidden_frac']:.1f}% of the layer ones hidden)")
+            for pt in grid(g=gpus_list, point=points, layers=depths, preset=("standard", "farskip")):
+                g, (program, batch, tokens), layers, preset = pt["g"], pt["point"], pt["layers"], pt["preset"]
+                n_l = layers or full_layers[m]
+                k = key(m, g, program, batch, tokens, a.context if program == "decode" else tokens,
+                        n_l, preset)
+                try:
+                    e = compile_point(bases[m], m, g, a.gpus_per_node, program, batch, tokens, a.context,
+                                      layers, preset, a.hardware, a.cache, log, not a.retime_only,
+                                      None if a.scan_layers == "config" else a.scan_layers == "true",
+                                      a.contention)
+                    if e is None:
+                        continue
+                    results[k] = e
+                except Exception as e:  # keep the sweep going; the row stays missing
+                    log(f"[inference] {k}: FAILED {type(e).__name__}: {str(e)[:300]}")
+                    continue
+                results.save()
+                e = results[k]
+                log(f"[inference] {k}: {e['time_us'] / 1e3:.3f} ms, all-reduces {e['ar_us'] / 1e3:.3f} ms "
+                    f"({100 * e['layer_hidden_frac']:.1f}% of the layer ones hidden)")
     rows = rows_of(results, list(MODELS), [8, 16], points, a.context, full_layers)
-    with open(os.path.join(a.out, "rows.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+    write_json(os.path.join(a.out, "rows.json"), rows)
     md = ["# FarSkip at inference (modelled): TTFT and time per output token, standard vs farskip", "",
           f"Two-stream {a.hardware} model (contention {contention:.2f}: compute speed under an all-reduce in "
           "flight) re-timing deviceless compiles of the tp_ep serving programs "
@@ -403,11 +387,10 @@ def main() -> int:
           "/ (standard with every all-reduce hidden); AR share = all-reduce time / standard with synchronous "
           "all-reduces; AR hidden = share of the layer all-reduces (attention + routed) hidden. Depth 'cut a/b' = "
           "compiled at a and b layers, extrapolated linearly to the full depth.", "",
-          f"Command: `JAX_PLATFORMS=cpu python benchmarks/inference_overlap.py --context {a.context}`", "",
+          f"Command: `JAX_PLATFORMS=cpu python -m farskip_jax.studies.inference_overlap --context {a.context}`", "",
           "## Summary (range over the points)", "", summary_md(rows), "", "## Every point", "", table_md(rows), ""]
     md += weight_floor_md(rows, bases, a.gpus_per_node, a.hardware)
-    with open(os.path.join(a.out, "table.md"), "w") as f:
-        f.write("\n".join(md) + "\n")
+    write_text(os.path.join(a.out, "table.md"), "\n".join(md) + "\n")
     if rows:
         plot(rows, os.path.join(a.out, "speedup.png"), a.hardware)
     for path in timelines(a.cache, a.hardware, a.out, a.context, full_layers, a.contention):
