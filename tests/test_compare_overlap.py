@@ -1,4 +1,4 @@
-"""benchmarks/compare_overlap.py: the comparison table's rows come from one cost model, and the TBO
+"""farskip_jax/studies/compare_overlap.py: the comparison table's rows come from one cost model, and the TBO
 rows' programs really are two-batch-overlap programs (model.micro_batches = 2, two all-to-alls where
 the plain program has one), so the table cannot compare identical programs. A 2-layer tiny MoE
 compiled deviceless for 8 GPUs (forward program; skipped without the compile-only CUDA plugin); the verdict lines on
@@ -7,11 +7,12 @@ hand-made rows."""
 import pytest
 
 from farskip_jax.errors import ConfigError
-from benchmark_loader import gpu, load_benchmark
+from deviceless_mark import gpu
+from farskip_jax.studies import compare_overlap
 
 
 def _module():
-    return load_benchmark("compare_overlap")
+    return compare_overlap
 
 
 def _tiny():

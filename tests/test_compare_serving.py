@@ -1,4 +1,4 @@
-"""benchmarks/compare_serving.py: the serving comparison's rows are the programs they claim (TBO: two
+"""farskip_jax/studies/compare_serving.py: the serving comparison's rows are the programs they claim (TBO: two
 micro-batches and twice the all-reduces; FoE: the foe layout, no all-to-all, its cross-group sums
 priced as attention / routed all-reduces), one cost model, speedups split exactly. A 2-layer tiny GQA
 MoE compiled deviceless for 8 GPUs (prefill; skipped without the compile-only CUDA plugin); the
@@ -8,11 +8,13 @@ import os
 
 import pytest
 
-from benchmark_loader import ROOT, gpu, load_benchmark
+from deviceless_mark import gpu
+from farskip_jax.studies import compare_serving
+from farskip_jax.studies.harness import REPO
 
 
 def _module():
-    return load_benchmark("compare_serving")
+    return compare_serving
 
 
 def _tiny(*extra):
@@ -97,7 +99,7 @@ def test_serving_programs_compile_a_servers_kernels():
     from farskip_jax.analysis.inference_report import serving_config
     from farskip_jax.config import load_config
 
-    base = load_config(os.path.join(ROOT, "configs", "deepseek_v2_lite.yaml"),
+    base = load_config(os.path.join(REPO, "configs", "deepseek_v2_lite.yaml"),
                        ["moe.gmm=tiled", "model.attention_impl=blockwise"])  # what the shipped config picks
     for kw in ({}, {"micro_batches": 2}):
         cfg = serving_config(base, "farskip", 8, **kw)

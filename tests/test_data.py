@@ -209,7 +209,7 @@ def test_packed_attention_never_crosses_documents(text_dir):
 
 
 def test_train_bpe_tokenizer(tmp_path):
-    """A BPE fitted here (benchmarks/hard_corpus.py) is an ordinary HF tokenizer.json: BOS/EOS found, ids
+    """A BPE fitted here (farskip_jax/studies/hard_corpus.py) is an ordinary HF tokenizer.json: BOS/EOS found, ids
     within the vocabulary, unseen and non-ASCII text round-trips, frequent words become single tokens."""
     from farskip_jax.data.tokenizer import train_bpe
     from farskip_jax.errors import ConfigError

@@ -1,27 +1,18 @@
-"""benchmarks/device_check.py in its --smoke mode (tiny shapes on the CPU): every part runs the code
+"""farskip_jax/studies/device_check.py in its --smoke mode (tiny shapes on the CPU): every part runs the code
 path the GPU run uses, the JSON has the documented schema, the table names every part, the fitted
 cost-model constants come out under the cost model's names, and the CLI refuses a full run without a
 GPU. The real measurements need one CUDA/ROCm GPU (docs/device_check.md)."""
 
-import importlib.util
 import json
-import os
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def load():
-    spec = importlib.util.spec_from_file_location("device_check", os.path.join(ROOT, "benchmarks", "device_check.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
 def dc():
-    return load()
+    from farskip_jax.studies import device_check
+
+    return device_check
 
 
 @pytest.fixture(scope="module")

@@ -227,7 +227,7 @@ def test_compare_fn_confidence_columns_match_numpy():
 
 
 def test_sweep_csv_round_trip(tmp_path):
-    """benchmarks/fcsd_experiment.py --reuse-sweep reads back what write_csv wrote, with the same types."""
+    """farskip_jax/studies/fcsd_experiment.py --reuse-sweep reads back what write_csv wrote, with the same types."""
     from farskip_jax.eval.sweep import read_csv, write_csv
 
     rows = [dict(direction=d, layers=n, val_loss=1.5 + n / 7, ppl=4.5, teacher_loss=1.5, kl=n / 3, top1=1 - n / 9)
@@ -236,16 +236,12 @@ def test_sweep_csv_round_trip(tmp_path):
 
 
 def test_fcsd_summary_table_and_plot(tmp_path):
-    """benchmarks/fcsd_summary.py: one row per results*.json, recipe settings that differ from the plain
+    """farskip_jax/studies/fcsd_summary.py: one row per results*.json, recipe settings that differ from the plain
     recipe named (older recipe lines without hidden_weight / seed read as the defaults), plot written."""
-    import importlib.util
     import json
-    import os
 
-    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "fcsd_summary.py")
-    spec = importlib.util.spec_from_file_location("fcsd_summary", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from farskip_jax.studies import fcsd_summary as mod
+
     old = "forward KL, T=1, ce_weight 0, top-k all, lr 0.00075 (warmup 60, cosine to x0.1), batch 2 x 128"
     new = ("reverse KL, T=1, ce_weight 0, hidden_weight 0.01, top-k all, lr 0.00075 (warmup 60, cosine to x0.1), "
            "batch 2 x 128, data-order seed 1")

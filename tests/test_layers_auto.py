@@ -9,7 +9,6 @@ preempted run resumes with its stored choice (no new sweep) bit for bit.
 
 import io
 import json
-import importlib.util
 import os
 
 import pytest
@@ -81,11 +80,9 @@ def test_freed_all_to_alls_by_hand():
 
 
 def test_default_retention_covers_every_recorded_5pct_run():
-    spec = importlib.util.spec_from_file_location("fcsd_evidence", os.path.join(ROOT, "benchmarks", "fcsd_evidence.py"))
-    ev = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ev)
-    measured_pairs = ev.measured_pairs
-    pairs = [p for p in measured_pairs(os.path.join(ROOT, "benchmarks/results/fcsd")) if p["budget"] == 0.05]
+    from farskip_jax.studies.fcsd_evidence import measured_pairs
+
+    pairs = [p for p in measured_pairs(os.path.join(ROOT, "benchmarks", "results", "fcsd")) if p["budget"] == 0.05]
     assert len(pairs) >= 10 and any(p["layers"] == "partial" for p in pairs)  # hard/auto's chosen sets count
     assert max(p["retention"] for p in pairs) <= DEFAULT_RETENTION < max(p["retention"] for p in pairs) + 0.01
 

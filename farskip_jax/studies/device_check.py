@@ -1,8 +1,8 @@
 """What only a GPU can show, in one command under 5 minutes on one CUDA or ROCm GPU.
 
-    python benchmarks/device_check.py                    # one GPU: the real measurements
-    python benchmarks/device_check.py --smoke            # any backend (CI: CPU), tiny shapes, seconds
-    python benchmarks/device_check.py --parts a,c --out benchmarks/results/device_check
+    python -m farskip_jax.studies.device_check                    # one GPU: the real measurements
+    python -m farskip_jax.studies.device_check --smoke            # any backend (CI: CPU), tiny shapes, seconds
+    python -m farskip_jax.studies.device_check --parts a,c --out benchmarks/results/device_check
 
 (a) train step: DeepSeek-V2-Lite at its real widths, depth cut to --layers (1 dense + MoE layers), bf16
     compute, fp32 master weights, AdamW, one device (no expert parallelism): standard vs farskip vs
@@ -35,12 +35,11 @@ import sys
 import time
 from typing import Callable, Optional
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+from farskip_jax.studies.harness import REPO, results_dir
 
 SCHEMA_VERSION = 1
 PARTS = ("a", "b", "c", "d")
@@ -140,7 +139,7 @@ def part_a(sh: dict, hw) -> dict:
 
     rows = {}
     for name, ov in train_variants(sh).items():
-        cfg = load_config(os.path.join(ROOT, DSV2_LITE), ov)
+        cfg = load_config(os.path.join(REPO, DSV2_LITE), ov)
         mesh = make_mesh(cfg.mesh, jax.devices()[:1])
         tx, schedule = make_optimizer(cfg.train)
         graphdef, state = init_state(create_model(cfg, mesh, seed=0), tx, 0)
@@ -468,7 +467,7 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, any backend (CI)")
     ap.add_argument("--parts", default=",".join(PARTS), help="subset of a,b,c,d")
     ap.add_argument("--variants", default="standard,farskip,foe", help="part (a) train-step variants")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "device_check"))
+    ap.add_argument("--out", default=results_dir("device_check"))
     a = ap.parse_args(argv)
     parts = [p.strip() for p in a.parts.split(",") if p.strip()]
     bad = [p for p in parts if p not in PARTS]

@@ -1,7 +1,7 @@
 """Top-1 agreement between two models on the FCSD report slice: how far apart two equally good
 conversions (or checkpoints) of one teacher are, the noise floor of "top-1 agreement with the teacher".
 
-    python benchmarks/fcsd_agreement.py runs/fcsd_16l_long/fcsd_b2_lr075 runs/fcsd_16l_long/fcsd_b2_lr075_seed1 \
+    python -m farskip_jax.studies.fcsd_agreement runs/fcsd_16l_long/fcsd_b2_lr075 runs/fcsd_16l_long/fcsd_b2_lr075_seed1 \
         --batch-size 2 --select-batches 32 --eval-batches 64
 
 Each argument is a run folder (an FCSD run: its best checkpoint under its own FarSkip connectivity;
@@ -17,7 +17,6 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 

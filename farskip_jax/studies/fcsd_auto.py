@@ -1,15 +1,15 @@
 """farskip.layers: auto on the hard teachers (docs/fcsd.md "Budgeted conversion"): for each teacher,
 FCSD at a token budget (default 5% of its pretraining) with `farskip.layers=auto` at each quality
-budget, the recipe of benchmarks/fcsd_methods.py (its run_config: lr 1e-3 cosine to 1e-4, batch
+budget, the recipe of studies/fcsd_methods.py (its run_config: lr 1e-3 cosine to 1e-4, batch
 8 x 256, early stopping on the first 8 validation batches), then the best student and the untrained
 chosen set on fcsd_methods' report slice (--report-starts 8,100: 16 batches each, Shakespeare and the
 Python docs). A quality budget whose choice equals an earlier budget's reuses that run (the same
 config: FCSD is deterministic). Finished runs are reused (report.json).
 
-    python benchmarks/results/fcsd/hard/auto/run_auto.py --teachers qwen3,dsv2 --budgets 0.01,0.02
+    python -m farskip_jax.studies.fcsd_auto --teachers qwen3,dsv2 --budgets 0.01,0.02
 
-Writes runs/hard/<teacher>/auto/<budget>/ (run folders, each with farskip_auto.json / .md) and, here,
-auto_runs.json, results.md and <teacher>_plan.md (the plan table of the first budget's run).
+Writes runs/hard/<teacher>/auto/<budget>/ (run folders, each with farskip_auto.json / .md) and
+auto_runs.json, results.md and <teacher>_plan.md (the plan table of the first budget's run) to --out.
 """
 
 from __future__ import annotations
@@ -22,11 +22,9 @@ import shutil
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.abspath(os.path.join(HERE, *[".."] * 5))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from farskip_jax.studies.harness import REPO, results_dir  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -36,10 +34,14 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=float, default=0.05, help="FCSD tokens as a fraction of the teacher's pretraining")
     p.add_argument("--search", default="ends", choices=("ends", "greedy"))
     p.add_argument("--tag", default="", help="a recipe variant: run folders <budget>_<tag>, results_<tag>.md")
+    p.add_argument("--out", default=results_dir(os.path.join("fcsd", "hard", "auto")),
+                   help="where auto_runs.json, results.md and <teacher>_plan.md go")
     p.add_argument("overrides", nargs="*", help="extra distill overrides for every run, e.g. train.lr=1e-4")
     a = p.parse_args(argv)
-    os.chdir(ROOT)
-    from fcsd_methods import run_config
+    out = os.path.abspath(a.out)
+    os.makedirs(out, exist_ok=True)
+    os.chdir(REPO)
+    from farskip_jax.studies.fcsd_methods import run_config
 
     from farskip_jax.fcsd.planner import read_plan
     from farskip_jax.eval.loading import load_run
@@ -107,13 +109,13 @@ def main(argv=None) -> int:
             rows.append(row)
             done.setdefault(layers, row)
             if not sfx:
-                shutil.copyfile(os.path.join(rd, "farskip_auto.md"), os.path.join(HERE, f"{name}_plan.md"))
+                shutil.copyfile(os.path.join(rd, "farskip_auto.md"), os.path.join(out, f"{name}_plan.md"))
             print(f"   {name} {100 * budget:g}%: layers {list(layers)}: gap {100 * row['gap']:+.2f}% "
                   f"(predicted {100 * row['predicted']:+.2f}%), top-1 {100 * row['top1']:.2f}% ({row['minutes']:.1f} min)",
                   flush=True)
 
     L = [f"# farskip.layers: auto on the hard teachers ({time.strftime('%Y-%m-%d', time.gmtime())})", "",
-         f"FCSD with {100 * a.tokens:g}% of each teacher's pretraining tokens (benchmarks/fcsd_methods.py's recipe"
+         f"FCSD with {100 * a.tokens:g}% of each teacher's pretraining tokens (studies/fcsd_methods.py's recipe"
          + (f", overrides {' '.join(a.overrides)}" if a.overrides else "") + "), "
          "farskip.layers=auto at each quality budget. Plan gaps: the sweep on the early-stopping batches (the first 8 "
          "validation batches); report: fcsd_methods' report slice (validation batches 8-23 and 100-115).", "",
@@ -128,11 +130,11 @@ def main(argv=None) -> int:
                  + f" | {r['layers']} | {100 * r['plan_gap']:+.2f}% | {100 * r['predicted']:+.2f}% | "
                  f"{100 * r['untrained_gap']:+.2f}% | **{100 * r['gap']:+.2f}%** | {100 * r['top1']:.2f}% | {ret:.2f} | "
                  f"{o['freed']} of {o['total']} | {100 * o['hidden_fwd_est']:.0f}% |")
-    cmd = "python benchmarks/results/fcsd/hard/auto/run_auto.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    cmd = "python -m farskip_jax.studies.fcsd_auto " + shlex.join(sys.argv[1:] if argv is None else argv)
     L += ["", f"Command: `{cmd}` ({(time.time() - t0) / 60:.0f} min for the new runs)"]
-    with open(os.path.join(HERE, f"results{sfx}.md"), "w") as f:
+    with open(os.path.join(out, f"results{sfx}.md"), "w") as f:
         f.write("\n".join(L) + "\n")
-    with open(os.path.join(HERE, f"auto_runs{sfx}.json"), "w") as f:
+    with open(os.path.join(out, f"auto_runs{sfx}.json"), "w") as f:
         json.dump(rows, f, indent=1)
     print("\n".join(L), flush=True)
     return 0

@@ -1,6 +1,6 @@
 """The measured (untrained gap, gap after FCSD) pairs behind fcsd/planner.py's DEFAULT_RETENTION.
 
-    python benchmarks/fcsd_evidence.py [ROOT]      # ROOT: benchmarks/results/fcsd by default
+    python -m farskip_jax.studies.fcsd_evidence [ROOT]      # ROOT: benchmarks/results/fcsd by default
 
 Prints one row per plain-FCSD run recorded under ROOT (fcsd_experiment.py's results*.json, the
 conversion-method runs' results.json, hard/auto/run_auto.py's auto_runs*.json) and the retention
@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from farskip_jax.studies.harness import results_dir
 
 
 def _nominal(frac: float) -> float:
@@ -25,9 +25,9 @@ def _nominal(frac: float) -> float:
     return round(frac, 2)
 
 
-def measured_pairs(root: str = os.path.join(ROOT, "benchmarks/results/fcsd")) -> list[dict]:
+def measured_pairs(root: str = results_dir("fcsd")) -> list[dict]:
     """(untrained gap, gap after FCSD, FCSD token share) of every plain-FCSD run recorded under `root`
-    (benchmarks/fcsd_experiment.py's results*.json, benchmarks/fcsd_methods.py's results.json: all
+    (studies/fcsd_experiment.py's results*.json, studies/fcsd_methods.py's results.json: all
     layers converted; hard/auto/run_auto.py's auto_runs*.json: the sets farskip.layers=auto chose).
     Left out: conversion methods (anneal, progressive) and top-k logits, which are not the default
     recipe. Each pair: dict(source, budget, untrained, after, retention, layers: "all" | "partial")."""

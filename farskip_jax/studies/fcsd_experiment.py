@@ -1,4 +1,4 @@
-"""Recorded FCSD experiment (issue 6), rerunnable on CPU:
+"""Recorded FCSD experiment, rerunnable on CPU:
 
 1. pretrain a small MoE teacher with standard connectivity on the embedded corpus (the trainer),
    and (--second-seed) a second teacher of the same recipe from another seed;
@@ -12,8 +12,8 @@
    earlier, and vs the second-seed teacher. Extra columns (never in place of top-1): the teacher's
    mean max-probability and top-1 agreement restricted to positions where it is >= --confidence.
 
-    python benchmarks/fcsd_experiment.py                # ~45-60 min on 2 busy CPU cores (two teachers)
-    python benchmarks/fcsd_experiment.py --teacher-steps 200 --second-seed -1 --out runs/fcsd_quick
+    python -m farskip_jax.studies.fcsd_experiment                # ~45-60 min on 2 busy CPU cores (two teachers)
+    python -m farskip_jax.studies.fcsd_experiment --teacher-steps 200 --second-seed -1 --out runs/fcsd_quick
 
 Outputs under --out: teacher/, teacher_seed<S>/ and fcsd/ run folders, sweep.csv, sweep.png,
 fcsd.png, results.md, results.json (with --fcsd-dir fcsd_NAME or NAME: results_NAME.md/.json and
@@ -29,8 +29,7 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from farskip_jax.studies.harness import REPO  # noqa: E402
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # a CPU experiment; JAX_PLATFORMS=cuda to run it on a GPU
 
 
@@ -75,7 +74,7 @@ def teacher_config(a, out: str, seed: int):
     from farskip_jax.config import load_config
 
     name = "teacher" if seed == 0 else f"teacher_seed{seed}"
-    return load_config(os.path.join(ROOT, "configs/tiny.yaml"), [
+    return load_config(os.path.join(REPO, "configs/tiny.yaml"), [
         f"train.seq_len={a.seq_len}", "train.tensorboard=false", "mesh.data=1", *a.overrides,
         f"train.batch_size={a.batch_size}", "train.eval_batches=8", f"train.steps={a.teacher_steps}",
         f"train.run_dir={os.path.join(out, name)}", f"train.eval_every={max(1, a.teacher_steps // 6)}", f"train.seed={seed}",
@@ -85,7 +84,7 @@ def teacher_config(a, out: str, seed: int):
 def fcsd_config(a, out: str, teacher_dir: str, steps: int, budget: int):
     from farskip_jax.config import load_config
 
-    return load_config(os.path.join(ROOT, "configs/distill_tiny.yaml"), [
+    return load_config(os.path.join(REPO, "configs/distill_tiny.yaml"), [
         f"train.seq_len={a.seq_len}", "train.tensorboard=false", "mesh.data=1", *a.overrides,
         f"train.batch_size={a.distill_batch_size}", f"train.eval_batches={a.select_batches}",
         f"distill.init_from_run={teacher_dir}", f"train.run_dir={out}/{a.fcsd_dir}", "train.overwrite=true",

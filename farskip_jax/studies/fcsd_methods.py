@@ -8,9 +8,9 @@ report slice): loss gap to the teacher and top-1 agreement. Also measured on the
 converted model before any training. Finished runs are reused (their report.json), so adding a
 method or a budget re-runs only what is new.
 
-    python benchmarks/fcsd_methods.py --teacher runs/hard/dsv2/teacher --out runs/hard/dsv2/methods \\
+    python -m farskip_jax.studies.fcsd_methods --teacher runs/hard/dsv2/teacher --out runs/hard/dsv2/methods \\
         --budgets 0.05,0.1,0.2 --methods baseline
-    python benchmarks/fcsd_methods.py ... --method lr1e-3=train.lr=1e-3 --method rkl=distill.kl=both
+    python -m farskip_jax.studies.fcsd_methods ... --method lr1e-3=train.lr=1e-3 --method rkl=distill.kl=both
 
 Methods (--methods picks from METHODS below; --method NAME=OVERRIDE[,OVERRIDE...] adds one):
     baseline     the recipe as given (all layers FarSkip from the first step)
@@ -28,8 +28,7 @@ import shlex
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from farskip_jax.studies.harness import REPO  # noqa: E402
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # name -> overrides of the distill config; budget-relative lengths use the placeholders {tokens} (the
@@ -95,7 +94,7 @@ def run_config(a, tcfg, run_dir: str, budget: int, ovr: list):
     d = tcfg.data  # FCSD reads the teacher's own text and tokenizer (distill_tiny.yaml's are the stdlib's bytes)
     data = [f"data.source={d.source}", f"data.paths=[{','.join(d.paths)}]", f"data.tokenizer={d.tokenizer}",
             f"data.val_fraction={d.val_fraction}", f"data.text_field={d.text_field}"]
-    return load_config(os.path.join(ROOT, "configs/distill_tiny.yaml"), data + [
+    return load_config(os.path.join(REPO, "configs/distill_tiny.yaml"), data + [
         f"train.seq_len={tcfg.train.seq_len}", "train.tensorboard=false", "mesh.data=1",
         f"train.batch_size={bs}", f"train.eval_batches={a.select_batches * a.batch_size // bs}",
         f"distill.init_from_run={a.teacher}", f"train.run_dir={run_dir}", "train.overwrite=true",
@@ -186,7 +185,7 @@ def main(argv=None) -> int:
     for r in rows:
         L.append(f"| {r['method']} | {100 * r['budget']:g}% | {100 * r['gap']:+.2f}% | {100 * r['top1']:.2f}% | "
                  f"{r['kl']:.4f} | {100 * r['best_tokens'] / pre:.1f}% | {' '.join(r['overrides']) or '-'} |")
-    cmd = "python benchmarks/fcsd_methods.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    cmd = "python -m farskip_jax.studies.fcsd_methods " + shlex.join(sys.argv[1:] if argv is None else argv)
     L += ["", f"Command: `{cmd}` ({(time.time() - t0) / 60:.0f} min for the new runs)"]
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write("\n".join(L) + "\n")

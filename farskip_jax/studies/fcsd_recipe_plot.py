@@ -1,7 +1,7 @@
-"""Bar chart of a recipe sweep at one budget (issue 25, docs/fcsd.md "Recipe sweep"): loss gap and top-1 per
-method from a results json of benchmarks/fcsd_methods.py, the baseline seeds' range shaded (the noise).
+"""Bar chart of a recipe sweep at one budget: loss gap and top-1 per
+method from a results json of studies/fcsd_methods.py, the baseline seeds' range shaded (the noise).
 
-    python benchmarks/results/fcsd/hard/qwen3_recipe/plot_recipe.py \\
+    python -m farskip_jax.studies.fcsd_recipe_plot \\
         benchmarks/results/fcsd/hard/qwen3_recipe/results_5pct.json benchmarks/results/fcsd/hard/qwen3_recipe/recipe_5pct.png \\
         --title 'Qwen3-MoE-style teacher, 5% FCSD' --budget 0.05
 """

@@ -1,7 +1,7 @@
 """Summarise the FCSD recipe variants of one teacher: a table, and plots of loss gap / top-1 against
 the learning rate and against the token budget.
 
-    python benchmarks/fcsd_summary.py runs/fcsd_16l_long [--out summary]
+    python -m farskip_jax.studies.fcsd_summary runs/fcsd_16l_long [--out summary]
 
 Reads every results*.json that `fcsd_experiment.py` wrote into the folder (one per --fcsd-dir
 variant; they share the teacher and the report slice), and writes <out>.md (one row per variant:
@@ -52,7 +52,7 @@ def load(folder: str) -> list[dict]:
                          gap=after[1] / teacher[1] - 1, top1=after[2], top1_conf=after[3], kl=after[4],
                          differs=", ".join(f"{k} {v}" for k, v in recipe_parts(r["recipe"]).items() if PLAIN[k] != v)))
     if not rows:
-        raise SystemExit(f"no results*.json in {folder}: run benchmarks/fcsd_experiment.py --out {folder} first")
+        raise SystemExit(f"no results*.json in {folder}: run studies/fcsd_experiment.py --out {folder} first")
     return rows
 
 

@@ -1,8 +1,8 @@
 """MoE vs Federation of Experts (FoE) vs FoE + FarSkip: tiny pretraining loss with the same budget, and the
 modelled step time of each from the overlap tool (deviceless 8-GPU compile).
 
-    python benchmarks/foe_compare.py --steps 250                      # both parts
-    python benchmarks/foe_compare.py --skip-overlap / --skip-train
+    python -m farskip_jax.studies.foe_compare --steps 250                      # both parts
+    python -m farskip_jax.studies.foe_compare --skip-overlap / --skip-train
 
 Training: configs/foe_tiny.yaml (H = 2) and its H = 1 variant (= the ordinary MoE of tiny.yaml), same
 seed, data, steps and parameter count, one device. Overlap: the same architecture at a GPU-sized shape
@@ -19,8 +19,7 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from farskip_jax.studies.harness import REPO  # noqa: E402
 
 VARIANTS = {  # name -> overrides of configs/foe_tiny.yaml
     "moe": ["moe.num_groups=1"],
@@ -41,7 +40,7 @@ def train_part(steps: int, out: str) -> dict:
 
     res = {}
     for name, ov in VARIANTS.items():
-        cfg = load_config(os.path.join(ROOT, "configs/foe_tiny.yaml"),
+        cfg = load_config(os.path.join(REPO, "configs/foe_tiny.yaml"),
                           ov + [f"train.steps={steps}", f"train.run_dir={os.path.join(out, name)}",
                                 "train.overwrite=true", "train.tensorboard=false", "train.checkpoint_every=0",
                                 f"train.eval_every={max(steps // 5, 1)}", "train.log_every=50"])
@@ -60,7 +59,7 @@ def overlap_part(target: str, hardware: str) -> dict:
 
     res = {}
     for name, ov in VARIANTS.items():
-        cfg = load_config(os.path.join(ROOT, "configs/foe_tiny.yaml"), OVERLAP_SHAPE + ov)
+        cfg = load_config(os.path.join(REPO, "configs/foe_tiny.yaml"), OVERLAP_SHAPE + ov)
         t0 = time.time()
         (r,) = run_overlap(cfg, (cfg.farskip.preset,), ("train",), target=target, hardware=hardware)
         f = foe_summary(r.hlo_text, r.mesh) if r.mesh is not None else None
@@ -121,7 +120,7 @@ def plot(results: dict, path: str) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=250)
-    ap.add_argument("--out", default=os.path.join(ROOT, "runs/foe_compare"))
+    ap.add_argument("--out", default=os.path.join(REPO, "runs/foe_compare"))
     ap.add_argument("--target", default="h200")
     ap.add_argument("--hardware", default="mi300x")
     ap.add_argument("--skip-train", action="store_true")

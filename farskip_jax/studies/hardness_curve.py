@@ -1,11 +1,11 @@
-"""How hard a teacher is to convert, along its own pretraining (issue 25): for every kept checkpoint of
+"""How hard a teacher is to convert, along its own pretraining: for every kept checkpoint of
 a standard-connectivity run, the val-loss gap and top-1 agreement of the same weights under FarSkip
 connectivity (no training), for the `farskip`, `attn_only` and `mlp_only` presets, all layers.
 
-    python benchmarks/hardness_curve.py --teacher runs/hard/byte_long/teacher --out runs/hard/byte_long/hardness \\
+    python -m farskip_jax.studies.hardness_curve --teacher runs/hard/byte_long/teacher --out runs/hard/byte_long/hardness \\
         --report-starts 8,100
 
-Evaluates on the report slice of benchmarks/fcsd_methods.py (batches of --batch-size rows of the
+Evaluates on the report slice of studies/fcsd_methods.py (batches of --batch-size rows of the
 teacher's seq_len from the validation split, --eval-batches each from every --report-starts), so the
 last point equals that script's "converted before training" row. Writes hardness.json, hardness.md and
 hardness.png (gap and top-1 against the teacher's pretraining tokens; the teacher's own val loss on a
@@ -22,8 +22,6 @@ import shlex
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 PRESETS = ("farskip", "attn_only", "mlp_only")
@@ -88,7 +86,7 @@ def main(argv=None) -> int:
         with open(path, "w") as f:
             json.dump(dict(teacher=a.teacher, slice=slice_key, points=[points[k] for k in sorted(points)]), f, indent=1)
     rows = [points[k] for k in sorted(points)]
-    cmd = "python benchmarks/hardness_curve.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    cmd = "python -m farskip_jax.studies.hardness_curve " + shlex.join(sys.argv[1:] if argv is None else argv)
     L = [f"# Conversion cost along pretraining: {a.teacher}", "",
          f"All layers converted, no training; report slice of {rows[-1]['report_tokens']:,} validation tokens "
          f"(batches of {a.batch_size} x {cfg0.train.seq_len} from {starts}). Gap = converted / teacher val loss - 1.", "",

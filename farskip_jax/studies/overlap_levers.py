@@ -1,6 +1,6 @@
 """Measure scheduling levers one at a time: how much all-to-all time XLA hides, standard vs farskip.
 
-    python benchmarks/overlap_levers.py [--layers 4] [--seq 4096] [--levers no_lhs,lhs_only,preset,moe_first]
+    python -m farskip_jax.studies.overlap_levers [--layers 4] [--seq 4096] [--levers no_lhs,lhs_only,preset,moe_first]
                                         [--hardware mi300x] [--contention 0.8] [--attention fused|naive]
                                         [extra config overrides ...]
 
