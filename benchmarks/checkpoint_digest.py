@@ -1,6 +1,6 @@
 """What verifying a checkpoint's digest costs, beside what restoring it costs, on one checkpoint.
 
-    python benchmarks/checkpoint_digest.py --gb 16 [--dir /fast/disk/tmp] [--arrays 64]
+    python -m benchmarks.checkpoint_digest --gb 16 [--dir /fast/disk/tmp] [--arrays 64]
 
 Writes --gb GB of incompressible values (random bits, as trained weights are to orbax's zstd) with
 orbax alone and with train/checkpoint.Checkpointer (its digest written at save), then measures, on
@@ -20,7 +20,6 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _drop_cache(files) -> None:

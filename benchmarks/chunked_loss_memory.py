@@ -1,6 +1,6 @@
 """Chunked cross entropy (losses/chunked.py) vs full logits: temporaries and CPU time per chunk size.
 
-    JAX_PLATFORMS=cpu python benchmarks/chunked_loss_memory.py \
+    JAX_PLATFORMS=cpu python -m benchmarks.chunked_loss_memory \
         --out benchmarks/results/memory/chunked_loss.json
 
 Memory: the loss and its gradient w.r.t. the final stream and the unembedding (value_and_grad, jitted)
@@ -18,7 +18,6 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def loss_and_grad(chunk: int, cd):

@@ -4,7 +4,7 @@ FarSkip changes only which stream each sub-block reads; on one device (no collec
 should cost nothing. This times a forward+backward+SGD step of the same model under every preset,
 interleaving the variants for `--repeats` rounds and reporting the median ratio to standard.
 
-    python benchmarks/connectivity_cost.py [--config configs/tiny.yaml] [key=value ...]
+    python -m benchmarks.connectivity_cost [--config configs/tiny.yaml] [key=value ...]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Dense float32 matmul forward+backward on the CPU: XLA's dot vs the BLAS kernel, side by side.
 
-    python benchmarks/dense_matmul.py [--shapes 2048x256x256,2048x256x4096] [--repeats 15]
+    python -m benchmarks.dense_matmul [--shapes 2048x256x256,2048x256x4096] [--repeats 15]
 
 For each m x k x n: y = x [m, k] @ w [k, n], gradients w.r.t. x and w (3 products, 6 m k n FLOPs),
 once through XLA:CPU's dot (kernels.dense_matmul: xla) and once through `layers.matmul_2d`'s CPU
@@ -15,12 +15,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from farskip_jax.kernels.host_memory import keep_freed_memory  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Expert parallelism on 8 CPU devices: train-step tokens/s of EP=8 vs EP=1 data parallelism, and the
 bytes each all-to-all moves compared with the analytic minimum. Side by side in one run.
 
-    python benchmarks/ep_throughput.py [--steps 10] [--batch 32] [--seq 64] [--d-model 64]
+    python -m benchmarks.ep_throughput [--steps 10] [--batch 32] [--seq 64] [--d-model 64]
                                        [--experts 8] [--top-k 2] [--capacity-factor 1.25]
 
 Variants (same weights, same batch, train step = jax.value_and_grad of the next-token loss + SGD):
@@ -28,7 +28,6 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 

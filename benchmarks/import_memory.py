@@ -1,6 +1,6 @@
 """Peak host memory of importing an HF checkpoint, side by side with the checkpoint's size.
 
-    python benchmarks/import_memory.py [--mb 300] [--keep DIR]
+    python -m benchmarks.import_memory [--mb 300] [--keep DIR]
 
 Generates a DeepSeek-V3-layout checkpoint (MLA, 1 dense + MoE layers, random fp32 weights, written
 tensor by tensor in 4 shards, so generating it is also low-memory), then measures in fresh child
@@ -28,7 +28,6 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 
 def hf_config(mb: float) -> dict:
@@ -76,7 +75,6 @@ def generate(path: str, mb: float) -> int:
 CHILD = r"""
 import os, sys, json, time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, {root!r})
 def rss(key):
     for line in open("/proc/self/status"):
         if line.startswith(key):
@@ -98,8 +96,8 @@ print(json.dumps(dict(base=base, peak=rss("VmHWM"), seconds=time.time() - t0)))
 
 
 def measure(mode: str, src: str, out: str) -> dict:
-    code = CHILD.format(root=ROOT)
-    res = subprocess.run([sys.executable, "-c", code, mode, src, out], capture_output=True, text=True)
+    # run from the repository root: `python -c` finds this checkout's farskip_jax first
+    res = subprocess.run([sys.executable, "-c", CHILD, mode, src, out], capture_output=True, text=True, cwd=ROOT)
     if res.returncode:
         raise SystemExit(f"{mode} failed:\n{res.stderr[-2000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])

@@ -1,8 +1,8 @@
 """The CPU kernels on and off, side by side: the README's main job (and optionally its test command).
 
-    python benchmarks/kernels_ab.py --rounds 3                 # main job: train.py --config configs/tiny.yaml
-    python benchmarks/kernels_ab.py --rounds 1 --tests         # + the README's test command (long)
-    python benchmarks/kernels_ab.py --rounds 2 --test-files tests/test_train_tiny.py ...   # + a sample of it
+    python -m benchmarks.kernels_ab --rounds 3                 # main job: train.py --config configs/tiny.yaml
+    python -m benchmarks.kernels_ab --rounds 1 --tests         # + the README's test command (long)
+    python -m benchmarks.kernels_ab --rounds 2 --test-files tests/test_train_tiny.py ...   # + a sample of it
 
 Runs alternate kernels on / off (FARSKIP_KERNELS=1 / 0, which sets kernels.enabled for every config
 the process loads), each in a fresh process with a fresh run folder, so both see the same machine

@@ -1,6 +1,6 @@
 """GFLOP/s of one matmul in fp32 and bf16 (fp32 accumulation) on this CPU: XLA vs torch, by layout.
 
-    python benchmarks/matmul_dtypes.py [--m 4096 --k 256 --n 1024] [--repeats 20]
+    python -m benchmarks.matmul_dtypes [--m 4096 --k 256 --n 1024] [--repeats 20]
 
 The three dots of a linear layer's training step on x [m, k], w [k, n], dy [m, n]:
   forward   y  = x @ w          (contract k)

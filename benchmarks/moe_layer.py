@@ -1,6 +1,6 @@
 """Routed-expert forward+backward time relative to an equal-FLOP dense SwiGLU MLP, side by side.
 
-    python benchmarks/moe_layer.py [--shapes a,b] [--backends blas,tiled,einsum,ragged_dot] [--repeats 5]
+    python -m benchmarks.moe_layer [--shapes a,b] [--backends blas,tiled,einsum,ragged_dot] [--repeats 5]
                                    [--dtype bfloat16]
 
 Shapes (fp32; --dtype bfloat16: bf16 activations, float32 weights, the dense reference in bf16 too

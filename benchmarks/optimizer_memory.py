@@ -1,7 +1,7 @@
 """Where the optimizer update lives in memory: the non-finite guard as a lax.cond vs a select, side by
 side, on the real train step compiled deviceless for 8 H200s (XLA:GPU's memory analysis).
 
-    JAX_PLATFORMS=cpu python benchmarks/optimizer_memory.py --config configs/deepseek_v2_lite.yaml \\
+    JAX_PLATFORMS=cpu python -m benchmarks.optimizer_memory --config configs/deepseek_v2_lite.yaml \\
         --layers 2,3 --seq 256 [--mode pretrain,fcsd] [overrides ...]
 
 At a short sequence the activations are small, so the temporaries show the update phase: the
@@ -20,7 +20,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 GIB = 2**30
 

@@ -1,8 +1,8 @@
 """Fingerprints of lowered programs: for refactors that must not change what is compiled.
 
-    python benchmarks/program_fingerprint.py OUT.mlir [--config configs/tiny.yaml] [overrides ...]
-    python benchmarks/program_fingerprint.py --suite OUT.json [--only NAME,...]
-    python benchmarks/program_fingerprint.py --compare BASE.json NEW.json
+    python -m benchmarks.program_fingerprint OUT.mlir [--config configs/tiny.yaml] [overrides ...]
+    python -m benchmarks.program_fingerprint --suite OUT.json [--only NAME,...]
+    python -m benchmarks.program_fingerprint --compare BASE.json NEW.json
 
 One program (the first form): the train step as benchmarks/train_throughput.py builds it (a
 Transformer by hand, the config's kernels installed, one batch of the embedded corpus), lowered for

@@ -1,7 +1,7 @@
 """Compile time and program size of a train step, layers unrolled (a Python loop) vs scanned
 (model.scan_layers), side by side, deviceless for 8 compile-only H100s (no GPU needed).
 
-    JAX_PLATFORMS=cpu python benchmarks/scan_compile.py [--config configs/deepseek_v2_lite.yaml]
+    JAX_PLATFORMS=cpu python -m benchmarks.scan_compile [--config configs/deepseek_v2_lite.yaml]
         [--layers 4,27,61] [--modes loop,scan] [--batch 8] [--seq 2048] [--timeout 1200]
         [--out benchmarks/results/scan] [config overrides ...]
 
@@ -15,7 +15,7 @@ seconds, XLA compile seconds, and the number of HLO instructions in the compiled
 Results: OUT/compile.json (updated after every compile; an entry already there is reused unless
 --force) and OUT/compile.md. Timings are CPU seconds on whatever host runs this: read the ratios.
 
-    JAX_PLATFORMS=cpu python benchmarks/scan_compile.py --report --layers 4,27 --modes scan,loop [--timeout 3600]
+    JAX_PLATFORMS=cpu python -m benchmarks.scan_compile --report --layers 4,27 --modes scan,loop [--timeout 3600]
 
 instead runs the overlap report (analysis/overlap.py, standard and farskip) of the train step once per
 (layers, mode), each in its own process: DeepSeek-V2-Lite config, batch 8 x seq 4096, 8 compile-only

@@ -1,11 +1,11 @@
 """Train-step throughput and MFU of a config on this machine, with the matmul peak measured in the
 same run (so the ratio means something on a shared CPU).
 
-    python benchmarks/train_throughput.py                       # configs/tiny.yaml, standard + farskip
-    python benchmarks/train_throughput.py --config configs/small.yaml --steps 5 --presets standard
-    python benchmarks/train_throughput.py --presets standard --dtypes float32,bfloat16   # bf16 compute
-    python benchmarks/train_throughput.py --presets standard --dense-matmul xla,auto     # BLAS projections
-    python benchmarks/train_throughput.py --loss-chunks 0,64                             # chunked cross entropy
+    python -m benchmarks.train_throughput                       # configs/tiny.yaml, standard + farskip
+    python -m benchmarks.train_throughput --config configs/small.yaml --steps 5 --presets standard
+    python -m benchmarks.train_throughput --presets standard --dtypes float32,bfloat16   # bf16 compute
+    python -m benchmarks.train_throughput --presets standard --dense-matmul xla,auto     # BLAS projections
+    python -m benchmarks.train_throughput --loss-chunks 0,64                             # chunked cross entropy
 
 Each variant (connectivity preset x model.compute_dtype [x kernels.dense_matmul, installed while the
 variant's step is traced: `xla` = XLA's dot for the float32 projections, `auto` = the BLAS kernel])
@@ -24,7 +24,6 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,6 @@
 """Train-step tokens/s of our model vs HF transformers' PyTorch Qwen3-MoE, same config and weights.
 
-    python benchmarks/vs_hf.py [--layers 4] [--batch 8] [--seq 256] [--repeats 5] [--hf-impl eager,grouped_mm]
+    python -m benchmarks.vs_hf [--layers 4] [--batch 8] [--seq 256] [--repeats 5] [--hf-impl eager,grouped_mm]
                                [--attention-impl auto,naive,causal_blocks] [--attention-block 128]
 
 A random Qwen3-MoE (HF config class, fp32) is saved with save_pretrained and imported through
