@@ -8,7 +8,7 @@ The prediction (docs/fcsd.md "Budgeted conversion", with its evidence and limits
 
 `retention` defaults to DEFAULT_RETENTION, the largest ratio (gap after FCSD / untrained gap) measured
 at a 5% FCSD token budget on the project's teachers, all-layer and partial conversions
-(`benchmarks/fcsd_evidence.py` reads them from benchmarks/results/fcsd); larger FCSD budgets measured lower
+(`farskip_jax/studies/fcsd_evidence.py` reads them from benchmarks/results/fcsd); larger FCSD budgets measured lower
 ratios, so the default is conservative there. Candidate sets (`distill.auto_search`): `ends` = first N and last N for N = 1..L; `greedy`
 adds, one layer at a time, the layer whose addition costs least (untrained), stopping when even the
 cheapest addition is over the budget. The rule: among candidates whose prediction is within the
@@ -33,7 +33,7 @@ from farskip_jax.config import (Config, FarSkipConfig, ModelConfig, apply_overri
                                 to_dict)
 from farskip_jax.errors import ConfigError
 
-# gap after FCSD / untrained gap: the largest measured at a 5% FCSD budget (benchmarks/fcsd_evidence.py; checked by
+# gap after FCSD / untrained gap: the largest measured at a 5% FCSD budget (farskip_jax/studies/fcsd_evidence.py; checked by
 # tests/test_layers_auto.py): the set auto chose on the DeepSeek-V2-style hard teacher at lr 1e-4,
 # +2.70% -> +2.11% (report slice). Over all-layer conversions alone the largest is 0.41 (16-layer d64, lr 3e-3)
 DEFAULT_RETENTION = 0.78

@@ -164,7 +164,7 @@ def foe_device_order(plain_shape: Sequence[int], device_groups: int, placement: 
     """[data, fsdp, group, expert, tensor] array of positions in a plain mesh of shape (data, fsdp,
     expert, tensor) (its devices.flat): which device each FoE mesh position gets (foe_mesh_from).
     The same program placed "strided" instead of "contiguous" runs logical device p on plain
-    position foe_device_order(.., "strided").flat[p] (benchmarks/multinode_scaling.py re-times it)."""
+    position foe_device_order(.., "strided").flat[p] (farskip_jax/studies/multinode_scaling.py re-times it)."""
     if placement not in PLACEMENTS:
         raise ConfigError(f"FoE group placement {placement!r} is unknown; choose one of {PLACEMENTS}")
     d, f, ep, t = plain_shape
