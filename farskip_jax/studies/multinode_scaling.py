@@ -69,7 +69,7 @@ from farskip_jax.studies.harness import (MODEL_OVERRIDES, MODELS, CompileCache, 
                                           figure, grid, log, md_header, model_config_path, results_dir)
 
 # the paper's Figure 5 (arXiv 2511.11505, DeepSeek-V3 cut to 6 layers, Megatron on MI325X nodes, 400 Gb/s
-# between nodes): FarSkip step speedup over the baseline without overlap, as quoted in issue 23
+# between nodes): FarSkip step speedup over the baseline without overlap
 PAPER = {8: 1.10, 32: 1.22}
 # XLA's own 30 MiB combine thresholds for reduce-scatter / all-gather instead of the preset's 128 MiB
 # (set for FSDP weight gathers): combining an attention sum with the routed sum would make FarSkip's
