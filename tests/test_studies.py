@@ -84,7 +84,7 @@ def test_figure_saves_and_closes(tmp_path):
     path = str(tmp_path / "f.png")
     before = len(plt.get_fignums())
     with harness.figure(path, 1, 2, figsize=(4, 2)) as (fig, axes):
-        axes[0][0].plot([1, 2], [3, 4])
+        axes[0].plot([1, 2], [3, 4])
     assert os.path.getsize(path) > 0 and len(plt.get_fignums()) == before
 
 

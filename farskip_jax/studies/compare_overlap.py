@@ -336,7 +336,7 @@ def plot(setting: dict, path: str) -> None:
     colors = {"standard": "#8C8C8C", "no_overlap": "#333333", "standard_tbo": "#DD8452", "farskip": "#C44E52",
               "farskip_tbo": "#8C1C13", "foe": "#4C72B0", "foe_farskip": "#8172B3"}
     toks = setting["tokens"]
-    with figure(path, 1, len(toks), figsize=(4.2 * len(toks) + 1, 4.2)) as (fig, axes):
+    with figure(path, 1, len(toks), figsize=(4.2 * len(toks) + 1, 4.2), squeeze=False) as (fig, axes):
         _plot_axes(setting, colors, fig, axes[0])
 
 

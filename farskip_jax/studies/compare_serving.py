@@ -266,7 +266,7 @@ def plot(setting: dict, path: str) -> None:
     colors = {"no_overlap": "#333333", "standard_tbo": "#DD8452", "farskip": "#C44E52", "farskip_tbo": "#8C1C13",
               "foe": "#4C72B0", "foe_farskip": "#8172B3"}
     programs = [g for g in ("prefill", "decode") if any(p["program"] == g for p in setting["points"])]
-    with figure(path, 1, len(programs), figsize=(6.2 * len(programs), 4.4)) as (fig, axes):
+    with figure(path, 1, len(programs), figsize=(6.2 * len(programs), 4.4), squeeze=False) as (fig, axes):
         _plot_axes(setting, colors, programs, fig, axes[0])
 
 

@@ -29,7 +29,8 @@ import os
 import sys
 import time
 
-from farskip_jax.studies.harness import REPO  # noqa: E402
+from farskip_jax.studies.harness import REPO, figure
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # a CPU experiment; JAX_PLATFORMS=cuda to run it on a GPU
 
 
@@ -226,32 +227,24 @@ def main(argv=None) -> int:
 
 
 def _plot_fcsd(evals: list, tokens_per_step: int, teacher_tokens: int, confidence: float, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     x = [100 * e["step"] * tokens_per_step / teacher_tokens for e in evals]
-    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
-    ax[0].plot(x, [e["val_loss"] for e in evals], "o-", label="FarSkip student")
-    t_loss = evals[0]["teacher_loss"]  # the teacher on the same (early-stopping) validation slice
-    ax[0].axhline(t_loss, color="gray", ls=":", label="teacher (standard)")
-    ax[0].axhline(1.01 * t_loss, color="red", ls="--", lw=0.8, label="teacher + 1%")
-    ax[0].set_title("early-stopping validation slice", fontsize=9)
-    ax[0].set(xlabel="FCSD tokens (% of teacher pretraining)", ylabel="validation loss")
-    ax[1].plot(x, [100 * e["top1"] for e in evals], "o-", label="top-1 agreement (all positions)")
-    if "top1_confident" in evals[0]:
-        ax[1].plot(x, [100 * e["top1_confident"] for e in evals], "s--", ms=4,
-                   label=f"extra: positions with teacher p_max >= {confidence:g}")
-    ax[1].axhline(95, color="red", ls="--", lw=0.8, label="95%")
-    ax[1].set(xlabel="FCSD tokens (% of teacher pretraining)", ylabel="top-1 agreement with teacher (%)")
-    for a in ax:
-        a.grid(alpha=0.3)
-        a.legend(fontsize=8)
-    fig.suptitle("FCSD: all layers converted to FarSkip")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, 1, 2, figsize=(10, 4)) as (fig, ax):
+        ax[0].plot(x, [e["val_loss"] for e in evals], "o-", label="FarSkip student")
+        t_loss = evals[0]["teacher_loss"]  # the teacher on the same (early-stopping) validation slice
+        ax[0].axhline(t_loss, color="gray", ls=":", label="teacher (standard)")
+        ax[0].axhline(1.01 * t_loss, color="red", ls="--", lw=0.8, label="teacher + 1%")
+        ax[0].set_title("early-stopping validation slice", fontsize=9)
+        ax[0].set(xlabel="FCSD tokens (% of teacher pretraining)", ylabel="validation loss")
+        ax[1].plot(x, [100 * e["top1"] for e in evals], "o-", label="top-1 agreement (all positions)")
+        if "top1_confident" in evals[0]:
+            ax[1].plot(x, [100 * e["top1_confident"] for e in evals], "s--", ms=4,
+                       label=f"extra: positions with teacher p_max >= {confidence:g}")
+        ax[1].axhline(95, color="red", ls="--", lw=0.8, label="95%")
+        ax[1].set(xlabel="FCSD tokens (% of teacher pretraining)", ylabel="top-1 agreement with teacher (%)")
+        for a in ax:
+            a.grid(alpha=0.3)
+            a.legend(fontsize=8)
+        fig.suptitle("FCSD: all layers converted to FarSkip")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ import shlex
 import sys
 import time
 
-from farskip_jax.studies.harness import REPO  # noqa: E402
+from farskip_jax.studies.harness import REPO, figure
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # name -> overrides of the distill config; budget-relative lengths use the placeholders {tokens} (the
@@ -197,35 +198,27 @@ def main(argv=None) -> int:
 
 
 def plot(rows: list, conv: dict, pre: int, path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4.2))
-    g0, t0 = 100 * (conv["val_loss"] / conv["teacher_loss"] - 1), 100 * conv["top1"]
-    for i, name in enumerate(dict.fromkeys(r["method"] for r in rows)):
-        mine = sorted((r for r in rows if r["method"] == name), key=lambda r: r["budget"])
-        c = f"C{i}"
-        x = [0] + [100 * r["budget"] for r in mine]
-        ax[0].plot(x, [g0] + [100 * r["gap"] for r in mine], "o-", color=c, label=name)
-        ax[1].plot(x, [t0] + [100 * r["top1"] for r in mine], "o-", color=c, label=name)
-        longest = mine[-1]["curve"]  # the in-run curve of the largest budget, early-stopping slice
-        ax[0].plot([100 * e["tokens"] / pre for e in longest], [100 * e["gap"] for e in longest], ":", color=c, lw=0.8)
-        ax[1].plot([100 * e["tokens"] / pre for e in longest], [100 * e["top1"] for e in longest], ":", color=c, lw=0.8)
-    ax[0].axhline(1, color="red", ls="--", lw=0.8, label="+1% (goal)")
-    ax[0].set_yscale("symlog", linthresh=1)
-    ax[1].axhline(95, color="red", ls="--", lw=0.8, label="95% (goal)")
-    ax[0].set(xlabel="FCSD tokens (% of teacher pretraining)", ylabel="val loss gap to teacher (%)")
-    ax[1].set(xlabel="FCSD tokens (% of teacher pretraining)", ylabel="top-1 agreement (%)")
-    for x in ax:
-        x.grid(alpha=0.3)
-        x.legend(fontsize=8)
-    fig.suptitle(title + "\n(points: best student per budget, report slice; dotted: in-run curve of the largest "
-                 "budget, early-stopping slice)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, 1, 2, figsize=(11, 4.2)) as (fig, ax):
+        g0, t0 = 100 * (conv["val_loss"] / conv["teacher_loss"] - 1), 100 * conv["top1"]
+        for i, name in enumerate(dict.fromkeys(r["method"] for r in rows)):
+            mine = sorted((r for r in rows if r["method"] == name), key=lambda r: r["budget"])
+            c = f"C{i}"
+            x = [0] + [100 * r["budget"] for r in mine]
+            ax[0].plot(x, [g0] + [100 * r["gap"] for r in mine], "o-", color=c, label=name)
+            ax[1].plot(x, [t0] + [100 * r["top1"] for r in mine], "o-", color=c, label=name)
+            longest = mine[-1]["curve"]  # the in-run curve of the largest budget, early-stopping slice
+            ax[0].plot([100 * e["tokens"] / pre for e in longest], [100 * e["gap"] for e in longest], ":", color=c, lw=0.8)
+            ax[1].plot([100 * e["tokens"] / pre for e in longest], [100 * e["top1"] for e in longest], ":", color=c, lw=0.8)
+        ax[0].axhline(1, color="red", ls="--", lw=0.8, label="+1% (goal)")
+        ax[0].set_yscale("symlog", linthresh=1)
+        ax[1].axhline(95, color="red", ls="--", lw=0.8, label="95% (goal)")
+        ax[0].set(xlabel="FCSD tokens (% of teacher pretraining)", ylabel="val loss gap to teacher (%)")
+        ax[1].set(xlabel="FCSD tokens (% of teacher pretraining)", ylabel="top-1 agreement (%)")
+        for x in ax:
+            x.grid(alpha=0.3)
+            x.legend(fontsize=8)
+        fig.suptitle(title + "\n(points: best student per budget, report slice; dotted: in-run curve of the largest "
+                     "budget, early-stopping slice)", fontsize=9)
 
 
 if __name__ == "__main__":

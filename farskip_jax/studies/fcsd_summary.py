@@ -21,6 +21,8 @@ import os
 import re
 import sys
 
+from farskip_jax.studies.harness import figure
+
 
 PLAIN = {"kl": "forward", "T": "1", "ce_weight": "0", "hidden_weight": "0", "top-k": "all", "data-order seed": "0"}
 
@@ -72,52 +74,45 @@ def main(argv=None) -> int:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     plain = [r for r in rows if not r["differs"]]
     by_budget = {}
     for r in plain:
         by_budget.setdefault((r["batch"], r["lr"]), []).append(r)
     by_budget = {k: v for k, v in by_budget.items() if len({r["budget"] for r in v}) > 1}
-    fig, axes = plt.subplots(2 if by_budget else 1, 2, figsize=(10, 8 if by_budget else 4), squeeze=False)
-    (ax1, ax2) = axes[0]
-
-    def plot(ax_gap, ax_top1, label, pts):  # pts: (x, gap %, top-1 %)
-        pts = sorted(pts)
-        ax_gap.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
-        ax_top1.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=label)
-        for ax in (ax_gap, ax_top1):
-            ax.set_xscale("log")
-
-    for budget in sorted({r["budget"] for r in plain}):
-        for batch in sorted({r["batch"] for r in plain if r["budget"] == budget}):
-            rs = [r for r in plain if r["budget"] == budget and r["batch"] == batch]
-            plot(ax1, ax2, f"{budget:.0%} budget, batch {batch}", [(r["lr"], r["gap"] * 100, r["top1"] * 100) for r in rs])
-    for ax in (ax1, ax2):
-        ax.set_xlabel("FCSD learning rate")
-    if by_budget:
-        ax3, ax4 = axes[1]
-        for (batch, lr), rs in sorted(by_budget.items()):
-            plot(ax3, ax4, f"batch {batch}, lr {lr:g}",
-                 [(r["budget"] * 100, r["gap"] * 100, r["top1"] * 100) for r in rs])
-        for ax in (ax3, ax4):
-            ax.set_xlabel("FCSD tokens (% of the teacher's pretraining tokens)")
-        ax3.legend(fontsize=8)
-    for ax in axes[:, 0]:
-        ax.axhline(1.0, color="k", ls="--", lw=0.8, label="target: within 1%")
-        ax.set_title("val loss above the teacher (%)")
-    for ax in axes[:, 1]:
-        ax.axhline(95.0, color="k", ls="--", lw=0.8, label="target: 95%")
-        ax.set_title("top-1 agreement with the teacher (%)")
-    for ax in axes.flat:
-        ax.grid(alpha=0.3)
-    ax1.legend(fontsize=8)
-    fig.tight_layout()
     png = os.path.join(a.folder, a.out + ".png")
-    fig.savefig(png, dpi=110)
+    with figure(png, 2 if by_budget else 1, 2, figsize=(10, 8 if by_budget else 4), squeeze=False) as (fig, axes):
+        (ax1, ax2) = axes[0]
+
+        def plot(ax_gap, ax_top1, label, pts):  # pts: (x, gap %, top-1 %)
+            pts = sorted(pts)
+            ax_gap.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
+            ax_top1.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=label)
+            for ax in (ax_gap, ax_top1):
+                ax.set_xscale("log")
+
+        for budget in sorted({r["budget"] for r in plain}):
+            for batch in sorted({r["batch"] for r in plain if r["budget"] == budget}):
+                rs = [r for r in plain if r["budget"] == budget and r["batch"] == batch]
+                plot(ax1, ax2, f"{budget:.0%} budget, batch {batch}", [(r["lr"], r["gap"] * 100, r["top1"] * 100) for r in rs])
+        for ax in (ax1, ax2):
+            ax.set_xlabel("FCSD learning rate")
+        if by_budget:
+            ax3, ax4 = axes[1]
+            for (batch, lr), rs in sorted(by_budget.items()):
+                plot(ax3, ax4, f"batch {batch}, lr {lr:g}",
+                     [(r["budget"] * 100, r["gap"] * 100, r["top1"] * 100) for r in rs])
+            for ax in (ax3, ax4):
+                ax.set_xlabel("FCSD tokens (% of the teacher's pretraining tokens)")
+            ax3.legend(fontsize=8)
+        for ax in axes[:, 0]:
+            ax.axhline(1.0, color="k", ls="--", lw=0.8, label="target: within 1%")
+            ax.set_title("val loss above the teacher (%)")
+        for ax in axes[:, 1]:
+            ax.axhline(95.0, color="k", ls="--", lw=0.8, label="target: 95%")
+            ax.set_title("top-1 agreement with the teacher (%)")
+        for ax in axes.flat:
+            ax.grid(alpha=0.3)
+        ax1.legend(fontsize=8)
     print(f"wrote {md} and {png}")
     return 0
 

@@ -19,7 +19,7 @@ import os
 import sys
 import time
 
-from farskip_jax.studies.harness import REPO  # noqa: E402
+from farskip_jax.studies.harness import REPO, figure
 
 VARIANTS = {  # name -> overrides of configs/foe_tiny.yaml
     "moe": ["moe.num_groups=1"],
@@ -96,25 +96,19 @@ def table(results: dict) -> str:
 
 
 def plot(results: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for n, t in results["train"].items():
-        y = np.asarray(t["losses"])
-        w = 10
-        ys = np.convolve(y, np.ones(w) / w, mode="valid")
-        ax.plot(np.arange(w, len(y) + 1), ys, label=f"{n} (val {t['val_loss']:.3f})")
-    ax.set_xlabel("step")
-    ax.set_ylabel("train loss (10-step mean)")
-    ax.set_title("tiny pretraining: MoE vs FoE (H=2) vs + FarSkip, same budget")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with figure(path, figsize=(7, 4), dpi=120) as (fig, ax):
+        for n, t in results["train"].items():
+            y = np.asarray(t["losses"])
+            w = 10
+            ys = np.convolve(y, np.ones(w) / w, mode="valid")
+            ax.plot(np.arange(w, len(y) + 1), ys, label=f"{n} (val {t['val_loss']:.3f})")
+        ax.set_xlabel("step")
+        ax.set_ylabel("train loss (10-step mean)")
+        ax.set_title("tiny pretraining: MoE vs FoE (H=2) vs + FarSkip, same budget")
+        ax.legend()
+        ax.grid(alpha=0.3)
 
 
 def main(argv=None) -> int:

@@ -22,6 +22,8 @@ import shlex
 import sys
 import time
 
+from farskip_jax.studies.harness import figure
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 PRESETS = ("farskip", "attn_only", "mlp_only")
@@ -104,30 +106,22 @@ def main(argv=None) -> int:
 
 
 def plot(rows: list, path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     x = [r["tokens"] / 1e6 for r in rows]
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4.2))
-    for i, p in enumerate(PRESETS):
-        ax[0].plot(x, [100 * r[p + "_gap"] for r in rows], "o-", color=f"C{i}", label=p)
-        ax[1].plot(x, [100 * r[p + "_top1"] for r in rows], "o-", color=f"C{i}", label=p)
-    tw = ax[0].twinx()
-    tw.plot(x, [r["teacher_loss"] for r in rows], "k:", label="teacher val loss")
-    tw.set_ylabel("teacher val loss (nats/token)")
-    ax[0].axhline(100, color="red", ls="--", lw=0.8, label="+100% (a hard teacher)")
-    ax[0].set(xlabel="teacher pretraining tokens (M)", ylabel="converted val loss gap (%)")
-    ax[1].set(xlabel="teacher pretraining tokens (M)", ylabel="top-1 agreement with the teacher (%)")
-    for a_ in ax:
-        a_.grid(alpha=0.3)
-        a_.legend(fontsize=8, loc="upper left")
-    tw.legend(fontsize=8, loc="lower right")
-    fig.suptitle(f"Conversion cost without training along pretraining: {title}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, 1, 2, figsize=(11, 4.2)) as (fig, ax):
+        for i, p in enumerate(PRESETS):
+            ax[0].plot(x, [100 * r[p + "_gap"] for r in rows], "o-", color=f"C{i}", label=p)
+            ax[1].plot(x, [100 * r[p + "_top1"] for r in rows], "o-", color=f"C{i}", label=p)
+        tw = ax[0].twinx()
+        tw.plot(x, [r["teacher_loss"] for r in rows], "k:", label="teacher val loss")
+        tw.set_ylabel("teacher val loss (nats/token)")
+        ax[0].axhline(100, color="red", ls="--", lw=0.8, label="+100% (a hard teacher)")
+        ax[0].set(xlabel="teacher pretraining tokens (M)", ylabel="converted val loss gap (%)")
+        ax[1].set(xlabel="teacher pretraining tokens (M)", ylabel="top-1 agreement with the teacher (%)")
+        for a_ in ax:
+            a_.grid(alpha=0.3)
+            a_.legend(fontsize=8, loc="upper left")
+        tw.legend(fontsize=8, loc="lower right")
+        fig.suptitle(f"Conversion cost without training along pretraining: {title}", fontsize=9)
 
 
 if __name__ == "__main__":

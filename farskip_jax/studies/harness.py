@@ -3,11 +3,11 @@ programs, results kept as JSON by key, the grid of points, markdown tables, plot
 and the one `error:` line of a bad option.
 
     cache = CompileCache("/tmp/farskip_x")                 # compiled schedules, gzip'd pickles by key
-    c = cache.get_or_compile("dsv3_6l|ep8|train", lambda: compile_one(...), log)
+    c = cache.get_or_compile("dsv3_6l|ep8|train", lambda: compile_one(...))
     store = ResultStore(os.path.join(out, "results.json"))  # timed entries by key: a re-run re-tables
     for p in grid(batch=[1, 2], ep=[8, 16]): ...           # {"batch": 1, "ep": 8}, ... (last axis fastest)
     lines = md_header(["row", "ms"]) + [md_row(["standard", "1.00"])]
-    with figure(path, 1, 2, figsize=(12, 4.4)) as axes: axes[0][0].plot(...)
+    with figure(path, 1, 2, figsize=(12, 4.4)) as (fig, axes): axes[0].plot(...)
 """
 
 from __future__ import annotations
@@ -145,14 +145,15 @@ def md_header(columns: Sequence[str]) -> list[str]:
 
 
 @contextlib.contextmanager
-def figure(path: str, nrows: int, ncols: int, figsize: tuple, dpi: int = 110, squeeze: bool = False):
-    """A matplotlib figure (Agg) of nrows x ncols axes; on exit it is laid out, saved to `path` and closed."""
+def figure(path: str, *subplot_args, dpi: int = 110, **subplot_kw):
+    """plt.subplots(*subplot_args, **subplot_kw) on the Agg backend, yielding (fig, axes); on exit the
+    figure is laid out, saved to `path` and closed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(nrows, ncols, figsize=figsize, squeeze=squeeze)
+    fig, axes = plt.subplots(*subplot_args, **subplot_kw)
     try:
         yield fig, axes
         fig.tight_layout()

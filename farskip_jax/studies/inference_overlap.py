@@ -184,7 +184,7 @@ def inplace_cell(r) -> str:
 
 
 def plot(rows, path, hardware: str = "h200"):
-    with figure(path, 1, 2, figsize=(12, 4.4), dpi=120, squeeze=True) as (fig, axes):
+    with figure(path, 1, 2, figsize=(12, 4.4), dpi=120) as (fig, axes):
         _plot_axes(rows, hardware, fig, axes)
 
 

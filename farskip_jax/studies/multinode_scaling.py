@@ -339,7 +339,7 @@ def plot(rows: list[dict], path: str, title: str, seq: Optional[int] = None) -> 
     if not rows:
         return
     with figure(path, 1, 2, figsize=(12, 4.4), dpi=120) as (fig, axes):
-        _plot_axes(rows, fig, *axes[0], title)
+        _plot_axes(rows, fig, *axes, title)
 
 
 def _plot_axes(rows: list[dict], fig, ax, bx, title: str) -> None:
