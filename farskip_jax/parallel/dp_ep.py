@@ -25,9 +25,10 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
+from farskip_jax.errors import ConfigError
 from farskip_jax.model.attention import LayerCache
 from farskip_jax.model.layer_step import LayerStep
-from farskip_jax.parallel.mesh import BATCH_AXES
+from farskip_jax.parallel.mesh import BATCH_AXES, batch_shards
 
 
 def _rows(ndim: int) -> P:
@@ -40,6 +41,10 @@ def per_device(mesh: Mesh, fn, module, *arrays):
     replicated, None passed through), the module's weights whole on every device; outputs likewise."""
     gd, st = nnx.split(module)
     keep = [i for i, a in enumerate(arrays) if a is not None]
+    rows, shards = arrays[keep[0]].shape[0], batch_shards(mesh)
+    if rows % shards:
+        raise ConfigError(f"inference.layout=dp_ep gives each of the data x fsdp x expert = {shards} devices its own "
+                          f"requests, but a batch (or micro-batch) has {rows} rows; use a multiple of {shards} rows")
 
     def body(st, *xs):
         full = list(arrays)

@@ -1,0 +1,119 @@
+"""The dp_ep serving layout (serving/dp_ep.py, parallel/dp_ep.py): SGLang's large-scale EP layout.
+
+Values: KV-cache generation (ragged prompts; prefill and decode) on 4 and 8 CPU devices equals the
+one-device model's generation (fp32 logits within 1e-5 of their scale, the same tokens), under
+standard, FarSkip, two-batch overlap (model.micro_batches=2) and FarSkip + TBO.
+
+Program: the compiled decode step (8 devices) has each MoE layer's dispatch and combine all-to-alls,
+no collective in attention or the shared experts, and under FarSkip no path from the combine of
+layer k to the attention of layer k+1; under standard that path exists (the positive control: the
+check can fail).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from farskip_jax.config import Config, FarSkipConfig, InferenceConfig, MeshConfig, ModelConfig, MoEConfig, replace
+from farskip_jax.errors import ConfigError
+from farskip_jax.parallel.mesh import make_mesh
+from farskip_jax.serving.dp_ep import check_dp_ep, dp_ep_model, layout_of
+from farskip_jax.serving.generate import generate, init_cache, make_decode_fn
+from test_inference_layout import assert_close, reference
+from test_parallel_overlap import entry_graph, reachable_from
+
+LAYERS = 3  # layer 0 dense, layers 1-2 MoE
+PROMPTS = [[5, 9, 3, 7, 1, 2, 8], [4, 8], [10, 11, 12, 13, 14], [3, 3, 3]]
+A2A = ("all-to-all", "all-to-all-start")
+
+
+def dp_ep_cfg(ep: int, micro_batches: int = 1) -> Config:
+    m = ModelConfig(vocab_size=64, d_model=32, num_layers=LAYERS, num_heads=4, num_kv_heads=2, mlp_hidden=64,
+                    first_k_dense=1, max_seq_len=128, attention_impl="naive", micro_batches=micro_batches)
+    moe = MoEConfig(num_experts=8, top_k=2, expert_hidden=16, num_shared_experts=1, dispatch="all_to_all")
+    return Config(model=m, moe=moe, mesh=MeshConfig(data=1, expert=ep), inference=InferenceConfig(layout="dp_ep"))
+
+
+# every variant once, each device count twice: (devices, preset, micro-batches)
+CASES = {"ep4_standard": (4, "standard", 1), "ep4_farskip_tbo": (4, "farskip", 2),
+         "ep8_farskip": (8, "farskip", 1), "ep8_standard_tbo": (8, "standard", 2)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_generation_equals_one_device(case):
+    ep, preset, mb = CASES[case]
+    cfg = dp_ep_cfg(ep, mb)
+    ref = reference(cfg)  # one device, the plain local MoE (the same config: its micro-batches too)
+    mesh = make_mesh(cfg.mesh, jax.devices()[:ep])
+    model = dp_ep_model(cfg, mesh, nnx.state(ref))
+    prompts = PROMPTS * (ep * mb // len(PROMPTS))  # every device its rows (per micro-batch)
+    fs = FarSkipConfig(preset=preset)
+    got = generate(model, prompts, 4, farskip=fs, layout=layout_of(cfg, mesh))
+    want = generate(ref, prompts, 4, farskip=fs)
+    assert_close(got.logits, want.logits)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    assert model.layers[1].moe.experts.w_gate[...].sharding.spec[0] == "expert"
+    assert model.layers[1].attn.o_proj.w[...].sharding.is_fully_replicated
+
+
+@pytest.fixture(scope="module")
+def decode_graphs():
+    """{preset: entry graph of the compiled decode step on 8 devices} (8 rows, one per device)."""
+    cfg = dp_ep_cfg(8)
+    mesh = make_mesh(cfg.mesh)
+    layout = layout_of(cfg, mesh)
+    model = dp_ep_model(cfg, mesh, nnx.state(reference(cfg)))
+    graphdef, state = nnx.split(model)
+    cache = init_cache(model, 8, 16, layout)
+    args = (state, jax.device_put(jnp.zeros((8, 1), jnp.int32), layout.batch_sharding(2)), jnp.int32(3), cache,
+            jax.device_put(jnp.zeros((8,), jnp.int32), layout.batch_sharding(1)))
+    out = {}
+    for preset in ("standard", "farskip"):
+        fn = make_decode_fn(graphdef, FarSkipConfig(preset=preset), layout)
+        out[preset] = entry_graph(fn.lower(*args).compile().as_text())
+    return out
+
+
+def _ops(op_name, opcode, scope, kinds=None):
+    return {n for n, o in op_name.items() if scope in o and (kinds is None or opcode[n] in kinds)}
+
+
+@pytest.mark.parametrize("preset", ["standard", "farskip"])
+def test_decode_step_has_the_all_to_alls_and_no_other_collective(decode_graphs, preset):
+    users, op_name, opcode = decode_graphs[preset]
+    for k in (1, 2):
+        assert _ops(op_name, opcode, f"layer_{k}/moe/shard_map/dispatch", A2A), k
+        assert _ops(op_name, opcode, f"layer_{k}/moe/shard_map/combine", A2A), k
+    colls = {n for n in opcode if opcode[n].startswith(("all-reduce", "all-gather", "reduce-scatter",
+                                                        "collective-permute"))}
+    # the only others: the dispatch's dropped-row count (a scalar psum inside the MoE) per MoE layer
+    assert all("/moe/" in op_name[n] for n in colls), sorted(op_name[n] for n in colls)
+
+
+def test_farskip_attention_never_waits_for_the_previous_combine(decode_graphs):
+    users, op_name, opcode = decode_graphs["farskip"]
+    combine = _ops(op_name, opcode, "layer_1/moe/shard_map/combine", A2A)
+    attn_next = _ops(op_name, opcode, "layer_2/attention")
+    assert combine and attn_next
+    assert not attn_next & reachable_from(users, combine)
+
+
+def test_positive_control_standard_attention_waits_for_the_combine(decode_graphs):
+    users, op_name, opcode = decode_graphs["standard"]
+    combine = _ops(op_name, opcode, "layer_1/moe/shard_map/combine", A2A)
+    attn_next = _ops(op_name, opcode, "layer_2/attention")
+    assert attn_next & reachable_from(users, combine)
+
+
+def test_bad_layouts_are_refused_with_one_clear_error():
+    with pytest.raises(ConfigError, match="mesh.tensor=1"):
+        check_dp_ep(replace(dp_ep_cfg(4), **{"mesh.tensor": 2, "mesh.expert": 2}))
+    with pytest.raises(ConfigError, match="capacity_factor=null"):
+        check_dp_ep(replace(dp_ep_cfg(4), **{"moe.capacity_factor": 1.0}))
+    cfg = dp_ep_cfg(4)
+    mesh = make_mesh(cfg.mesh, jax.devices()[:4])
+    model = dp_ep_model(cfg, mesh, nnx.state(reference(cfg)))
+    with pytest.raises(ConfigError, match="multiple of 4 prompts"):
+        generate(model, PROMPTS[:3], 2, layout=layout_of(cfg, mesh))
