@@ -110,8 +110,8 @@ def test_positive_control_standard_attention_waits_for_the_combine(decode_graphs
 def test_bad_layouts_are_refused_with_one_clear_error():
     with pytest.raises(ConfigError, match="mesh.tensor=1"):
         check_dp_ep(replace(dp_ep_cfg(4), **{"mesh.tensor": 2, "mesh.expert": 2}))
-    with pytest.raises(ConfigError, match="capacity_factor=null"):
-        check_dp_ep(replace(dp_ep_cfg(4), **{"moe.capacity_factor": 1.0}))
+    with pytest.raises(ConfigError, match="inference.layout=foe"):
+        check_dp_ep(replace(dp_ep_cfg(4), **{"moe.num_groups": 2}))
     cfg = dp_ep_cfg(4)
     mesh = make_mesh(cfg.mesh, jax.devices()[:4])
     model = dp_ep_model(cfg, mesh, nnx.state(reference(cfg)))

@@ -10,7 +10,9 @@ local shared experts) is parallel/dp_ep.py's; the MoE exchange is the training's
 Placement: routed experts over `expert` (E / EP per device), everything else whole on every device;
 batch rows and KV-cache rows over data x expert (each device its own requests; the rows of a batch
 must split evenly over the devices, per micro-batch under two-batch overlap). mesh.fsdp and
-mesh.tensor must be 1.
+mesh.tensor must be 1. Dropless (moe.capacity_factor null) generation equals the one-device model;
+with a capacity factor the all-to-all buffers hold that many slots per (source, expert), as in
+training, and rows past them are dropped (the analysis programs use 1.0: analysis/dp_ep_report.py).
 """
 
 from __future__ import annotations
@@ -40,8 +42,6 @@ def check_dp_ep(cfg: Config, mesh: Optional[Mesh] = None) -> None:
     if cfg.moe.num_groups > 1:
         raise ConfigError("inference.layout=dp_ep serves one expert pool; a Federation of Experts "
                           f"(moe.num_groups={cfg.moe.num_groups}) runs with inference.layout=foe")
-    if cfg.moe.num_experts and cfg.moe.capacity_factor is not None:
-        raise ConfigError("inference.layout=dp_ep is dropless (as a server's dispatch); set moe.capacity_factor=null")
     if mesh is not None:
         check_mesh(cfg, mesh)
 
