@@ -117,3 +117,25 @@ def test_bad_layouts_are_refused_with_one_clear_error():
     model = dp_ep_model(cfg, mesh, nnx.state(reference(cfg)))
     with pytest.raises(ConfigError, match="multiple of 4 prompts"):
         generate(model, PROMPTS[:3], 2, layout=layout_of(cfg, mesh))
+
+
+def test_study_rows_extrapolate_and_divide_by_hand():
+    """analysis/dp_ep_report.point_rows on made-up timings: linear in the layer count from two depths,
+    every row over the no-overlap standard, the range over the constant sets, the dominant constant."""
+    from farskip_jax.analysis.dp_ep_report import point_rows
+
+    def t(time_us, serial_us):
+        return dict(time_us=time_us, serial_us=serial_us, compute_us=0.0, a2a_us=serial_us / 2, a2a_hidden_us=0.0)
+
+    # standard: 10 + 5 per layer serial; TBO: 8 + 4 per layer; "contention:high" slows TBO by 2 per layer
+    pt = {"variants": {
+        "standard": {"2": {"central": t(15, 20), "contention:high": t(15, 20)},
+                     "3": {"central": t(20, 25), "contention:high": t(20, 25)}},
+        "standard_tbo": {"2": {"central": t(16, 16), "contention:high": t(20, 20)},
+                         "3": {"central": t(20, 20), "contention:high": t(26, 26)}}}}
+    rows = point_rows(pt, [2, 3], 11)  # standard serial at 11 layers: 20 + 9 x 5 = 65; TBO 16 + 9 x 4 = 52
+    assert rows["standard_tbo"]["central"] == pytest.approx(65 / 52)
+    assert rows["standard_tbo"]["low"] == pytest.approx(65 / (20 + 9 * 6))
+    assert rows["standard_tbo"]["dominant"] == "contention"
+    assert rows["standard"]["central"] == pytest.approx(65 / 60)
+    assert rows["_standard"]["a2a_share"] == pytest.approx(0.5)

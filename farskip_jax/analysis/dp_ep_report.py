@@ -22,6 +22,10 @@ kernel, with the fitted constants (central, or one at the low / high end of its 
 DpEpTiming: time_us (XLA's schedule, each all-to-all overlapped as scheduled), serial_us (the same
 program with every all-to-all synchronous: SGLang without TBO, whose DeepEP calls block the compute
 stream), compute_us, a2a_us / a2a_hidden_us (all-to-all time and the part under compute).
+A study's results.json (benchmarks/compare_dp_ep.py) is read back by `at_depth`, `speedups` and
+`point_rows` (throughput over the no-overlap standard at the full depth, over the constants' spread).
+Imports of JAX-side modules stay inside the functions (as inference_report's): a caller sets
+JAX_PLATFORMS and the CPU device count before JAX starts.
 """
 
 from __future__ import annotations
