@@ -21,6 +21,7 @@ from farskip_jax.errors import ConfigError
 from farskip_jax.parallel.mesh import make_mesh
 from farskip_jax.serving.dp_ep import check_dp_ep, dp_ep_model, layout_of
 from farskip_jax.serving.generate import generate, init_cache, make_decode_fn
+from farskip_jax.serving.programs import serving_model
 from test_inference_layout import assert_close, reference
 from test_parallel_overlap import entry_graph, reachable_from
 
@@ -47,10 +48,10 @@ def test_generation_equals_one_device(case):
     cfg = dp_ep_cfg(ep, mb)
     ref = reference(cfg)  # one device, the plain local MoE (the same config: its micro-batches too)
     mesh = make_mesh(cfg.mesh, jax.devices()[:ep])
-    model = dp_ep_model(cfg, mesh, nnx.state(ref))
+    model, layout = serving_model(cfg, None, nnx.state(ref), mesh)  # what eval.py --mode generate runs
     prompts = PROMPTS * (ep * mb // len(PROMPTS))  # every device its rows (per micro-batch)
     fs = FarSkipConfig(preset=preset)
-    got = generate(model, prompts, 4, farskip=fs, layout=layout_of(cfg, mesh))
+    got = generate(model, prompts, 4, farskip=fs, layout=layout)
     want = generate(ref, prompts, 4, farskip=fs)
     assert_close(got.logits, want.logits)
     np.testing.assert_array_equal(got.tokens, want.tokens)
