@@ -67,7 +67,8 @@ def compile_point(base, program, ep, rows, tokens, context, variant, layers, cac
 
 
 def timings(c) -> dict:
-    """{constant set: DpEpTiming fields} of a compiled point: central and each SPREAD constant low / high."""
+    """{constant set: DpEpTiming fields} of a compiled point: central, each SPREAD constant low / high,
+    and the diagnostic without contention."""
     import dataclasses
 
     from farskip_jax.analysis.calibration import variants_of_constants
@@ -76,6 +77,7 @@ def timings(c) -> dict:
     out = {}
     for lab, end, hw_w, lk_w in variants_of_constants():
         out[f"{lab}:{end}" if end else lab] = dataclasses.asdict(time_dp_ep(c, which=(hw_w, lk_w)))
+    out["diag:no_contention"] = dataclasses.asdict(time_dp_ep(c, contention=1.0))  # what contention costs
     return out
 
 
@@ -124,6 +126,7 @@ def table_md(res: dict) -> str:
         what = (f"prefill EP {pt['ep']}, {pt['rows_per_gpu']} x {pt['tokens']} tokens/GPU" if pt["program"] == "prefill"
                 else f"decode EP {pt['ep']}, {pt['rows_per_gpu']} tokens/GPU, context {res['context']}")
         cells = [f"{rows[v]['central']:.3f}x ({rows[v]['low']:.3f}-{rows[v]['high']:.3f}; {rows[v]['dominant']})"
+                 + (f"; {rows[v]['no_contention']:.3f}x without contention" if "no_contention" in rows[v] else "")
                  for v in VARIANTS]
         s = rows["_standard"]
         lines.append(f"| {what} | {s['time_ms']:.2f} ms | {100 * s['a2a_share']:.1f}% | " + " | ".join(cells) + " |")

@@ -185,6 +185,7 @@ def dp_ep_entry(e: dict, row: dict, study: dict) -> dict:
              error=r["central"] - row["published"], agrees=abs(r["central"] - row["published"]) <= e["tolerance"] + 1e-12,
              gain_error=(r["central"] - 1.0) - gain, gain_ratio=(r["central"] - 1.0) / gain if gain else float("nan"),
              beside={k: rows[k]["central"] for k in ("farskip", "farskip_tbo") if k in rows},
+             no_contention=r.get("no_contention"),
              a2a_share=rows["_standard"]["a2a_share"])
     return e
 

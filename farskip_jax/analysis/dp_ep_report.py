@@ -101,12 +101,13 @@ class DpEpTiming:
 
 
 def time_dp_ep(c: CompiledPoint, hardware: str = "h100_sxm", which: Optional[tuple] = None,
-               imbalance: float = 1.0) -> DpEpTiming:
+               imbalance: float = 1.0, contention: Optional[float] = None) -> DpEpTiming:
     """Re-time a compiled point on `hardware` with the fitted constants (which: (Hardware fields, Links
     fields) {name: "low" | "high"}, calibration.SPREAD; None: central); imbalance: the busiest
-    device's expert load / the mean (cost_model.simulate)."""
+    device's expert load / the mean (cost_model.simulate); contention: replaces the fitted one of
+    compute and communication (1.0: none; a diagnostic, never a fit)."""
     from farskip_jax.analysis.calibration_fit import load_fitted
-    from farskip_jax.analysis.cost_model import OptimizerStep, hardware_from_fit, simulate
+    from farskip_jax.analysis.cost_model import OptimizerStep, hardware_from_fit, simulate, with_contention
     from farskip_jax.analysis.inference_report import USED_EXPERTS, flash_scores
     from farskip_jax.analysis.report import ALL_TO_ALLS, analyze
     from farskip_jax.analysis.topology import Topology, links_from_fit, resized
@@ -116,7 +117,7 @@ def time_dp_ep(c: CompiledPoint, hardware: str = "h100_sxm", which: Optional[tup
     nodes = tuple(c.node_of)
     topo = Topology(resized(links_from_fit(hardware, fitted, which[1]), max(nodes.count(x) for x in set(nodes))),
                     nodes)
-    hw = hardware_from_fit(hardware, fitted, which[0])
+    hw = with_contention(hardware_from_fit(hardware, fitted, which[0]), contention)
     sched = c.schedule
     proxy = frozenset(o.id for o in sched.ops if o.kind == "compute" and USED_EXPERTS in (o.op_name or ""))
     if c.program == "prefill" and c.scores:
@@ -158,9 +159,11 @@ def speedups(pt: dict, depths: list, layers: int, key: str = "central") -> dict:
 
 
 def point_rows(pt: dict, depths: list, layers: int) -> dict:
-    """{row: {central, low, high, dominant}} with ranges over the constants' spread."""
-    keys = list(next(iter(pt["variants"].values()))[str(depths[0])])
-    per = {k: speedups(pt, depths, layers, k) for k in keys}
+    """{row: {central, low, high, dominant, and each diagnostic set (e.g. no_contention)}}, with ranges
+    over the constants' spread; "_standard": the no-overlap step (ms) and its all-to-all share."""
+    every = list(next(iter(pt["variants"].values()))[str(depths[0])])
+    keys = [k for k in every if not k.startswith("diag:")]  # diagnostics: reported apart, not in the range
+    per = {k: speedups(pt, depths, layers, k) for k in every}
     rows = {}
     for r, c in per["central"].items():
         vals = {k: per[k][r] for k in keys}
@@ -169,7 +172,8 @@ def point_rows(pt: dict, depths: list, layers: int) -> dict:
             if ":" in k:
                 swing.setdefault(k.split(":")[0], []).append(x)
         dom = max(swing, key=lambda n: max(swing[n] + [c]) - min(swing[n] + [c])) if swing else ""
-        rows[r] = {"central": c, "low": min(vals.values()), "high": max(vals.values()), "dominant": dom}
+        rows[r] = {"central": c, "low": min(vals.values()), "high": max(vals.values()), "dominant": dom,
+                   **{k[5:]: per[k][r] for k in every if k.startswith("diag:")}}
     t = at_depth(pt["variants"]["standard"], depths, layers)
     rows["_standard"] = {"time_ms": t["serial_us"] / 1e3, "a2a_share": t["a2a_us"] / t["serial_us"]}
     return rows
