@@ -30,22 +30,24 @@ PROMPTS = [[5, 9, 3, 7, 1, 2, 8], [4, 8], [10, 11, 12, 13, 14], [3, 3, 3]]
 A2A = ("all-to-all", "all-to-all-start")
 
 
-def dp_ep_cfg(ep: int, micro_batches: int = 1) -> Config:
+def dp_ep_cfg(ep: int, micro_batches: int = 1, scan_layers: bool = False) -> Config:
     m = ModelConfig(vocab_size=64, d_model=32, num_layers=LAYERS, num_heads=4, num_kv_heads=2, mlp_hidden=64,
-                    first_k_dense=1, max_seq_len=128, attention_impl="naive", micro_batches=micro_batches)
+                    first_k_dense=1, max_seq_len=128, attention_impl="naive", micro_batches=micro_batches,
+                    scan_layers=scan_layers)
     moe = MoEConfig(num_experts=8, top_k=2, expert_hidden=16, num_shared_experts=1, dispatch="all_to_all")
     return Config(model=m, moe=moe, mesh=MeshConfig(data=1, expert=ep), inference=InferenceConfig(layout="dp_ep"))
 
 
-# every variant once, each device count twice: (devices, preset, micro-batches)
-CASES = {"ep4_standard": (4, "standard", 1), "ep4_farskip_tbo": (4, "farskip", 2),
-         "ep8_farskip": (8, "farskip", 1), "ep8_standard_tbo": (8, "standard", 2)}
+# every variant once, each device count twice: (devices, preset, micro-batches, stacked layers: the
+# decode step scans the stacked cache, each layer's row read and written around the per-device attention)
+CASES = {"ep4_standard": (4, "standard", 1, False), "ep4_farskip_tbo": (4, "farskip", 2, False),
+         "ep8_farskip_scanned": (8, "farskip", 1, True), "ep8_standard_tbo": (8, "standard", 2, False)}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_generation_equals_one_device(case):
-    ep, preset, mb = CASES[case]
-    cfg = dp_ep_cfg(ep, mb)
+    ep, preset, mb, scan = CASES[case]
+    cfg = dp_ep_cfg(ep, mb, scan)
     ref = reference(cfg)  # one device, the plain local MoE (the same config: its micro-batches too)
     mesh = make_mesh(cfg.mesh, jax.devices()[:ep])
     model, layout = serving_model(cfg, None, nnx.state(ref), mesh)  # what eval.py --mode generate runs
@@ -55,8 +57,10 @@ def test_generation_equals_one_device(case):
     want = generate(ref, prompts, 4, farskip=fs)
     assert_close(got.logits, want.logits)
     np.testing.assert_array_equal(got.tokens, want.tokens)
-    assert model.layers[1].moe.experts.w_gate[...].sharding.spec[0] == "expert"
-    assert model.layers[1].attn.o_proj.w[...].sharding.is_fully_replicated
+    assert model.scanned == scan
+    leaves = {"/".join(map(str, k)): v.get_value() for k, v in nnx.to_flat_state(nnx.state(model))}
+    assert all("expert" in a.sharding.spec for k, a in leaves.items() if "w_gate" in k)  # experts over `expert`
+    assert all(a.sharding.is_fully_replicated for k, a in leaves.items() if "o_proj" in k)  # attention whole
 
 
 @pytest.fixture(scope="module")
