@@ -144,3 +144,32 @@ def test_study_rows_extrapolate_and_divide_by_hand():
     assert rows["standard_tbo"]["dominant"] == "contention"
     assert rows["standard"]["central"] == pytest.approx(65 / 60)
     assert rows["_standard"]["a2a_share"] == pytest.approx(0.5)
+
+
+@pytest.mark.extended
+def test_eval_generate_on_dp_ep_from_an_hf_folder(tmp_path, capsys):
+    """eval.py --hf DIR --mode generate with 8 prompts on data 4 x expert 2 CPU devices, stacked layers,
+    the folder's FarSkip connectivity = one-device generation of the same folder (the CLI's plumbing;
+    the default run checks the layout's generation itself)."""
+    import json
+
+    import eval as eval_entry
+    from farskip_jax.convert import export_hf, import_hf
+    from farskip_jax.data.tokenizer import ByteTokenizer
+    from test_inference_layout import tiny_cfg
+
+    cfg = replace(tiny_cfg(), **{"model.vocab_size": 320, "moe.num_shared_experts": 0, "model.qk_norm": True,
+                                 "model.first_k_dense": 0, "inference.layout": "training", "farskip.preset": "farskip"})
+    out = export_hf(reference(cfg), cfg, str(tmp_path / "hf"), family="qwen3_moe")
+    prompts = ["def main(", "import os", "x = 1", "class A:", "for i in", "while True", "print(", "y"]
+    argv = (["--hf", out, "--tokenizer", "byte", "--mode", "generate"] + sum((["--prompt", p] for p in prompts), [])
+            + ["eval.max_new_tokens=3", "inference.layout=dp_ep", "mesh.data=4", "mesh.tensor=1", "mesh.expert=2",
+               "moe.dispatch=all_to_all", "model.scan_layers=true"])
+    assert eval_entry.main(argv) == 0
+    res = json.loads(capsys.readouterr().out)
+    tok = ByteTokenizer()
+    icfg, imported = import_hf(out, overrides=["model.scan_layers=false"])
+    g = generate(imported, [[tok.bos_id] + list(tok.encode(p)) for p in prompts], 3, farskip=icfg.farskip,
+                 eos_id=tok.eos_id)
+    assert res["layout"] == "dp_ep"
+    assert res["completions"] == [tok.decode(g.completion(i)) for i in range(len(prompts))]
