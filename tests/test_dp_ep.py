@@ -2,7 +2,8 @@
 
 Values: KV-cache generation (ragged prompts; prefill and decode) on 4 and 8 CPU devices equals the
 one-device model's generation (fp32 logits within 1e-5 of their scale, the same tokens), under
-standard, FarSkip, two-batch overlap (model.micro_batches=2) and FarSkip + TBO.
+standard, FarSkip, two-batch overlap (model.micro_batches=2) and FarSkip + TBO; GQA and MLA; unrolled
+and stacked layers.
 
 Program: the compiled decode step (8 devices) has each MoE layer's dispatch and combine all-to-alls,
 no collective in attention or the shared experts, and under FarSkip no path from the combine of
@@ -30,24 +31,28 @@ PROMPTS = [[5, 9, 3, 7, 1, 2, 8], [4, 8], [10, 11, 12, 13, 14], [3, 3, 3]]
 A2A = ("all-to-all", "all-to-all-start")
 
 
-def dp_ep_cfg(ep: int, micro_batches: int = 1, scan_layers: bool = False) -> Config:
-    m = ModelConfig(vocab_size=64, d_model=32, num_layers=LAYERS, num_heads=4, num_kv_heads=2, mlp_hidden=64,
-                    first_k_dense=1, max_seq_len=128, attention_impl="naive", micro_batches=micro_batches,
-                    scan_layers=scan_layers)
+MLA = dict(attention="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
+
+
+def dp_ep_cfg(ep: int, micro_batches: int = 1, scan_layers: bool = False, **model_kw) -> Config:
+    m = ModelConfig(**{**dict(vocab_size=64, d_model=32, num_layers=LAYERS, num_heads=4, num_kv_heads=2, mlp_hidden=64,
+                              first_k_dense=1, max_seq_len=128, attention_impl="naive", micro_batches=micro_batches,
+                              scan_layers=scan_layers), **model_kw})
     moe = MoEConfig(num_experts=8, top_k=2, expert_hidden=16, num_shared_experts=1, dispatch="all_to_all")
     return Config(model=m, moe=moe, mesh=MeshConfig(data=1, expert=ep), inference=InferenceConfig(layout="dp_ep"))
 
 
 # every variant once, each device count twice: (devices, preset, micro-batches, stacked layers: the
-# decode step scans the stacked cache, each layer's row read and written around the per-device attention)
-CASES = {"ep4_standard": (4, "standard", 1, False), "ep4_farskip_tbo": (4, "farskip", 2, False),
-         "ep8_farskip_scanned": (8, "farskip", 1, True), "ep8_standard_tbo": (8, "standard", 2, False)}
+# decode step scans the stacked cache, each layer's row read and written around the per-device attention;
+# model keys: GQA, or MLA with its decompressed cache)
+CASES = {"ep4_standard": (4, "standard", 1, False, {}), "ep4_farskip_tbo_mla": (4, "farskip", 2, False, MLA),
+         "ep8_farskip_scanned": (8, "farskip", 1, True, {}), "ep8_standard_tbo": (8, "standard", 2, False, {})}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_generation_equals_one_device(case):
-    ep, preset, mb, scan = CASES[case]
-    cfg = dp_ep_cfg(ep, mb, scan)
+    ep, preset, mb, scan, model_kw = CASES[case]
+    cfg = dp_ep_cfg(ep, mb, scan, **model_kw)
     ref = reference(cfg)  # one device, the plain local MoE (the same config: its micro-batches too)
     mesh = make_mesh(cfg.mesh, jax.devices()[:ep])
     model, layout = serving_model(cfg, None, nnx.state(ref), mesh)  # what eval.py --mode generate runs
