@@ -152,9 +152,9 @@ def run(a) -> dict:
         check_teacher_shape(replace(read_run_config(os.path.abspath(a.run)), **ov), a.teacher_run)
     if a.run:
         which = int(a.which) if a.which.isdigit() else a.which
-        # the tp_ep / foe inference layouts restore replicated, then serving/programs.py reshards onto their mesh
+        # the serving layouts restore replicated, then serving/programs.py reshards onto their mesh
         mesh = None
-        if a.mode == "generate" and ov.get("inference.layout", "") in ("tp_ep", "foe"):
+        if a.mode == "generate" and ov.get("inference.layout", "") in ("tp_ep", "dp_ep", "foe"):
             from farskip_jax.serving.programs import restore_mesh
 
             mesh = restore_mesh()

@@ -553,6 +553,8 @@ class InferenceConfig:
     `training`: the training layout (batch over data x fsdp x expert, EP all-to-alls); `tp_ep`: the
     paper's serving layout, attention heads over mesh.tensor and the experts over
     mesh.expert x mesh.tensor with replicated activations, each sub-block ending in an all-reduce.
+    `dp_ep`: SGLang's large-scale EP layout, attention data parallel (each device its own requests and
+    KV cache) and the experts over mesh.expert by the training's all-to-all dispatch (serving/dp_ep.py).
     `foe`: Federation of Experts with each group on its own GPUs (mesh.expert = a multiple of
     moe.num_groups), tokens replicated over the groups, one cross-group all-reduce per layer
     (serving/foe.py).
@@ -561,7 +563,7 @@ class InferenceConfig:
     routed all-reduce where every attention reads the full stream (the authors' SGLang layout; 1/tensor
     of their weights per GPU); `replicated` = whole shared experts on every GPU, no collective of their own."""
 
-    layout: Literal["training", "tp_ep", "foe"] = "training"
+    layout: Literal["training", "tp_ep", "dp_ep", "foe"] = "training"
     shared_experts: Literal["tensor", "replicated"] = "tensor"
 
 

@@ -16,6 +16,8 @@
    published figure, the central modelled figure, its range over the constants' spread and the
    constant that dominates it, the error on the speedup and on the gain, and whether it agrees
    (max(3 points, 30% of the published gain) for a speedup, 10 points for a hidden fraction).
+   SGLang's TBO rows are serving programs of the dp_ep layout, timed by farskip_jax/studies/compare_dp_ep.py
+   under the same constant sets (its committed results.json; DP_EP_RESULTS).
    -> OUT/results.json, OUT/table.md (docs/calibration.md quotes it).
 """
 
@@ -33,6 +35,8 @@ from farskip_jax.analysis.calibration_programs import PROGRAMS, ROOT, VARIANTS, 
 from farskip_jax.errors import ConfigError
 
 OUT = os.path.join(ROOT, "benchmarks", "results", "calibration")
+# the SGLang TBO rows: the dp_ep serving study's committed results (farskip_jax/studies/compare_dp_ep.py)
+DP_EP_RESULTS = os.path.join(ROOT, "benchmarks", "results", "compare_dp_ep")
 # constants varied for the spread: label -> (Hardware fields, Links fields), varied together when one
 # source fitted them together
 SPREAD = {
@@ -167,12 +171,39 @@ def tolerance(row: dict) -> float:
     return max(0.03, 0.30 * abs(row["published"] - 1.0)) if row["kind"] == "speedup" else 0.10
 
 
-def evaluate(rows: list[dict], results: dict) -> list[dict]:
-    """Table entries of the hold-out rows from results {program: program_figures(...)}."""
+def dp_ep_entry(e: dict, row: dict, study: dict) -> dict:
+    """A hold-out row modelled by the dp_ep serving study (row["dp_ep"]: its point and variant in
+    benchmarks/results/compare_dp_ep/results.json): the variant's throughput over standard without
+    overlap, central and over the constants' spread, with FarSkip and FarSkip + TBO beside it."""
+    from farskip_jax.analysis.dp_ep_report import point_rows
+
+    pt = study["points"][row["dp_ep"]["point"]]
+    rows = point_rows(pt, study["depths"], study["layers"])
+    r = rows[row["dp_ep"]["variant"]]
+    gain = row["published"] - 1.0
+    e.update(central=r["central"], low=r["low"], high=r["high"], dominant=r["dominant"],
+             error=r["central"] - row["published"], agrees=abs(r["central"] - row["published"]) <= e["tolerance"] + 1e-12,
+             gain_error=(r["central"] - 1.0) - gain, gain_ratio=(r["central"] - 1.0) / gain if gain else float("nan"),
+             beside={k: rows[k]["central"] for k in ("farskip", "farskip_tbo") if k in rows},
+             no_contention=r.get("no_contention"),
+             a2a_share=rows["_standard"]["a2a_share"])
+    return e
+
+
+def evaluate(rows: list[dict], results: dict, dp_ep: Optional[dict] = None) -> list[dict]:
+    """Table entries of the hold-out rows from results {program: program_figures(...)} and the dp_ep
+    serving study's results (rows with a `dp_ep` point; None: they stay pending)."""
     out = []
     for row in rows:
         e = {k: row[k] for k in ("id", "kind", "published", "source", "setting")}
         e["tolerance"] = tolerance(row)
+        if row.get("dp_ep") and dp_ep is not None and row["dp_ep"]["point"] in dp_ep["points"]:
+            out.append(dp_ep_entry(e, row, dp_ep))
+            continue
+        if row.get("dp_ep"):
+            e["pending"] = f"run farskip_jax/studies/compare_dp_ep.py (point {row['dp_ep']['point']})"
+            out.append(e)
+            continue
         if row.get("pending") or row.get("program") not in results:
             e["pending"] = row.get("pending") or "not run"
             out.append(e)
@@ -233,6 +264,10 @@ def table_md(entries: list[dict], reasons: Optional[dict] = None) -> str:
             diag.append(f"no contention {f(e['no_contention'])}")
         for k, v in sorted((e.get("nics") or {}).items()):
             diag.append(f"{k[4:]} NICs/node {f(v)}")
+        if e.get("beside"):
+            diag.append("beside it: " + ", ".join(f"{'FarSkip + TBO' if k == 'farskip_tbo' else 'FarSkip'} {v:.3f}x"
+                                                 for k, v in e["beside"].items())
+                        + f"; a2a {100 * e['a2a_share']:.1f}% of the no-overlap step")
         if "vs_xla_standard" in e:
             lo, hi = e.get("vs_xla_range", [e["vs_xla_standard"]] * 2)
             diag.append(f"vs XLA-overlapped standard {e['vs_xla_standard']:.3f}x ({lo:.3f}-{hi:.3f}x); a2a "
@@ -308,7 +343,9 @@ def write_table(out_dir: str = OUT) -> str:
     hold = holdout_rows()
     rpath = os.path.join(DATA_DIR, "holdout_reasons.json")
     reasons = json.load(open(rpath))["reasons"] if os.path.exists(rpath) else {}
-    entries = evaluate(hold["rows"], payload["programs"])
+    dp_path = os.path.join(DP_EP_RESULTS, "results.json")
+    dp_ep = json.load(open(dp_path)) if os.path.exists(dp_path) else None
+    entries = evaluate(hold["rows"], payload["programs"], dp_ep)
     extra = evaluate([dict(r, kind="speedup", published=float("nan"), source="", setting=r["note"])
                       for r in hold["extra_rows"]], payload["programs"])
     with open(os.path.join(out_dir, "constants.md"), "w") as f:

@@ -203,9 +203,13 @@ def useful_fraction(cfg, mesh) -> float:
     """Real rows / buffer rows of ReplicatedEPCompute at a balanced router: T * k / EP of the
     T * min(k, E / EP) rows per device. Federation of Experts with one group per device (the local
     path: the group's T * k / H rows, all real): 1; with a dropless all-to-all inside a group the
-    buffer holds T_l rows per local expert, of which T_l * k / E are real."""
+    buffer holds T_l rows per local expert, of which T_l * k / E are real. dp_ep (all-to-all
+    buffers of capacity factor cf): 1 / cf real at balance; dropless: k / E."""
     if cfg.inference.layout == "foe":
         return 1.0 if cfg.moe.dispatch == "local" else cfg.moe.top_k / cfg.moe.num_experts
+    if cfg.inference.layout == "dp_ep":  # the all-to-all buffers: C slots per (source, expert)
+        cf = cfg.moe.capacity_factor
+        return min(1.0, 1.0 / cf) if cf else cfg.moe.top_k / cfg.moe.num_experts
     ep = mesh.shape["expert"] * mesh.shape["tensor"]
     k, e = cfg.moe.top_k, cfg.moe.num_experts
     if not e:

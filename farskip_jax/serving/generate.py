@@ -42,6 +42,7 @@ together can drop differently than in a full-sequence forward.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import jax
@@ -183,6 +184,17 @@ def make_decode_fn(graphdef, farskip: FarSkipConfig, layout=None, scan: Optional
     return jax.jit(fn, donate_argnums=3, compiler_options=opts)
 
 
+def check_rows(rows: int, layout, micro_batches: int = 1) -> None:
+    """ConfigError unless `rows` requests split evenly over the devices the layout splits a batch's
+    rows over (each micro-batch's rows, under two-batch overlap)."""
+    spec = layout.batch_sharding(1).spec[0]
+    n = math.prod(layout.mesh.shape[a] for a in (spec if isinstance(spec, tuple) else (spec,)) if a)
+    if rows % (n * micro_batches):
+        each = f" in each of model.micro_batches={micro_batches}" if micro_batches > 1 else ""
+        raise ConfigError(f"the layout splits a batch's rows over {n} devices{each}, but there are {rows} requests; "
+                          f"give a multiple of {n * micro_batches} prompts")
+
+
 def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> None:
     """ConfigError naming the setting when generation cannot run as asked: a negative token count, a
     negative temperature, or a top-p outside (0, 1] (0 keeps no token at all)."""
@@ -220,6 +232,8 @@ def generate(model, prompt, max_new_tokens: int, *, farskip: Optional[FarSkipCon
     fs = farskip if farskip is not None else model.cfg.farskip
     prompt_np, pad_np = pad_prompts(prompt, pad_id)
     b, p = prompt_np.shape
+    if layout is not None:
+        check_rows(b, layout, model.cfg.model.micro_batches)
     graphdef, state = nnx.split(model)
     fn = decode_fn or make_decode_fn(graphdef, fs, layout)
     put = (lambda x: jnp.asarray(x)) if layout is None else (lambda x: jax.device_put(x, layout.batch_sharding(x.ndim)))

@@ -11,7 +11,8 @@ decode programs as abstract (deviceless-lowerable) jitted functions.
     compiled = fn.lower(*args).compile(compiler_options=TpEpLayout.compiler_options())
 
 Both programs are `make_decode_fn` of serving/generate.py (the same step `generate` runs) on the tp_ep
-layout (serving/tp_ep.py), or with inference.layout=foe on the Federation-of-Experts layout
+layout (serving/tp_ep.py), the dp_ep layout (serving/dp_ep.py: data-parallel attention, expert-parallel
+all-to-alls), or with inference.layout=foe on the Federation-of-Experts layout
 (serving/foe.py: one group per GPU, cache rows by group): state, tokens [b, t], start [], cache, pad [b] as ShapeDtypeStructs
 with their shardings, so nothing is materialised and a CPU host can compile them for 8 GPUs. Under
 model.scan_layers the programs are the scanned decode of serving/generate.py (the stacked cache:
@@ -32,6 +33,7 @@ from farskip_jax.config import Config, MeshConfig, ModelConfig
 from farskip_jax.errors import ConfigError
 from farskip_jax.parallel.foe import foe_mesh_from
 from farskip_jax.parallel.mesh import make_mesh
+from farskip_jax.serving.dp_ep import abstract_dp_ep_model, dp_ep_model, layout_of as dp_ep_layout_of
 from farskip_jax.serving.foe import FoELayout, abstract_foe_inference_model, check_foe_inference, foe_inference_model
 from farskip_jax.serving.generate import decode_step, make_decode_fn, stacked_cache_shapes
 from farskip_jax.serving.tp_ep import abstract_inference_model, inference_model, layout_for
@@ -46,13 +48,13 @@ def restore_mesh(devices=None) -> Mesh:
 def serving_model(cfg: Config, graphdef, st: dict, mesh: Optional[Mesh] = None):
     """(model, layout) for generation with cfg.inference.layout: `training` -> the model as loaded
     and None; `tp_ep` -> inference_model on `mesh` (default make_mesh(cfg.mesh)) and its TpEpLayout;
-    `foe` -> foe_inference_model on the FoE mesh of `mesh` and its FoELayout.
+    `dp_ep` -> dp_ep_model and its DpEpLayout; `foe` -> foe_inference_model on the FoE mesh of `mesh`
+    and its FoELayout.
     st: {params, bias, rest} (eval/loading.py)."""
     if cfg.inference.layout == "training":
         return nnx.merge(graphdef, st["params"], st["bias"], st["rest"]), None
     layout = serving_layout(cfg, mesh or make_mesh(cfg.mesh))
-    place = foe_inference_model if cfg.inference.layout == "foe" else inference_model
-    return place(cfg, layout.mesh, st), layout
+    return PLACE[cfg.inference.layout](cfg, layout.mesh, st), layout
 
 
 def serving_layout(cfg: Config, mesh: Mesh):
@@ -62,7 +64,13 @@ def serving_layout(cfg: Config, mesh: Mesh):
         return FoELayout(foe_mesh_from(mesh, cfg.moe.num_groups))
     if cfg.inference.layout == "tp_ep":
         return layout_for(cfg, mesh)
-    raise ConfigError(f"serving programs need inference.layout=tp_ep or foe (got {cfg.inference.layout!r})")
+    if cfg.inference.layout == "dp_ep":
+        return dp_ep_layout_of(cfg, mesh)
+    raise ConfigError(f"serving programs need inference.layout=tp_ep, dp_ep or foe (got {cfg.inference.layout!r})")
+
+
+PLACE = {"tp_ep": inference_model, "dp_ep": dp_ep_model, "foe": foe_inference_model}  # layout -> placed model
+ABSTRACT = {"tp_ep": abstract_inference_model, "dp_ep": abstract_dp_ep_model, "foe": abstract_foe_inference_model}
 
 
 def cache_entry_shapes(m: ModelConfig, batch: int, max_len: int, layout, groups: int = 1) -> tuple:
@@ -93,8 +101,7 @@ def _abstract_cache(cfg: Config, layout, rows: int, max_len: int):
 def _program(cfg: Config, mesh: Mesh, batch: int, t: int, max_len: int, last_logits: bool = False):
     layout = serving_layout(cfg, mesh)
     mesh = layout.mesh
-    abstract = abstract_foe_inference_model if cfg.inference.layout == "foe" else abstract_inference_model
-    graphdef, state = abstract(cfg, mesh)
+    graphdef, state = ABSTRACT[cfg.inference.layout](cfg, mesh)
     mb = cfg.model.micro_batches
     if batch % mb:
         raise ConfigError(f"model.micro_batches={mb} needs a batch that is a multiple of {mb}, got {batch} rows")
@@ -119,7 +126,7 @@ def _program(cfg: Config, mesh: Mesh, batch: int, t: int, max_len: int, last_log
 
 def decode_program(cfg: Config, mesh: Mesh, batch: int, max_len: int):
     """(jitted decode step, abstract args): one token per row against a max_len cache, connectivity
-    cfg.farskip, on the tp_ep layout of `mesh`."""
+    cfg.farskip, on the cfg.inference.layout of `mesh`."""
     return _program(cfg, mesh, batch, 1, max_len)
 
 
