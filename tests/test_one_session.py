@@ -33,7 +33,6 @@ def test_fcsd_logs_what_a_train_step_logs_drops_included(tmp_path):
     from farskip_jax.data.tokenizer import load_tokenizer
     from farskip_jax.eval.loading import load_run
     from farskip_jax.fcsd.distill import distill
-    from farskip_jax.train.loop import dataset_args
     from farskip_jax.train.optimizer import make_optimizer
     from farskip_jax.train.step import init_state, make_train_step
 
@@ -50,7 +49,9 @@ def test_fcsd_logs_what_a_train_step_logs_drops_included(tmp_path):
     tx, schedule = make_optimizer(run_cfg.train)
     model = nnx.merge(graphdef, st["params"], st["bias"], st["rest"])
     _, state = init_state(model, tx, 0)
-    batch = next(iter(make_dataset(cfg.data, "train", **dataset_args(cfg, load_tokenizer(cfg.data.tokenizer)))))
+    t = cfg.train  # the first training batch, as the run read it
+    batch = next(iter(make_dataset(cfg.data, "train", batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed,
+                                   tokenizer=load_tokenizer(cfg.data.tokenizer), vocab_size=cfg.model.vocab_size)))
     _, train_metrics = jax.eval_shape(make_train_step(graphdef, run_cfg, tx, schedule), state, batch)
     missing = set(train_metrics) - set(recs[0])
     assert not missing, f"FCSD's records lack {sorted(missing)}"

@@ -188,6 +188,7 @@ def run_loop(task: Task, step_fn: Callable, cfg: Config, state, train_it, ckpt: 
                           f"({int(rec['nonfinite_streak'])} in a row, {int(rec['nonfinite_total'])} total)")
                 if rec["nonfinite_streak"] >= t.max_nonfinite:
                     status = "diverged"
+                    ckpt.wait()  # a save still in flight is the last good checkpoint
                     good = ckpt.latest_step()
                     log.print(f"stopping: {t.max_nonfinite} non-finite steps in a row; "
                               + (f"the last good checkpoint (step {good}) is left intact: re-running resumes from it"
