@@ -16,10 +16,13 @@ is compared with the teacher on fixed validation batches (KL, top-1 agreement, l
 best student is kept in `<run_dir>/best/checkpoints`. Weights come from `init_from_hf` (HF folder)
 or `distill.init_from_run` (a run folder). Step 0 is evaluated before any update, so the table
 "teacher / converted before training / after FCSD" comes from one run's metrics.jsonl.
-The run is a task (DistillTask) of the one training loop (train/loop.py): as in pretraining,
-SIGTERM/SIGINT (status "preempted") and `train.time_limit_s` save a checkpoint at the step boundary
-and return; re-running the same config resumes (student, optimizer, data iterator, early-stopping
-history). `train.grad_accum` splits each batch into micro-batches.
+The run is a task (DistillTask: its loss, the teacher as the loss's frozen input, its evaluations)
+of the one training session (train/loop.py), with pretraining's step (train/step.make_step) and
+metrics: as in pretraining, SIGTERM/SIGINT (status "preempted") and `train.time_limit_s` save a
+checkpoint at the step boundary and return, `train.max_nonfinite` non-finite steps in a row stop it
+("diverged", the last good checkpoint intact); re-running the same config resumes (student,
+optimizer, data iterator, early-stopping history). `train.grad_accum` splits each batch into
+micro-batches.
 `farskip.layers: auto` (fcsd/planner.py) is resolved once, after the weights and validation batches
 load and before the run folder is touched: an untrained sweep on the teacher chooses the set within
 `distill.auto_budget`; the run folder keeps the resolved config and `farskip_auto.json` / `.md`, and
