@@ -247,7 +247,6 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     if folder.resume and os.path.isfile(es_path):  # read before anything is written
         with open(es_path) as f:
             saved_es = json.load(f)
-
     src = place_state(src, mesh)
     teacher = cast_state(src, dtype_of(d.teacher_dtype))  # a copy: the student's buffers are donated
     session = open_session(cfg, folder, mesh, lambda: nnx.merge(graphdef, src["params"], src["bias"], src["rest"]),
