@@ -779,7 +779,7 @@ REMOVED_KEYS = {
     "distill.progressive": f"progressive conversion {_NO_GAIN}", "distill.settle_rel": f"progressive conversion {_NO_GAIN}",
     "distill.stage_tokens": f"progressive conversion {_NO_GAIN}",
     "distill.local_weight": f"the teacher-forced local term {_NO_GAIN}",
-    "train.inject_nan_at": "fault injection is a test hook now (train/step.py NAN_AT_STEPS); drop the key",
+    "train.inject_nan_at": "fault injection is a test fixture now (tests/conftest.py nan_at_steps); drop the key",
     **{f"farskip.{k}": f"it is distill.{k} now (with the other FCSD keys)" for k in ("auto_budget", "auto_retention",
                                                                                     "auto_search")},
 }

@@ -55,6 +55,22 @@ def tiny():
 
 
 @pytest.fixture
+def nan_at_steps(monkeypatch):
+    """inject(*steps): every train step a session builds from then on (train/loop.py's make_step, for
+    pretraining and FCSD alike) has a NaN loss and gradient at those 1-based updates
+    (run_helpers.nan_at); undone after the test."""
+    from run_helpers import nan_at
+
+    from farskip_jax.train import loop
+
+    def inject(*steps):
+        real = loop.make_step
+        monkeypatch.setattr(loop, "make_step", lambda *a, **k: nan_at(real(*a, **k), steps))
+
+    return inject
+
+
+@pytest.fixture
 def kernels_config():
     """set(**kernels keys): install the session's kernels section with those keys changed for this
     test; the session's section is installed again afterwards."""

@@ -1,6 +1,6 @@
-"""Helpers shared by the FCSD tests (test_distill, test_local_distill, test_distill_e2e,
-test_fcsd_methods, test_layers_auto): a tiny batch, a student state with its fp32 teacher copy, a
-teacher run folder written without training, and a log stream that sends SIGTERM at a step."""
+"""Helpers shared by the training and FCSD tests: a tiny batch, a student state with its fp32 teacher
+copy, a teacher run folder written without training, a log stream that sends SIGTERM at a step, and
+fault injection (a train step whose loss is NaN at chosen updates; tests/conftest.py `nan_at_steps`)."""
 
 import os
 import signal
@@ -77,3 +77,18 @@ def student_and_teacher(cfg):
     tx, schedule = make_optimizer(cfg.train)
     graphdef, state = init_state(Transformer(cfg, rngs=nnx.Rngs(0)), tx, 0)
     return graphdef, state, cast_state(state, jnp.float32), tx, schedule
+
+
+def nan_at(step_fn, steps):
+    """step_fn(state, batch, *frozen) with the batch's loss_mask NaN at the 1-based updates `steps`
+    (the step counter of the state it is given, as logged): loss and gradient are not finite there,
+    as in a run that overflows, whatever the task's loss. Traced, so it jits with the step."""
+    import jax.numpy as jnp
+
+    at = tuple(int(s) for s in steps)
+
+    def poisoned(state, batch, *frozen):
+        hit = jnp.any(state["step"] + 1 == jnp.asarray(at, jnp.int32))
+        return step_fn(state, dict(batch, loss_mask=jnp.where(hit, jnp.nan, batch["loss_mask"])), *frozen)
+
+    return poisoned

@@ -60,7 +60,7 @@ def test_gradients_flow_only_into_the_student():
     graphdef, state, teacher, _, _ = student_and_teacher(cfg)
     loss_fn = make_distill_loss_fn(graphdef, cfg)
     batch = tiny_batch()
-    g_s, g_t = jax.grad(lambda p, tp: loss_fn(p, state["bias"], state["rest"], dict(teacher, params=tp), batch)[0],
+    g_s, g_t = jax.grad(lambda p, tp: loss_fn(p, state["bias"], state["rest"], batch, dict(teacher, params=tp))[0],
                         argnums=(0, 1))(state["params"], teacher["params"])
     assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(g_t))
     assert sum(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(g_s)) >= len(jax.tree.leaves(g_s)) - 2
@@ -69,7 +69,7 @@ def test_gradients_flow_only_into_the_student():
     from farskip_jax.config import replace
 
     cfg_std = replace(cfg_std, **{"farskip.preset": "standard"})
-    loss, aux = make_distill_loss_fn(graphdef, cfg_std)(state["params"], state["bias"], state["rest"], teacher, batch)
+    loss, aux = make_distill_loss_fn(graphdef, cfg_std)(state["params"], state["bias"], state["rest"], batch, teacher)
     assert abs(float(aux["kl"])) < 1e-6
 
 
@@ -86,7 +86,7 @@ def test_distill_step_trains_student_and_leaves_teacher():
     batch = tiny_batch()
     kls = []
     for _ in range(8):
-        state, m = step(state, teacher, batch)
+        state, m = step(state, batch, teacher)
         kls.append(float(m["kl"]))
     assert kls[-1] < 0.5 * kls[0], kls
     for a, b in zip(jax.tree.leaves(t_before), jax.tree.leaves(teacher["params"])):
@@ -108,11 +108,11 @@ def test_distill_step_under_remat_equals_no_remat(remat):
         graphdef, state, teacher, tx, schedule = student_and_teacher(cfg)
         loss_fn = make_distill_loss_fn(graphdef, cfg)
         (loss, _), g = jax.jit(jax.value_and_grad(
-            lambda p: loss_fn(p, state["bias"], state["rest"], teacher, tiny_batch()), has_aux=True))(state["params"])
+            lambda p: loss_fn(p, state["bias"], state["rest"], tiny_batch(), teacher), has_aux=True))(state["params"])
         out[r] = (float(loss), jax.tree.leaves(jax.tree.map(np.asarray, g)))
         if r == remat:
             step = jax.jit(make_distill_step(graphdef, cfg, tx, schedule), donate_argnums=0)
-            _, m = step(state, teacher, tiny_batch())
+            _, m = step(state, tiny_batch(), teacher)
             np.testing.assert_allclose(float(m["loss"]), float(loss), rtol=1e-5)
     np.testing.assert_allclose(out[remat][0], out["none"][0], rtol=1e-5)
     for a, b in zip(out[remat][1], out["none"][1]):
@@ -174,7 +174,7 @@ def test_grad_accum_equals_the_full_batch_step():
     for accum in (1, 2):
         cfg = replace(base, **{"train.grad_accum": accum})
         st = jax.tree.map(lambda x: jnp.array(x, copy=True), state0)
-        st, m = jax.jit(make_distill_step(graphdef, cfg, tx, schedule))(st, teacher, batch)
+        st, m = jax.jit(make_distill_step(graphdef, cfg, tx, schedule))(st, batch, teacher)
         out[accum] = (st, jax.device_get(m))
     (s1, m1), (s2, m2) = out[1], out[2]
     for k in ("loss", "kl", "ce", "grad_norm", "tokens"):
@@ -185,14 +185,14 @@ def test_grad_accum_equals_the_full_batch_step():
 
     loss_fn = make_distill_loss_fn(graphdef, base)
     gfn = jax.value_and_grad(loss_fn, has_aux=True)
-    args = (state0["params"], state0["bias"], state0["rest"], teacher)
-    (_, _), g_full = jax.jit(gfn)(*args, batch)
-    (_, _), g_acc = jax.jit(lambda *a: accumulate_grads(lambda mb: gfn(*a, mb), batch, 2))(*args)
+    args = (state0["params"], state0["bias"], state0["rest"])
+    (_, _), g_full = jax.jit(gfn)(*args, batch, teacher)
+    (_, _), g_acc = jax.jit(lambda *a: accumulate_grads(lambda mb: gfn(*a, mb, teacher), batch, 2))(*args)
     for x, y in zip(jax.tree.leaves(g_full), jax.tree.leaves(g_acc)):
         np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-4, atol=1e-7)
     # an unweighted mean of the two micro-batch means (what a naive accumulation does) is different
     halves = [jax.tree.map(lambda x: x[i:i + 1], batch) for i in (0, 1)]
-    naive = np.mean([float(loss_fn(state0["params"], state0["bias"], state0["rest"], teacher, h)[0]) for h in halves])
+    naive = np.mean([float(loss_fn(state0["params"], state0["bias"], state0["rest"], h, teacher)[0]) for h in halves])
     assert abs(naive - float(m1["loss"])) > 1e-4
 
 
@@ -291,7 +291,7 @@ def test_chunked_fcsd_loss_equals_the_full_logit_loss(kl, top_k):
 
     def run(c):
         fn = make_distill_loss_fn(graphdef, c)
-        return jax.value_and_grad(lambda p, tp: fn(p, state["bias"], state["rest"], dict(teacher, params=tp), batch),
+        return jax.value_and_grad(lambda p, tp: fn(p, state["bias"], state["rest"], batch, dict(teacher, params=tp)),
                                   argnums=(0, 1), has_aux=True)(state["params"], teacher["params"])
 
     (l0, a0), (g0, t0) = run(cfg)

@@ -109,7 +109,7 @@ def test_distill_sigterm_checkpoints_and_resumes_exactly(teacher_run, tmp_path):
     ck.close()
     log = io.StringIO()
     c = distill(cfg(broken), stream=log)
-    assert "resumed distillation from step 2" in log.getvalue()
+    assert "resumed from checkpoint step 2" in log.getvalue()
     assert c.status == "done" and c.step == 6
     ta, tb = _train_by_step(straight), _train_by_step(broken)
     assert sorted(ta) == sorted(tb) == list(range(1, 7))

@@ -71,8 +71,8 @@ def test_model_mesh_and_create_model_build_the_foe_mesh():
 def test_trainer_on_foe_mesh_matches_single_device_and_resumes_across_meshes(tmp_path):
     run = str(tmp_path / "foe")
     ref_losses, ref_val = _single_device_reference(_cfg(run))
-    # data 2 x group 2 x expert 2 (all-to-alls over 2 devices); time_limit_s=0 stops (and saves) after step 1
-    a = train(_cfg(run, "mesh.expert=4", "train.time_limit_s=0"))
+    # data 2 x group 2 x expert 2 (all-to-alls over 2 devices); a 1 ns time limit stops (and saves) after step 1
+    a = train(_cfg(run, "mesh.expert=4", "train.time_limit_s=1e-9"))
     assert (a.status, a.step) == ("time_limit", 1)
     # resumed on group 2 x expert 4 (all-to-alls over 4 devices): steps 2-4, then the final eval
     b = train(_cfg(run, "mesh.expert=8"))

@@ -10,7 +10,6 @@ import os
 from run_helpers import SigtermAt
 
 from farskip_jax.config import load_config
-from farskip_jax.train import step as step_module
 from farskip_jax.train.logger import read_metrics
 from farskip_jax.train.trainer import train
 
@@ -53,12 +52,12 @@ def test_a_preempted_run_names_the_step_of_its_validation_loss(tmp_path):
     assert f"val loss {res.val_loss:.4f} (at step 2)" in "".join(out.text)
 
 
-def test_a_run_that_diverges_before_any_checkpoint_says_there_is_none(tmp_path, monkeypatch):
+def test_a_run_that_diverges_before_any_checkpoint_says_there_is_none(tmp_path, nan_at_steps):
     from test_train_step import _cfg as step_cfg  # the program of its divergence test: compiled once
 
     from farskip_jax.config import DataConfig, replace
 
-    monkeypatch.setattr(step_module, "NAN_AT_STEPS", (3, 6, 7, 8))  # as there: stops at step 8
+    nan_at_steps(3, 6, 7, 8)  # as there: stops at step 8
     cfg = replace(step_cfg(batch_size=8, max_nonfinite=3, checkpoint_every=0, log_every=5, eval_every=0,
                            tensorboard=False, run_dir=str(tmp_path / "run")),
                   data=DataConfig(tokenizer="byte", max_docs=50))

@@ -6,11 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from run_helpers import nan_at
 
 from farskip_jax.config import Config, DataConfig, ModelConfig, MoEConfig, TrainConfig, replace
 from farskip_jax.model.transformer import Transformer
 from farskip_jax.train.optimizer import make_optimizer
-from farskip_jax.train import step as step_module
 from farskip_jax.losses.ce import token_ce
 from farskip_jax.train.step import init_state, make_loss_fn, make_train_step
 from farskip_jax.train.trainer import train
@@ -40,11 +40,10 @@ def _setup(cfg):
     return g, st, tx, sched
 
 
-def test_nonfinite_step_is_skipped_and_counted(monkeypatch):
-    monkeypatch.setattr(step_module, "NAN_AT_STEPS", (2,))
+def test_nonfinite_step_is_skipped_and_counted():
     cfg = _cfg()
     g, st, tx, sched = _setup(cfg)
-    step = jax.jit(make_train_step(g, cfg, tx, sched))
+    step = jax.jit(nan_at(make_train_step(g, cfg, tx, sched), (2,)))
     st1, m1 = step(st, _batch(0))
     st2, m2 = step(st1, _batch(1))
     assert bool(m1["finite"]) and not bool(m2["finite"])
@@ -101,11 +100,11 @@ def test_schedule_warmup_cosine():
     assert float(sched(50)) < float(sched(20))
 
 
-def test_consecutive_nonfinite_stops_cleanly_with_last_good_checkpoint(tmp_path, monkeypatch):
+def test_consecutive_nonfinite_stops_cleanly_with_last_good_checkpoint(tmp_path, nan_at_steps):
     from farskip_jax.train.checkpoint import Checkpointer
     from farskip_jax.train.logger import read_metrics
 
-    monkeypatch.setattr(step_module, "NAN_AT_STEPS", (3, 6, 7, 8))
+    nan_at_steps(3, 6, 7, 8)
     cfg = replace(_cfg(batch_size=8, max_nonfinite=3, checkpoint_every=2, log_every=5,
                        eval_every=0, tensorboard=False, run_dir=str(tmp_path / "run")),
                   data=DataConfig(tokenizer="byte", max_docs=50))

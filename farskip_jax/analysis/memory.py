@@ -179,7 +179,7 @@ def abstract_program(cfg, mode: str, mesh, batch_per_device: int, seq: int):
     teacher = dict(params=pure(state["params"], cast), bias=pure(state["bias"]), rest=pure(state["rest"]))
     parts["teacher"] = state_bytes(teacher)
     fn = jax.jit(make_distill_step(graphdef, cfg, tx, schedule), donate_argnums=0, out_shardings=out_sh)
-    return fn, (state, teacher, batch), parts
+    return fn, (state, batch, teacher), parts
 
 
 def plan_devices(cfg, memory_gb: float = 1024.0) -> list:

@@ -16,10 +16,13 @@ is compared with the teacher on fixed validation batches (KL, top-1 agreement, l
 best student is kept in `<run_dir>/best/checkpoints`. Weights come from `init_from_hf` (HF folder)
 or `distill.init_from_run` (a run folder). Step 0 is evaluated before any update, so the table
 "teacher / converted before training / after FCSD" comes from one run's metrics.jsonl.
-The run is a task (DistillTask) of the one training loop (train/loop.py): as in pretraining,
-SIGTERM/SIGINT (status "preempted") and `train.time_limit_s` save a checkpoint at the step boundary
-and return; re-running the same config resumes (student, optimizer, data iterator, early-stopping
-history). `train.grad_accum` splits each batch into micro-batches.
+The run is a task (DistillTask: its loss, the teacher as the loss's frozen input, its evaluations)
+of the one training session (train/loop.py), with pretraining's step (train/step.make_step) and
+metrics: as in pretraining, SIGTERM/SIGINT (status "preempted") and `train.time_limit_s` save a
+checkpoint at the step boundary and return, `train.max_nonfinite` non-finite steps in a row stop it
+("diverged", the last good checkpoint intact); re-running the same config resumes (student,
+optimizer, data iterator, early-stopping history). `train.grad_accum` splits each batch into
+micro-batches.
 `farskip.layers: auto` (fcsd/planner.py) is resolved once, after the weights and validation batches
 load and before the run folder is touched: an untrained sweep on the teacher chooses the set within
 `distill.auto_budget`; the run folder keeps the resolved config and `farskip_auto.json` / `.md`, and
@@ -43,28 +46,26 @@ import optax
 from flax import nnx
 
 from farskip_jax.config import Config
-from farskip_jax.data.pipeline import close_iterator, first_batches, make_dataset
-from farskip_jax.data.tokenizer import check_vocab, load_tokenizer
+from farskip_jax.data.pipeline import first_batches
 from farskip_jax.errors import ConfigError
 from farskip_jax.eval.loading import restore_train_state
-from farskip_jax.eval.metrics import STANDARD, cast_state, evaluate_pair, make_compare_fn, put_batch, val_batches
+from farskip_jax.eval.metrics import STANDARD, cast_state, evaluate_pair, make_compare_fn, val_batches
 from farskip_jax.eval.tasks import load_task, score_tasks
 from farskip_jax.losses.ce import token_ce
 from farskip_jax.losses.chunked import chunked_fcsd
 from farskip_jax.losses.divergence import hidden_l2, masked_mean, token_divergence
 from farskip_jax.model.layers import dtype_of
 from farskip_jax.parallel.build import model_mesh
+from farskip_jax.parallel.distributed import maybe_initialize
 from farskip_jax.parallel.sharding import place_state
 from farskip_jax.fcsd.early_stopping import EarlyStopper
 from farskip_jax.fcsd.planner import Plan, apply_choice, plan_conversion, read_plan, request_of, write_plan
 from farskip_jax.fcsd.source import check_source, export_student, load_source, source_shape
 from farskip_jax.train.checkpoint import Checkpointer
 from farskip_jax.train.host_memory_check import check_host_memory
-from farskip_jax.train.flops import train_flops_per_token
-from farskip_jax.train.loop import Task, matmul_peak, open_run, run_loop
-from farskip_jax.train.optimizer import make_optimizer, schedule_change_warning
-from farskip_jax.train.rundir import check_run_dir, release_run_dir
-from farskip_jax.train.step import accumulate_grads, init_state, load_stats, update_state
+from farskip_jax.train.loop import Task, check_folder, open_session, train_data
+from farskip_jax.train.rundir import check_run_dir
+from farskip_jax.train.step import add_model_terms, make_step
 
 
 @dataclasses.dataclass
@@ -85,13 +86,13 @@ class DistillResult:
 
 
 def make_distill_loss_fn(graphdef, cfg: Config) -> Callable:
-    """loss_fn(params, bias, rest, teacher, batch) -> (loss, aux); teacher = {params, bias, rest}. With
+    """loss_fn(params, bias, rest, batch, teacher) -> (loss, aux); teacher = {params, bias, rest}. With
     train.loss_chunk both models return their final streams and the KL and CE come from
     losses/chunked.chunked_fcsd (no [b, s, V] logits of either model; same values and gradients)."""
-    d, moe = cfg.distill, cfg.moe
+    d = cfg.distill
     want_hidden = d.hidden_weight > 0
 
-    def loss_fn(params, bias, rest, teacher, batch):
+    def loss_fn(params, bias, rest, batch, teacher):
         chunk = cfg.train.loss_chunk or 0  # > 0: the logit losses a chunk of positions at a time
         args = (batch["tokens"], batch["positions"], batch["segment_ids"])
         with jax.named_scope("teacher"):
@@ -112,34 +113,18 @@ def make_distill_loss_fn(graphdef, cfg: Config) -> Callable:
             ce, n = token_ce(s_out.logits, batch["targets"], mask)
         hid = (hidden_l2(jax.lax.stop_gradient(t_out.hidden), s_out.hidden, mask) if want_hidden
                else jnp.zeros((), jnp.float32))
-        loss = (d.kl_weight * kl + d.ce_weight * ce + d.hidden_weight * hid
-                + moe.aux_loss_weight * s_out.aux_loss + moe.z_loss_weight * s_out.z_loss)
-        load = s_out.load if s_out.load is not None else jnp.zeros((0, 1), jnp.float32)
-        return loss, dict(kl=kl, ce=ce, hidden=hid, aux_loss=s_out.aux_loss, load=load, tokens=n)
+        loss, terms = add_model_terms(d.kl_weight * kl + d.ce_weight * ce + d.hidden_weight * hid, s_out, cfg)
+        return loss, dict(kl=kl, ce=ce, hidden=hid, **terms, tokens=n)
 
     return loss_fn
 
 
 def make_distill_step(graphdef, cfg: Config, tx: optax.GradientTransformation, schedule: optax.Schedule) -> Callable:
-    """Un-jitted step(state, teacher, batch) -> (state, metrics). `state` is a train state of
-    train/step.py (the student); `teacher` is never differentiated nor updated. A non-finite loss
-    or gradient leaves the student untouched (as in pretraining). With `train.grad_accum` = A > 1
-    the batch [A * m, seq] runs as A micro-batches of m rows (activation memory of m rows), with
-    gradients combined as token-weighted means (= the full-batch gradient)."""
-    grad_fn = jax.value_and_grad(make_distill_loss_fn(graphdef, cfg), has_aux=True)
-    accum = cfg.train.grad_accum
-
-    def step(state, teacher, batch):
-        params, bias, rest = state["params"], state["bias"], state["rest"]
-        (loss, aux), grads = accumulate_grads(lambda mb: grad_fn(params, bias, rest, teacher, mb), batch, accum)
-        new_state, upd = update_state(graphdef, cfg, tx, state, loss, grads, aux["load"])
-        metrics = dict(loss=loss, kl=aux["kl"], ce=aux["ce"], hidden=aux["hidden"],
-                       aux_loss=aux["aux_loss"],
-                       lr=schedule(state["step"]), tokens=aux["tokens"], **upd,
-                       **load_stats(aux["load"] if aux["load"].shape[0] > 0 else None))
-        return new_state, metrics
-
-    return step
+    """Un-jitted step(state, batch, teacher) -> (state, metrics): train/step.make_step with the
+    distillation loss. `state` is the student's train state; `teacher` is never differentiated nor
+    updated. A non-finite loss or gradient leaves the student untouched, `train.grad_accum` runs
+    micro-batches, and the metrics carry the model's (dropped, router losses, load), as in pretraining."""
+    return make_step(graphdef, cfg, tx, schedule, make_distill_loss_fn(graphdef, cfg))
 
 
 def resolve_auto_layers(cfg: Config, graphdef, src: dict, val: list, stream=None) -> tuple[Config, object, bool]:
@@ -175,24 +160,22 @@ def _metric_value(cfg: Config, r, task_score: Optional[Callable]) -> float:
 
 
 class DistillTask(Task):
-    """FCSD as a task of the one loop: the student's step against the frozen teacher; every
+    """FCSD as a task of the one session: the student's loss against the frozen teacher; every
     distill.eval_every updates (and at the last) the student is compared with the teacher, the best is
     kept, and early stopping may end the run ("early_stop")."""
 
     progress_keys = ("kl", "ce")
+    flops_factor = 8 / 6  # the teacher's forward on top of the student's forward and backward
 
-    def __init__(self, step_fn, teacher, cfg: Config, cmp_fn, val: list, es: EarlyStopper, es_path: str,
+    def __init__(self, graphdef, teacher, cfg: Config, val: list, es: EarlyStopper, es_path: str,
                  best: Checkpointer, log, task_score: Optional[Callable], tokens_per_step: int):
-        self.step_fn, self.teacher, self.cfg, self.cmp_fn, self.val = step_fn, teacher, cfg, cmp_fn, val
+        self.loss_fn = make_distill_loss_fn(graphdef, cfg)
+        self.frozen = (teacher,)
+        self.cmp_fn = make_compare_fn(graphdef, cfg.farskip)
+        self.teacher, self.cfg, self.val = teacher, cfg, val
         self.es, self.es_path, self.best, self.log = es, es_path, best, log
         self.task_score, self.tokens_per_step = task_score, tokens_per_step
         self.evals: list = []
-
-    def put(self, host_batch: dict, mesh) -> dict:
-        return put_batch({k: np.asarray(v) for k, v in host_batch.items()}, mesh)
-
-    def step(self, state, batch):
-        return self.step_fn(state, self.teacher, batch)
 
     def evaluate(self, at: int, state, train_it):
         """Compare the student with the teacher at update `at`; keep it when best; the early-stopping decision."""
@@ -236,6 +219,7 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
                           "the weights do not come from init_from_hf")
     from farskip_jax.convert.export import run_export_dir  # relative: inside the run folder; never another's export
     export_dir = run_export_dir(d.export_hf, t.run_dir) if d.export_hf else None
+    maybe_initialize(cfg.mesh)
     mesh = model_mesh(cfg)  # the FoE group x expert mesh when num_groups > 1 with EP
     check_host_memory(source_shape(cfg), "this FCSD run")  # before any weights are read
     cfg, graphdef, src = load_source(cfg, mesh)
@@ -244,13 +228,7 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     if d.max_tokens is not None:
         max_steps = min(max_steps, d.max_tokens // tokens_per_step)
     # everything that can be validated is, before the run folder is touched (see trainer.train)
-    tok = load_tokenizer(cfg.data.tokenizer)
-    check_vocab(tok, cfg.model.vocab_size,
-                f"the model to convert ({cfg.init_from_hf or cfg.distill.init_from_run})")
-    notes: list = []  # records left out by data.skip_bad_records: logged once the run folder is open
-    train_ds = make_dataset(cfg.data, "train", batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed,
-                            process_index=jax.process_index(), process_count=jax.process_count(), tokenizer=tok,
-                            vocab_size=cfg.model.vocab_size, report=notes.append)
+    tok, train_ds, notes = train_data(cfg, f"the model to convert ({cfg.init_from_hf or cfg.distill.init_from_run})")
     first_batches(train_ds)
     val = val_batches(cfg, t.eval_batches, mesh=mesh, tokenizer=tok)
     plan, plan_reused, auto_request = None, False, None
@@ -263,37 +241,21 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
             load_task(path)
         task_score = lambda st: float(np.mean([r["acc"] for r in score_tasks(
             graphdef, st, cfg.eval.tasks, tok, cfg.farskip).values()]))
-    folder = check_run_dir(cfg)
-    if t.resume_step is not None and not folder.resume:
-        raise ConfigError(f"train.resume_step={t.resume_step}: {folder.path} holds no run of this config to resume; "
-                          "drop train.resume_step to start it")
-
-    tx, schedule = make_optimizer(t)
-    model = nnx.merge(graphdef, src["params"], src["bias"], src["rest"])
-    graphdef, state = init_state(model, tx, t.seed)
-    state = place_state(state, mesh)  # counters/optimizer leaves on the mesh too: a restored state must match
-    teacher = cast_state(state, dtype_of(d.teacher_dtype))  # a copy: the student's buffers are donated
-    del model, src
-    train_it = iter(train_ds)
-    mode = "max" if d.metric == "task" else "min"
-    es = EarlyStopper(mode, d.patience, d.max_drop)
+    folder = check_folder(cfg)
     es_path = os.path.join(folder.path, "early_stopping.json")
-    step, start, ckpt = 0, None, None
-    if folder.resume:  # restored before anything is written: an unreadable checkpoint fails cleanly
-        ckpt = Checkpointer(folder.path, keep=t.keep_checkpoints)
-        start = ckpt.resume_step(t.resume_step)
-        if start is not None:
-            step = start
-            state, data_state = ckpt.restore(step, state)
-            train_it.set_state(data_state)
-            if os.path.isfile(es_path):
-                with open(es_path) as f:  # evaluations after the checkpoint will run again
-                    saved = json.load(f)
-                es.load_state_dict(saved, upto=step)
-    ckpt, log = open_run(cfg, folder, ckpt, step, stream)
-    run_dir = folder.path
-    for line in notes + ckpt.after_resume(start, t.resume_step):
-        log.print(line)
+    saved_es = None
+    if folder.resume and os.path.isfile(es_path):  # read before anything is written
+        with open(es_path) as f:
+            saved_es = json.load(f)
+    src = place_state(src, mesh)
+    teacher = cast_state(src, dtype_of(d.teacher_dtype))  # a copy: the student's buffers are donated
+    session = open_session(cfg, folder, mesh, lambda: nnx.merge(graphdef, src["params"], src["bias"], src["rest"]),
+                           train_ds, notes, max_steps=max_steps, stream=stream)
+    del src
+    log, run_dir = session.log, session.run_dir
+    es = EarlyStopper("max" if d.metric == "task" else "min", d.patience, d.max_drop)
+    if saved_es is not None and session.start is not None:  # evaluations after the checkpoint will run again
+        es.load_state_dict(saved_es, upto=session.start)
     best = Checkpointer(os.path.join(run_dir, "best"), keep=1, async_save=False)
     if plan is not None:
         if not plan_reused:
@@ -303,27 +265,15 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
         log.print(f"farskip.layers: auto -> {list(plan.layers)} ("
                   + ("the stored choice of this run folder, no new sweep" if plan_reused
                      else f"written to {os.path.join(run_dir, 'farskip_auto.json')}") + ")")
-    shardings = jax.tree.map(lambda x: x.sharding, state)  # outputs keep the inputs' placement (as the trainer)
-    step_fn = jax.jit(make_distill_step(graphdef, cfg, tx, schedule), donate_argnums=0,
-                      out_shardings=(shardings, None) if mesh is not None else None)
-    cmp_fn = make_compare_fn(graphdef, cfg.farskip)
-    if step:
-        log.print(f"resumed distillation from step {step}")
-        if folder.saved_steps is not None and folder.saved_steps != t.steps:
-            log.print(schedule_change_warning(folder.saved_steps, t, step))
-    task = DistillTask(step_fn, teacher, cfg, cmp_fn, val, es, es_path, best, log, task_score, tokens_per_step)
-    if step == 0:
-        task.evaluate(0, state, train_it)  # the converted model before any training
-    peak = matmul_peak(cfg, log)
-    flops_tok = train_flops_per_token(cfg, t.seq_len) * 8 / 6  # + the teacher's forward
-    state, res = run_loop(task, cfg, state, train_it, ckpt, log, start=step, max_steps=max_steps,
-                          flops_per_token=flops_tok, peak=peak, mesh=mesh)
+    task = DistillTask(session.graphdef, teacher, cfg, val, es, es_path, best, log, task_score, tokens_per_step)
+    if not session.start:
+        task.evaluate(0, session.state, session.train_it)  # the converted model before any training
+    res = session.run(task)
     status, step, evals = res.status, res.step, task.evals
     if status == "done" and max_steps < t.steps:
         status = "token_budget"
-    ckpt.close()
+    session.close()
     best.close()
-    close_iterator(train_it)
     speed = (f"; mean {res.tokens_per_s:,.0f} tokens/s" + (f", MFU {100 * res.mfu:.1f}%" if res.mfu else "")
              if res.tokens_per_s else "")
     log.print(f"{status} at step {step}: best {d.metric} {es.best} at step {es.best_step} "
@@ -333,7 +283,6 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
         log.print(f"exported the best student (step {es.best_step}) to "
                   f"{export_student(cfg, graphdef, best_state, export_dir, es.best_step)}")
     log.write("event", step, dict(status=status, best_step=es.best_step, best_metric=es.best))
-    log.close()
-    release_run_dir(run_dir)
+    session.release()
     return DistillResult(status=status, step=step, best_step=es.best_step, best_metric=es.best,
                          tokens=step * tokens_per_step, run_dir=run_dir, evals=evals, losses=res.losses)

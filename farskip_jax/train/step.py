@@ -1,7 +1,7 @@
 """The jitted train / eval steps on a functional train state.
 
     state = init_state(model, tx, seed)        # dict pytree (see TrainStateDict below)
-    step_fn = make_train_step(graphdef, cfg, tx, schedule)
+    step_fn = make_train_step(graphdef, cfg, tx, schedule)   # make_step with the pretraining loss
     state, metrics = step_fn(state, batch)     # batch: dict of [global_batch, seq] arrays
 
 Train state (a plain dict so checkpoints are a plain tree):
@@ -60,12 +60,19 @@ def load_stats(load: jax.Array | None) -> dict:
     return dict(load_min=jnp.min(load) * e, load_max=jnp.max(load) * e, load_entropy=jnp.mean(ent))
 
 
+def add_model_terms(loss: jax.Array, out, cfg: Config) -> tuple[jax.Array, dict]:
+    """(loss + moe.aux_loss_weight * aux + moe.z_loss_weight * z, the model's metrics) of a forward's
+    output, for every training loss: aux_loss, z_loss [], load [n_moe, E] ([0, 1] without MoE layers)
+    and dropped [] (assignments dropped by capacity, fp32)."""
+    loss = loss + cfg.moe.aux_loss_weight * out.aux_loss + cfg.moe.z_loss_weight * out.z_loss
+    load = out.load if out.load is not None else jnp.zeros((0, 1), jnp.float32)
+    return loss, dict(aux_loss=out.aux_loss, z_loss=out.z_loss, load=load, dropped=out.dropped.astype(jnp.float32))
+
+
 def make_loss_fn(graphdef, cfg: Config, farskip=None) -> Callable:
     """loss_fn(params, bias, rest, batch) -> (loss, aux dict). With `train.loss_chunk` the model returns
     its final stream (logits=False) and the cross entropy is losses/chunked.chunked_ce over chunks of
     that many positions (same value and gradients; no [b, s, V] logits)."""
-    aux_w, z_w = cfg.moe.aux_loss_weight, cfg.moe.z_loss_weight
-
     chunk = cfg.train.loss_chunk or 0
 
     def loss_fn(params, bias, rest, batch):
@@ -76,10 +83,8 @@ def make_loss_fn(graphdef, cfg: Config, farskip=None) -> Callable:
                                compute_dtype=dtype_of(cfg.model.compute_dtype))
         else:
             ce, n = token_ce(out.logits, batch["targets"], batch["loss_mask"])
-        loss = ce + aux_w * out.aux_loss + z_w * out.z_loss
-        load = out.load if out.load is not None else jnp.zeros((0, 1), jnp.float32)
-        return loss, dict(ce=ce, aux_loss=out.aux_loss, z_loss=out.z_loss, load=load,
-                          dropped=out.dropped.astype(jnp.float32), tokens=n)
+        loss, terms = add_model_terms(ce, out, cfg)
+        return loss, dict(ce=ce, **terms, tokens=n)
 
     return loss_fn
 
@@ -184,34 +189,34 @@ def update_state(graphdef, cfg: Config, tx: optax.GradientTransformation, state:
     return new_state, dict(grad_norm=gnorm, finite=finite, nonfinite_total=total, nonfinite_streak=streak)
 
 
-# fault injection for the tests only: the loss of these (1-based) steps becomes NaN in every train
-# step built while it is set (tests monkeypatch it; no config key reaches it)
-NAN_AT_STEPS: tuple = ()
+def make_step(graphdef, cfg: Config, tx: optax.GradientTransformation, schedule: optax.Schedule,
+              loss_fn: Callable) -> Callable:
+    """The one train step of every task, un-jitted: step(state, batch, *frozen) -> (state, metrics).
+
+    loss_fn(params, bias, rest, batch, *frozen) -> (loss, aux): aux holds `tokens` (loss tokens),
+    `load` and `dropped` (add_model_terms) and the task's own metrics. `frozen` (FCSD: the teacher) is
+    never differentiated nor updated. metrics = loss, the task's aux entries, lr, tokens, dropped,
+    grad_norm / finite / non-finite counters (update_state) and the load statistics."""
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    accum = cfg.train.grad_accum
+
+    def step(state, batch, *frozen):
+        params, bias, rest = state["params"], state["bias"], state["rest"]
+        (loss, aux), grads = accumulate_grads(lambda mb: grad_fn(params, bias, rest, mb, *frozen), batch, accum,
+                                              sum_keys=("tokens", "dropped"))
+        new_state, upd = update_state(graphdef, cfg, tx, state, loss, grads, aux["load"])
+        own = {k: v for k, v in aux.items() if k not in ("load", "tokens", "dropped")}
+        metrics = dict(loss=loss, **own, lr=schedule(state["step"]), tokens=aux["tokens"], dropped=aux["dropped"],
+                       **upd, **load_stats(aux["load"] if aux["load"].shape[0] > 0 else None))
+        return new_state, metrics
+
+    return step
 
 
 def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation, schedule: optax.Schedule,
                     farskip=None) -> Callable:
-    """Un-jitted step(state, batch) -> (state, metrics); wrap with jax.jit (see trainer)."""
-    t = cfg.train
-    loss_fn = make_loss_fn(graphdef, cfg, farskip)
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    accum = t.grad_accum
-    inject = tuple(NAN_AT_STEPS)
-
-    def step(state, batch):
-        params, bias, rest = state["params"], state["bias"], state["rest"]
-        (loss, aux), grads = accumulate_grads(lambda mb: grad_fn(params, bias, rest, mb), batch, accum,
-                                              sum_keys=("tokens", "dropped"))
-        if inject:
-            poison = jnp.any(state["step"] + 1 == jnp.asarray(inject, jnp.int32))  # 1-based, as logged
-            loss = jnp.where(poison, jnp.nan, loss)
-        new_state, upd = update_state(graphdef, cfg, tx, state, loss, grads, aux["load"])
-        metrics = dict(loss=loss, ce=aux["ce"], aux_loss=aux["aux_loss"], z_loss=aux["z_loss"],
-                       lr=schedule(state["step"]), tokens=aux["tokens"], dropped=aux["dropped"], **upd,
-                       **load_stats(aux["load"] if aux["load"].shape[0] > 0 else None))
-        return new_state, metrics
-
-    return step
+    """Un-jitted pretraining step(state, batch) -> (state, metrics): make_step with make_loss_fn."""
+    return make_step(graphdef, cfg, tx, schedule, make_loss_fn(graphdef, cfg, farskip))
 
 
 def make_eval_step(graphdef, cfg: Config, farskip=None) -> Callable:
