@@ -9,10 +9,11 @@ from flax import nnx
 
 from farskip_jax.config import Config, DataConfig, ModelConfig, MoEConfig, TrainConfig, replace
 from farskip_jax.model.transformer import Transformer
-from farskip_jax.train.optimizer import make_optimizer
+from farskip_jax.loading.optimizer import make_optimizer
 from farskip_jax.train import step as step_module
 from farskip_jax.losses.ce import token_ce
-from farskip_jax.train.step import init_state, make_loss_fn, make_train_step
+from farskip_jax.loading.train_state import init_state
+from farskip_jax.train.step import make_loss_fn, make_train_step
 from farskip_jax.train.trainer import train
 
 
@@ -102,7 +103,7 @@ def test_schedule_warmup_cosine():
 
 
 def test_consecutive_nonfinite_stops_cleanly_with_last_good_checkpoint(tmp_path, monkeypatch):
-    from farskip_jax.train.checkpoint import Checkpointer
+    from farskip_jax.loading.checkpoint import Checkpointer
     from farskip_jax.train.logger import read_metrics
 
     monkeypatch.setattr(step_module, "NAN_AT_STEPS", (3, 6, 7, 8))

@@ -147,7 +147,7 @@ def abstract_program(cfg, mode: str, mesh, batch_per_device: int, seq: int):
     from farskip_jax.model.layers import dtype_of
     from farskip_jax.parallel.mesh import batch_shards
     from farskip_jax.parallel.sharding import batch_sharding
-    from farskip_jax.train.optimizer import make_optimizer
+    from farskip_jax.loading.optimizer import make_optimizer
     from farskip_jax.train.step import abstract_train_state, make_train_step
 
     tx, schedule = make_optimizer(cfg.train)

@@ -45,8 +45,9 @@ def _load_ckpt(path: str, which: Optional[str], family: Optional[str]):
     """(cfg, model, source config.json or None, farskip_export.json source dict) of a folder to export;
     the export target (family) is checked against the folder's config before any weights are read."""
     from farskip_jax.convert.export import export_target
-    from farskip_jax.convert.native import is_native, load_native, native_config
-    from farskip_jax.convert.reader import read_json
+    from farskip_jax.loading.import_folder import is_native
+    from farskip_jax.loading.native import load_native, native_config
+    from farskip_jax.loading.reader import read_json
 
     path = os.path.abspath(path)
     if is_native(path):
@@ -57,7 +58,7 @@ def _load_ckpt(path: str, which: Optional[str], family: Optional[str]):
         return cfg, model, hf, {"import": path}
     from flax import nnx
 
-    from farskip_jax.eval.loading import checkpoint_step, default_which, load_run, read_run_config
+    from farskip_jax.loading.load import checkpoint_step, default_which, load_run, read_run_config
 
     which = which or default_which(path)
     sel = int(which) if which.isdigit() else which

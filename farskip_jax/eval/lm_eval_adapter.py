@@ -98,7 +98,7 @@ def load_core(run: Optional[str] = None, hf: Optional[str] = None, which: str = 
     """FarSkipLM of a run folder (`run`, checkpoint `which`) or an HF folder (`hf`, imported with its
     exported connectivity); dotted `overrides` ("farskip.preset": "farskip") change the config."""
     from farskip_jax.data.tokenizer import load_tokenizer
-    from farskip_jax.eval.loading import load_hf, load_run
+    from farskip_jax.loading.load import load_hf, load_run
 
     if bool(run) == bool(hf):
         raise ConfigError(f"lm_eval model_args for {MODEL_NAME!r} need exactly one of run=RUN_DIR or hf=HF_FOLDER")

@@ -134,11 +134,6 @@ def val_batches(cfg: Config, n: int, *, mesh=None, tokenizer=None, batch_size: O
     return [put_batch({k: np.asarray(v) for k, v in next(it).items()}, mesh) for _ in range(n)]
 
 
-def model_state(st: dict) -> dict:
-    """{params, bias, rest} of a train state (drops optimizer state and counters)."""
-    return {k: st[k] for k in ("params", "bias", "rest")}
-
-
 def cast_state(st: dict, dtype) -> dict:
     """A COPY of {params, bias, rest} with floating parameters cast to `dtype` (e.g. a bf16 teacher).
 

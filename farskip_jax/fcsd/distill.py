@@ -46,7 +46,7 @@ from farskip_jax.config import Config
 from farskip_jax.data.pipeline import close_iterator, first_batches, make_dataset
 from farskip_jax.data.tokenizer import check_vocab, load_tokenizer
 from farskip_jax.errors import ConfigError
-from farskip_jax.eval.loading import restore_train_state
+from farskip_jax.loading.load import restore_train_state
 from farskip_jax.eval.metrics import STANDARD, cast_state, evaluate_pair, make_compare_fn, put_batch, val_batches
 from farskip_jax.eval.tasks import load_task, score_tasks
 from farskip_jax.losses.ce import token_ce
@@ -58,13 +58,14 @@ from farskip_jax.parallel.sharding import place_state
 from farskip_jax.fcsd.early_stopping import EarlyStopper
 from farskip_jax.fcsd.planner import Plan, apply_choice, plan_conversion, read_plan, request_of, write_plan
 from farskip_jax.fcsd.source import check_source, export_student, load_source, source_shape
-from farskip_jax.train.checkpoint import Checkpointer
+from farskip_jax.loading.checkpoint import Checkpointer
 from farskip_jax.train.host_memory_check import check_host_memory
 from farskip_jax.train.flops import train_flops_per_token
 from farskip_jax.train.loop import Task, matmul_peak, open_run, run_loop
-from farskip_jax.train.optimizer import make_optimizer, schedule_change_warning
+from farskip_jax.loading.optimizer import make_optimizer, schedule_change_warning
 from farskip_jax.train.rundir import check_run_dir, release_run_dir
-from farskip_jax.train.step import accumulate_grads, init_state, load_stats, update_state
+from farskip_jax.loading.train_state import init_state
+from farskip_jax.train.step import accumulate_grads, load_stats, update_state
 
 
 @dataclasses.dataclass

@@ -17,7 +17,7 @@ from flax import nnx
 
 from farskip_jax.config import Config, merge_checkpoint_shape, runtime_overrides
 from farskip_jax.errors import ConfigError
-from farskip_jax.eval.loading import load_hf, load_run, read_run_config
+from farskip_jax.loading.load import load_hf, load_run, read_run_config
 
 
 def _tokenizer_id(spec: str) -> Optional[str]:

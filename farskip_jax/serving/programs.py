@@ -47,7 +47,7 @@ def serving_model(cfg: Config, graphdef, st: dict, mesh: Optional[Mesh] = None):
     """(model, layout) for generation with cfg.inference.layout: `training` -> the model as loaded
     and None; `tp_ep` -> inference_model on `mesh` (default make_mesh(cfg.mesh)) and its TpEpLayout;
     `foe` -> foe_inference_model on the FoE mesh of `mesh` and its FoELayout.
-    st: {params, bias, rest} (eval/loading.py)."""
+    st: {params, bias, rest} (loading/load.py)."""
     if cfg.inference.layout == "training":
         return nnx.merge(graphdef, st["params"], st["bias"], st["rest"]), None
     layout = serving_layout(cfg, mesh or make_mesh(cfg.mesh))

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from farskip_jax.config import Config
-from farskip_jax.train.checkpoint import Checkpointer
+from farskip_jax.loading.checkpoint import Checkpointer
 from farskip_jax.train.flops import cpu_matmul_peak
 from farskip_jax.train.logger import RunLogger, config_summary, drop_records_after
 from farskip_jax.train.preemption import StopFlag

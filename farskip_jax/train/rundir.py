@@ -31,7 +31,7 @@ from typing import Optional
 import jax
 
 from farskip_jax.config import Config, KernelsConfig, config_from_dict, dump_config, to_dict
-from farskip_jax.convert.import_folder import describe_import_folder, is_native
+from farskip_jax.loading.import_folder import describe_import_folder, is_native
 from farskip_jax.errors import ConfigError, FarSkipError
 from farskip_jax.folders import folder_kind, write_marker
 
@@ -42,7 +42,7 @@ RESUMABLE_KEYS = {"train.steps", "train.time_limit_s", "train.log_every", "train
                   # with one may resume with another, e.g. a run from before model.attention_impl=auto
                   "model.attention_impl", "model.attention_block", "model.remat", "moe.gmm", "moe.gmm_tile",
                   "data.prefetch",
-                  # stacked vs per-layer parameters: train/checkpoint.py converts at restore
+                  # stacked vs per-layer parameters: loading/checkpoint.py converts at restore
                   "model.scan_layers"}
 
 # the CPU kernels (config.KernelsConfig) change how the same math is computed, never what

@@ -1,18 +1,8 @@
 """The jitted train / eval steps on a functional train state.
 
-    state = init_state(model, tx, seed)        # dict pytree (see TrainStateDict below)
+    graphdef, state = init_state(model, tx, seed)   # loading/train_state.py: the train state dict
     step_fn = make_train_step(graphdef, cfg, tx, schedule)
     state, metrics = step_fn(state, batch)     # batch: dict of [global_batch, seq] arrays
-
-Train state (a plain dict so checkpoints are a plain tree):
-    params            nnx.State of nnx.Param (fp32 master weights; matmuls run in model.compute_dtype)
-    bias              nnx.State of RouterBias (aux-loss-free selection bias; updated here, not by optax)
-    rest              nnx.State of any other variables (carried unchanged)
-    opt               optax state
-    step              int32 []   number of steps taken (skipped non-finite steps included)
-    rng               uint32 [2] PRNG key data (folded with the step for any stochastic op)
-    nonfinite_total   int32 []   steps whose loss or gradient was not finite (update skipped)
-    nonfinite_streak  int32 []   consecutive such steps up to now
 
 Loss = token-mean cross entropy over `loss_mask` + moe.aux_loss_weight * aux + moe.z_loss_weight * z
 (the cross entropy from full logits, or `train.loss_chunk` positions at a time: losses/chunked.py).
@@ -22,7 +12,7 @@ gradients averaged. A non-finite loss or gradient norm leaves params, optimizer 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -33,21 +23,8 @@ from farskip_jax.config import Config
 from farskip_jax.losses.chunked import chunked_ce
 from farskip_jax.model.layers import dtype_of
 from farskip_jax.losses.ce import token_ce
+from farskip_jax.loading.train_state import init_state
 from farskip_jax.model.router import RouterBias
-
-
-def split_model(model: nnx.Module):
-    """-> graphdef, params, bias, rest."""
-    return nnx.split(model, nnx.Param, RouterBias, ...)
-
-
-def init_state(model: nnx.Module, tx: optax.GradientTransformation, seed: int) -> tuple[Any, dict]:
-    """(graphdef, fresh train state) for `model`."""
-    graphdef, params, bias, rest = split_model(model)
-    state = dict(params=params, bias=bias, rest=rest, opt=tx.init(params), step=jnp.zeros((), jnp.int32),
-                 rng=jax.random.key_data(jax.random.key(seed)), nonfinite_total=jnp.zeros((), jnp.int32),
-                 nonfinite_streak=jnp.zeros((), jnp.int32))
-    return graphdef, state
 
 
 def load_stats(load: jax.Array | None) -> dict:

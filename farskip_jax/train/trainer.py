@@ -26,14 +26,15 @@ from farskip_jax.errors import ConfigError
 from farskip_jax.parallel.build import create_model, model_mesh
 from farskip_jax.parallel.distributed import maybe_initialize
 from farskip_jax.parallel.sharding import place_state, shard_batch
-from farskip_jax.train.checkpoint import Checkpointer
+from farskip_jax.loading.checkpoint import Checkpointer
 from farskip_jax.train.flops import total_params, train_flops_per_token
 from farskip_jax.train.host_memory_check import check_host_memory
 from farskip_jax.train.logger import read_metrics
 from farskip_jax.train.loop import Task, matmul_peak, open_run, run_loop
-from farskip_jax.train.optimizer import make_optimizer, schedule_change_warning
+from farskip_jax.loading.optimizer import make_optimizer, schedule_change_warning
 from farskip_jax.train.rundir import check_run_dir, release_run_dir
-from farskip_jax.train.step import init_state, make_eval_step, make_train_step
+from farskip_jax.loading.train_state import init_state
+from farskip_jax.train.step import make_eval_step, make_train_step
 
 
 @dataclasses.dataclass
@@ -54,7 +55,7 @@ def shape_from_hf(cfg: Config) -> Config:
     """cfg with the model/moe shape of the HF checkpoint `cfg.init_from_hf` (runtime keys such as
     compute_dtype, remat, dispatch, loss weights and the FoE group count moe.num_groups stay the
     user's: config.RUNTIME_MODEL_KEYS / RUNTIME_MOE_KEYS)."""
-    from farskip_jax.convert.loader import hf_to_config, open_checkpoint
+    from farskip_jax.loading.hf_folder import hf_to_config, open_checkpoint
 
     src = hf_to_config(open_checkpoint(cfg.init_from_hf).config, runtime_overrides(cfg), source=cfg.init_from_hf)
     return merge_checkpoint_shape(cfg, src)
@@ -67,7 +68,7 @@ def build_model_and_mesh(cfg: Config):
     mesh = model_mesh(cfg)
     if cfg.init_from_hf:
         from farskip_jax.config import to_dict
-        from farskip_jax.convert.loader import import_hf
+        from farskip_jax.loading.hf_folder import import_hf
 
         # the run's connectivity, not the one an exported folder carries: the train step runs the model's
         _, model = import_hf(cfg.init_from_hf, mesh=mesh, overrides={
