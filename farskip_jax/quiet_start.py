@@ -99,8 +99,10 @@ def quiet_jax_start() -> bool:
     if "jax" not in sys.modules:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         with filtered_stderr():
+            # deferred: this module runs before JAX starts: jax is imported only after JAX_PLATFORMS is set, its stderr filtered
             import jax  # noqa: F401
     else:  # jax imported first (a notebook): its import lines are out already; the backends may not be
+        # deferred: this module runs before JAX starts: it imports jax only where jax was already imported
         import jax
 
         if not os.environ.get("JAX_PLATFORMS") and not jax.config.jax_platforms:

@@ -66,6 +66,7 @@ from farskip_jax.loading.optimizer import make_optimizer, schedule_change_warnin
 from farskip_jax.train.rundir import check_run_dir, release_run_dir
 from farskip_jax.loading.train_state import init_state
 from farskip_jax.train.step import accumulate_grads, load_stats, update_state
+from farskip_jax.convert.export import run_export_dir
 
 
 @dataclasses.dataclass
@@ -235,7 +236,6 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     if d.export_hf and not cfg.init_from_hf and not d.export_family:
         raise ConfigError("distill.export_hf needs distill.export_family (an HF model_type such as qwen2_moe) when "
                           "the weights do not come from init_from_hf")
-    from farskip_jax.convert.export import run_export_dir  # relative: inside the run folder; never another's export
     export_dir = run_export_dir(d.export_hf, t.run_dir) if d.export_hf else None
     mesh = model_mesh(cfg)  # the FoE group x expert mesh when num_groups > 1 with EP
     check_host_memory(source_shape(cfg), "this FCSD run")  # before any weights are read

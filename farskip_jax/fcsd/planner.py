@@ -31,6 +31,8 @@ from typing import Optional, Sequence
 
 from farskip_jax.config import Config, FarSkipConfig, ModelConfig, replace
 from farskip_jax.errors import ConfigError
+from farskip_jax.eval.sweep import evaluate_set, sweep_preset
+from farskip_jax.train.logger import read_metrics
 
 # gap after FCSD / untrained gap: the largest measured at a 5% FCSD budget (benchmarks/fcsd_evidence.py; checked by
 # tests/test_layers_auto.py): the set auto chose on the DeepSeek-V2-style hard teacher at lr 1e-4,
@@ -190,8 +192,6 @@ def plan_conversion(graphdef, st: dict, cfg: Config, batches: list, *, teacher: 
 
     st: the weights to convert; teacher: the standard-connectivity teacher state (default st; distill
     passes its teacher_dtype copy so the sweep's teacher loss is step 0's)."""
-    from farskip_jax.eval.sweep import evaluate_set, sweep_preset
-
     fs0 = cfg.farskip
     if fs0.layers != "auto":
         raise ConfigError(f"plan_conversion plans farskip.layers: auto, got layers={fs0.layers!r}")
@@ -291,8 +291,6 @@ def read_plan(folder: str) -> Optional[dict]:
 def run_retention(run_dir: str) -> dict:
     """Retention measured by a finished FCSD run: its step-0 (converted, untrained) gap and its best
     evaluation's gap on the early-stopping batches (metrics.jsonl, early_stopping.json)."""
-    from farskip_jax.train.logger import read_metrics
-
     evals = read_metrics(run_dir, "eval")
     if not evals or evals[0]["step"] != 0:
         raise ConfigError(f"{run_dir} has no step-0 evaluation in metrics.jsonl; pass the run folder of an FCSD run "

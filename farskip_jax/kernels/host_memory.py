@@ -33,6 +33,9 @@ import ctypes.util
 import sys
 
 from typing import Optional
+
+from farskip_jax.config import kernels_from_env
+from farskip_jax.errors import ConfigError
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8  # glibc malloc.h
 _NEVER = -1  # M_TRIM_THRESHOLD: glibc converts it to SIZE_MAX
 
@@ -60,12 +63,8 @@ def keep_freed_memory(mode: Optional[str] = None) -> bool:
     if _applied is not None:
         return _applied
     if mode is None:
-        from farskip_jax.config import kernels_from_env
-
         mode = kernels_from_env().host_malloc
     if mode not in ("resident", "default"):
-        from farskip_jax.errors import ConfigError
-
         raise ConfigError(f"kernels.host_malloc={mode!r} is not a choice; expected 'resident' or 'default'")
     libc = _glibc() if mode == "resident" else None
     ok = libc is not None

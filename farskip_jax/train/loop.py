@@ -22,6 +22,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from farskip_jax.config import Config
 from farskip_jax.loading.checkpoint import Checkpointer
@@ -29,6 +30,7 @@ from farskip_jax.train.flops import cpu_matmul_peak
 from farskip_jax.train.logger import RunLogger, config_summary, drop_records_after
 from farskip_jax.train.preemption import StopFlag
 from farskip_jax.train.rundir import RunFolder, claim_run_dir
+from farskip_jax.parallel.sharding import shard_batch
 
 
 class Task:
@@ -39,8 +41,6 @@ class Task:
 
     def put(self, host_batch: dict, mesh) -> dict:
         """The host batch on the devices (the mesh's batch sharding)."""
-        from farskip_jax.parallel.sharding import shard_batch
-
         return shard_batch(host_batch, mesh)
 
     def step(self, state, batch):
@@ -72,8 +72,6 @@ def open_run(cfg: Config, folder: RunFolder, ckpt: Optional[Checkpointer], resto
     if primary:
         claim_run_dir(cfg, folder, write_config=not keep_config)
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices("farskip_jax run_dir ready")
     if primary and folder.resume:  # steps after the restored one are logged again
         drop_records_after(folder.path, int(restored or 0))

@@ -29,6 +29,7 @@ import shutil
 from typing import Optional
 
 import jax
+import yaml
 
 from farskip_jax.config import Config, KernelsConfig, config_from_dict, dump_config, to_dict
 from farskip_jax.loading.import_folder import describe_import_folder, is_native
@@ -167,8 +168,6 @@ def check_run_dir(cfg: Config) -> RunFolder:
     - holds another run that never finished a step (no checkpoint, no logged train step: e.g. one
       that failed while compiling) in a marked folder whose config.yaml loads: reclaimed, with a note;
     - holds another run's results, or a config.yaml this version cannot read: ConfigError naming the fix."""
-    import yaml
-
     run_dir = os.path.abspath(cfg.train.run_dir)
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise ConfigError(f"train.run_dir={run_dir} is a file, not a folder; choose another train.run_dir")

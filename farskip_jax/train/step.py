@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from farskip_jax.config import Config
 from farskip_jax.losses.chunked import chunked_ce
@@ -25,6 +26,8 @@ from farskip_jax.model.layers import dtype_of
 from farskip_jax.losses.ce import token_ce
 from farskip_jax.loading.train_state import init_state
 from farskip_jax.model.router import RouterBias
+from farskip_jax.parallel.build import create_model
+from farskip_jax.parallel.sharding import state_shardings
 
 
 def load_stats(load: jax.Array | None) -> dict:
@@ -208,11 +211,6 @@ def abstract_train_state(cfg: Config, mesh, tx: optax.GradientTransformation, se
     For compile-only checks of real shapes: `jax.jit(step).lower(abstract_state, abstract_batch)`.
     Params/bias/rest take the shardings of parallel.sharding.state_shardings; optimizer moments take
     those of their parameter; counters and the RNG are replicated."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from farskip_jax.parallel.build import create_model
-    from farskip_jax.parallel.sharding import state_shardings
-
     box = {}
 
     def build():

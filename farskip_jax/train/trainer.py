@@ -19,7 +19,7 @@ from typing import Optional
 
 import jax
 
-from farskip_jax.config import Config, merge_checkpoint_shape, runtime_overrides
+from farskip_jax.config import Config, merge_checkpoint_shape, runtime_overrides, to_dict
 from farskip_jax.data.pipeline import close_iterator, first_batches, make_dataset
 from farskip_jax.data.tokenizer import check_vocab, load_tokenizer
 from farskip_jax.errors import ConfigError
@@ -35,6 +35,7 @@ from farskip_jax.loading.optimizer import make_optimizer, schedule_change_warnin
 from farskip_jax.train.rundir import check_run_dir, release_run_dir
 from farskip_jax.loading.train_state import init_state
 from farskip_jax.train.step import make_eval_step, make_train_step
+from farskip_jax.loading.hf_folder import hf_to_config, import_hf, open_checkpoint
 
 
 @dataclasses.dataclass
@@ -55,8 +56,6 @@ def shape_from_hf(cfg: Config) -> Config:
     """cfg with the model/moe shape of the HF checkpoint `cfg.init_from_hf` (runtime keys such as
     compute_dtype, remat, dispatch, loss weights and the FoE group count moe.num_groups stay the
     user's: config.RUNTIME_MODEL_KEYS / RUNTIME_MOE_KEYS)."""
-    from farskip_jax.loading.hf_folder import hf_to_config, open_checkpoint
-
     src = hf_to_config(open_checkpoint(cfg.init_from_hf).config, runtime_overrides(cfg), source=cfg.init_from_hf)
     return merge_checkpoint_shape(cfg, src)
 
@@ -67,9 +66,6 @@ def build_model_and_mesh(cfg: Config):
     that HF folder (convert.import_hf)."""
     mesh = model_mesh(cfg)
     if cfg.init_from_hf:
-        from farskip_jax.config import to_dict
-        from farskip_jax.loading.hf_folder import import_hf
-
         # the run's connectivity, not the one an exported folder carries: the train step runs the model's
         _, model = import_hf(cfg.init_from_hf, mesh=mesh, overrides={
             "model": to_dict(cfg.model), "moe": to_dict(cfg.moe), "farskip": to_dict(cfg.farskip)})

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import jaxlib
 
 from farskip_jax.config import KernelsConfig
 from farskip_jax.errors import ConfigError
@@ -101,8 +102,6 @@ def _publish(dst: Path, write) -> None:
 
 def build() -> Path:
     """Compile the library once per (sources, jaxlib, flags) and return the shared library's path."""
-    import jaxlib
-
     src = b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS))
     key = hashlib.sha256(src + jaxlib.__version__.encode() + " ".join(CXX_FLAGS).encode()).hexdigest()[:16]
     out = _cache_dir() / f"libfarskip_cpu_kernels_{key}.so"
