@@ -12,7 +12,7 @@ machine without the NVIDIA driver, JAX with that plugin prints noise that reads 
 `quiet_jax_start()` runs when farskip_jax is imported. Only where that noise would come (the CUDA
 plugin installed, no NVIDIA driver, no TPU runtime, no AMD GPU) it
 1. sets `JAX_PLATFORMS=cpu` unless the user set it: the plugin then skips its version check (no
-   traceback) but still registers, so deviceless GPU compiles keep working (DESIGN.md section 2);
+   traceback) but still registers, so deviceless GPU compiles keep working (docs/design.md section 2);
 2. imports jax, and starts the plugin, with the C-level stderr captured, and writes back every line
    except the two known noise lines.
 Anywhere else it does nothing. `JAX_PLATFORMS` set by the user is always respected.

@@ -70,8 +70,7 @@ class Hardware:
 # Vendor peaks (calibration_data/components.json "peaks"); every efficiency, bandwidth, latency and
 # contention is the central value fitted to published component measurements
 # (analysis/calibration_fit.py -> calibration_data/fitted.json; docs/calibration.md has the sources,
-# spread and residuals). Earlier hand-set values (matmul_eff 0.7, contention 0.8, 0.7 x 448 GB/s)
-# are in git history and the pre-calibration tables of docs/.
+# spread and residuals).
 PEAKS = {"mi300x": ("MI300X", 1307.4e12, 5.3e12), "mi325x": ("MI325X", 1307.4e12, 6.0e12),
          "h100_sxm": ("H100-SXM", 989.4e12, 3.35e12), "h200": ("H200", 989.4e12, 4.8e12)}
 FITTED_FIELDS = ("matmul_eff", "mem_eff", "attn_eff", "launch_us", "contention", "contention_comm", "coll_bw",

@@ -31,8 +31,8 @@ transpose(jvp) = backward), from XLA's buffer live ranges (analysis/peak_buffers
 
 "Fits" = peak <= usable_fraction x device memory. The default fraction 0.75 is both JAX's default
 GPU preallocation (XLA_PYTHON_CLIENT_MEM_FRACTION=.75) and about what XLA's GPU compiler allows a
-program before it rematerializes on its own (80% x 95% slop of the device memory, minus I/O: 60.7 of
-79.1 GiB on an H100, docs/overlap.md). Programs are compiled for an H200 target with 1 TiB memory so
+program before it rematerializes on its own (80% x 95% slop of the device memory, minus I/O;
+docs/overlap.md). Programs are compiled for an H200 target with 1 TiB memory so
 that XLA never rematerializes behind the plan's back.
 """
 
@@ -98,8 +98,8 @@ class Point:
     peak: int
     analytic_argument: int
     compile_s: float
-    # the non-finite guard wrote the update into the donated state (a select: GPU/TPU targets since
-    # 2026-12-02) rather than building the new state among the temporaries (a cond: CPU, older caches)
+    # the non-finite guard wrote the update into the donated state (a select: GPU/TPU targets) rather
+    # than building the new state among the temporaries (a cond: CPU targets)
     inplace_update: Optional[bool] = None
     # the values live at the program's peak (analysis/peak_buffers.py: summary)
     peak_buffers: Optional[dict] = None
@@ -235,10 +235,9 @@ class TempModel:
 
     params(L) = p0 + p1 L and optimizer(L) = o0 + o1 L are exact (counted from the shardings at one or
     two depths); the gradients are one fp32 copy of the parameters. "In place" is how XLA:GPU compiles
-    the step since the non-finite guard became a select there (train/step.apply_if_finite,
-    docs/memory.md): the new state lands in the donated buffers. With the guard's cond (CPU programs,
-    and every GPU compile before 2026-12-02) XLA:GPU built the new state among the temporaries: at
-    27 DeepSeek-V2-Lite layers 46.36 GiB = 11.59 gradients + 34.77 parameters and AdamW moments.
+    the step with the non-finite guard a select (train/step.apply_if_finite, docs/memory.md): the new
+    state lands in the donated buffers. With the guard's cond (CPU programs) the new state is built among
+    the temporaries (docs/memory.md gives the sizes).
     c0 (batch-independent temporaries beyond the gradients; negative where not every gradient is
     live at the activation peak), s0 (per sequence: logits, loss, one layer's recomputation) and s1
     (per layer and sequence: the saved activations) are fitted by least squares to the compiled points

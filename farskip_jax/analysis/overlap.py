@@ -237,7 +237,8 @@ def no_overlap_step(rep: OverlapReport, serial: Optional[OverlapReport] = None) 
 
 def target_lines(reports: dict[str, OverlapReport], min_of_bound: float = 0.95, min_speedup: float = 1.11,
                  paper_hidden: float = 0.884, serial: Optional[OverlapReport] = None) -> list[str]:
-    """Verdicts of issue 7's targets for one program: {preset: report} with 'standard' and 'farskip'.
+    """PASS / FAIL verdicts of the overlap targets (farskip hides >= min_of_bound of its structural bound,
+    speedup >= min_speedup) for one program: {preset: report} with 'standard' and 'farskip'.
 
     Next to the measured speedup: the ceiling (standard's step with every all-to-all microsecond
     hidden) and, clearly apart, farskip vs standard with no overlap at all (the paper's comparator;

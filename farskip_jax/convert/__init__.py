@@ -1,4 +1,4 @@
-"""HF checkpoint import/export (DESIGN.md section 3: convert/).
+"""HF checkpoint import/export (docs/design.md section 3: convert/; reading HF folders is loading/).
 
     cfg, model = import_hf("hf_folder", mesh=None, overrides=["farskip.preset=farskip"])
     export_hf(model, cfg, "out_folder")          # base config.json from cfg.init_from_hf

@@ -16,8 +16,8 @@ Tasks are lm-eval task names or paths of task YAML files. A local task needs no 
 `dataset_path: json` and `dataset_kwargs: {data_files: {test: /abs/path/records.jsonl}}` (docs/fcsd.md
 shows one); it loads with or without network. `run_lm_eval(..., offline=True)` sets HF_DATASETS_OFFLINE /
 HF_HUB_OFFLINE for the call (unless the user set them), so a hub task whose dataset is not cached fails
-at once instead of after ~20 s of retries; either way that failure is one DataError. When every task is a YAML file (or `include_path` holds them), lm-eval's ~15k
-built-in task configs are not indexed (about 20 s saved).
+at once instead of after retries; either way that failure is one DataError. When every task is a YAML
+file (or `include_path` holds them), lm-eval's built-in task configs are not indexed.
 """
 
 from __future__ import annotations

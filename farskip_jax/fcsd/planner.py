@@ -128,7 +128,7 @@ class Plan:
 
 
 def overlap_estimate(model: ModelConfig, fs: FarSkipConfig) -> dict:
-    """Forward all-to-alls whose wait the connectivity `fs` (an explicit set) removes, by DESIGN.md
+    """Forward all-to-alls whose wait the connectivity `fs` (an explicit set) removes, by docs/design.md
     section 1: the dispatch of MoE layer j no longer waits for attention j when its MoE input is
     `outdated`; the combine of MoE layer j no longer gates attention j+1 when that reads `partial` or
     `outdated`. The last layer's combine always gates the final norm. An ESTIMATE from the layer set,

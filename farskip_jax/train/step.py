@@ -92,12 +92,11 @@ def apply_if_finite(tx: optax.GradientTransformation, finite: jax.Array, grads, 
     Lowered per platform (`lax.platform_dependent`, decided by the compile target, so a deviceless GPU
     compile on a CPU machine gets the GPU form):
       - CPU: a lax.cond. A select of new vs old makes one more pass over every parameter and optimizer
-        moment there (7.7% of a CPU step of a 25M-parameter MoE, measured); the cond costs nothing on
-        the taken branch.
+        moment there; the cond costs nothing on the taken branch.
       - GPU / TPU: a select per leaf. XLA fuses it into the update, which then writes into the donated
         state; a cond's branch outputs cannot alias the donated inputs, so XLA:GPU builds a second
-        copy of the parameters and both AdamW moments among the temporaries (3x the fp32 parameters:
-        34.8 GiB per GPU of DeepSeek-V2-Lite at EP 8; `benchmarks/optimizer_memory.py`)."""
+        copy of the parameters and both AdamW moments among the temporaries (3x the fp32 parameters;
+        docs/memory.md, `benchmarks/optimizer_memory.py`)."""
     def update(grads, opt_state, params):
         updates, new_opt = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), new_opt

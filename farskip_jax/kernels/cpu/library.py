@@ -1,8 +1,7 @@
 """The project's CPU kernel library (csrc/: grouped GEMM and attention as XLA FFI custom calls): build
 and load.
 
-On first use the library is compiled with the system C++ compiler ($CXX, else g++, c++ or clang++;
-about 4 s) against jaxlib's FFI headers into a cache folder (kernels.cache_dir, default
+On first use the library is compiled with the system C++ compiler ($CXX, else g++, c++ or clang++) against jaxlib's FFI headers into a cache folder (kernels.cache_dir, default
 ~/.cache/farskip_jax), keyed by the sources, the jaxlib version and the flags. It links no BLAS: at
 load time it is handed the address of cblas_sgemm from the first library that has one, in order:
 kernels.blas_lib, Intel MKL from the `mkl` wheel (the `mkl` extra; on Intel CPUs, or anywhere with
