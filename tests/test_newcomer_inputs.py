@@ -105,7 +105,7 @@ def test_out_of_range_train_and_eval_values(override, match):
 
 
 def test_generate_refuses_what_cannot_be_sampled(tiny):
-    from farskip_jax.eval.generate import generate
+    from farskip_jax.serving.generate import generate
 
     _, model, _, _ = tiny
     for kw, match in ((dict(max_new_tokens=-1), "max_new_tokens=-1"), (dict(top_p=0.0, temperature=1.0), "top_p=0.0"),
