@@ -94,7 +94,7 @@ def check_teacher_shape(cfg, teacher_run: str) -> None:
     weights could not be compared token by token); runtime keys (dtype, remat, dispatch, ...) may differ."""
     from farskip_jax.config import RUNTIME_MODEL_KEYS, RUNTIME_MOE_KEYS, to_dict
     from farskip_jax.errors import ConfigError
-    from farskip_jax.eval.loading import read_run_config
+    from farskip_jax.loading.load import read_run_config
 
     teacher = read_run_config(os.path.abspath(teacher_run))
     diff = []
@@ -137,9 +137,9 @@ def run(a) -> dict:
     import dataclasses
 
     from farskip_jax.data.tokenizer import check_vocab, load_tokenizer
-    from farskip_jax.convert.import_folder import is_native
+    from farskip_jax.loading.import_folder import is_native
     from farskip_jax.errors import ConfigError
-    from farskip_jax.eval.loading import load_hf, load_import, load_run
+    from farskip_jax.loading.load import load_hf, load_import, load_run
     from farskip_jax.eval.metrics import (STANDARD, evaluate_loss, evaluate_pair, make_compare_fn, make_loss_fn,
                                           val_batches)
 
@@ -147,7 +147,7 @@ def run(a) -> dict:
     ov = _overrides(a.overrides)  # generate honours model.scan_layers (stacked layers decode as a scan)
     if a.run and a.teacher_run:  # both configs, before any weights are read
         from farskip_jax.config import replace
-        from farskip_jax.eval.loading import read_run_config
+        from farskip_jax.loading.load import read_run_config
 
         check_teacher_shape(replace(read_run_config(os.path.abspath(a.run)), **ov), a.teacher_run)
     if a.run:

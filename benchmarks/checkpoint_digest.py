@@ -44,8 +44,8 @@ def main(argv=None) -> int:
     import numpy as np
     import orbax.checkpoint as ocp
 
-    from farskip_jax.train.checkpoint import Checkpointer
-    from farskip_jax.train.digest import digest_files, first_mismatch, read_digest
+    from farskip_jax.loading.checkpoint import Checkpointer
+    from farskip_jax.loading.digest import digest_files, first_mismatch, read_digest
 
     root = tempfile.mkdtemp(prefix="digest-bench-", dir=a.dir)
     try:

@@ -44,9 +44,9 @@ def hf_config(mb: float) -> dict:
 
 def generate(path: str, mb: float) -> int:
     """Write the checkpoint; returns its tensor bytes."""
-    from farskip_jax.convert.families import deepseek
-    from farskip_jax.convert.loader import hf_to_config
-    from farskip_jax.convert.safetensors_io import write_file
+    from farskip_jax.loading.families import deepseek
+    from farskip_jax.loading.hf_folder import hf_to_config
+    from farskip_jax.loading.safetensors_io import write_file
 
     hf = hf_config(mb)
     os.makedirs(path, exist_ok=True)
@@ -80,7 +80,7 @@ def rss(key):
         if line.startswith(key):
             return int(line.split()[1]) * 1024
 import jax, numpy as np
-from farskip_jax.convert.loader import import_hf
+from farskip_jax.loading.hf_folder import import_hf
 from farskip_jax.convert.native import write_native_from_hf
 jax.numpy.zeros(1).block_until_ready()
 base = rss("VmRSS")
@@ -127,7 +127,7 @@ def main() -> None:
 
 
 def _shapes(path):
-    from farskip_jax.convert.reader import HFCheckpoint
+    from farskip_jax.loading.reader import HFCheckpoint
 
     ck = HFCheckpoint(path)
     return [ck.shape(n) for n in ck.names()]

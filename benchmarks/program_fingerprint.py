@@ -72,8 +72,9 @@ def single(argv) -> int:
     from farskip_jax.config import load_config
     from farskip_jax.data.pipeline import make_iterator
     from farskip_jax.model.transformer import Transformer
-    from farskip_jax.train.optimizer import make_optimizer
-    from farskip_jax.train.step import init_state, make_train_step
+    from farskip_jax.loading.optimizer import make_optimizer
+    from farskip_jax.loading.train_state import init_state
+    from farskip_jax.train.step import make_train_step
 
     cfg = load_config(a.config, a.overrides)
     try:
@@ -202,8 +203,9 @@ def _train(cfg):
 
         from farskip_jax import kernels
         from farskip_jax.model.transformer import Transformer
-        from farskip_jax.train.optimizer import make_optimizer
-        from farskip_jax.train.step import init_state, make_train_step
+        from farskip_jax.loading.optimizer import make_optimizer
+        from farskip_jax.loading.train_state import init_state
+        from farskip_jax.train.step import make_train_step
 
         kernels.install(cfg.kernels)
         tx, schedule = make_optimizer(cfg.train)

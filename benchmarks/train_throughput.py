@@ -54,8 +54,9 @@ def main(argv=None) -> int:
     from farskip_jax import kernels
     from farskip_jax.model.transformer import Transformer
     from farskip_jax.train.flops import measure_matmul_peak, total_params, train_flops_per_token
-    from farskip_jax.train.optimizer import make_optimizer
-    from farskip_jax.train.step import init_state, make_train_step
+    from farskip_jax.loading.optimizer import make_optimizer
+    from farskip_jax.loading.train_state import init_state
+    from farskip_jax.train.step import make_train_step
 
     cfg = load_config(a.config, a.overrides)
     kernels.install(cfg.kernels)  # the CPU kernels of cfg (parallel/build.config_on does this in train.py)

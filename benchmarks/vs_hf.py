@@ -38,8 +38,9 @@ from farskip_jax.kernels.host_memory import keep_freed_memory  # noqa: E402
 from farskip_jax.config import replace  # noqa: E402
 from farskip_jax.convert import import_hf  # noqa: E402
 from farskip_jax.train.flops import measure_matmul_peak, train_flops_per_token  # noqa: E402
-from farskip_jax.train.optimizer import make_optimizer  # noqa: E402
-from farskip_jax.train.step import init_state, make_train_step  # noqa: E402
+from farskip_jax.loading.optimizer import make_optimizer  # noqa: E402
+from farskip_jax.loading.train_state import init_state  # noqa: E402
+from farskip_jax.train.step import make_train_step  # noqa: E402
 
 
 def hf_config(args) -> transformers.Qwen3MoeConfig:

@@ -1,8 +1,7 @@
 """farskip_jax: FarSkip-Collective MoE transformers in JAX/Flax NNX.
 
-Layout (DESIGN.md section 3): config.py (typed configs), model/ (NNX modules and the two residual
-streams), parallel/ (mesh, sharding, expert-parallel collectives, XLA flags), convert/ (HF import and
-export), data/, train/, eval/, analysis/.
+Layout and layer order: docs/design.md section 3 (config.py, kernels/, model/, losses/, parallel/,
+loading/, data/, train/, eval/, convert/, fcsd/, serving/, analysis/, experiments/).
 """
 
 __version__ = "0.1.0"

@@ -340,7 +340,7 @@ def parse_layer_spec(spec: str, num_layers: Optional[int]) -> frozenset[int]:
     if s == "auto":
         raise ConfigError(
             "farskip.layers=auto has not been resolved to a layer set: FCSD (train.mode: distill) chooses it at the "
-            "start of the run, and `python -m farskip_jax.fcsd.planner` plans it without training; elsewhere set an "
+            "start of the run, and `python -m farskip_jax.analysis.conversion_plan` plans it without training; elsewhere set an "
             "explicit set (a run's choice is in <run_dir>/farskip_auto.json and its config.yaml)")
     bounds = None
     try:
@@ -688,7 +688,7 @@ class Config:
                    "after FCSD, e.g. 0.01 for 1%")
             _check(self.train.mode == "distill",
                    f"farskip.layers: auto is chosen at the start of FCSD (train.mode: distill), not in train.mode="
-                   f"{self.train.mode}; set an explicit farskip.layers (plan one with python -m farskip_jax.fcsd.planner)")
+                   f"{self.train.mode}; set an explicit farskip.layers (plan one with python -m farskip_jax.analysis.conversion_plan)")
         else:
             check_converted_layers(self.farskip, m.num_layers)
         _check(self.train.seq_len <= m.max_seq_len, f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={m.max_seq_len}")

@@ -4,6 +4,9 @@ Every user mistake (bad config key, wrong shape in a checkpoint, missing file, e
 subclass of `FarSkipError` whose message names the culprit and the fix, so no traceback is needed.
 """
 
+import os
+
+
 
 class FarSkipError(Exception):
     """Base class of every error a user can cause."""
@@ -29,8 +32,6 @@ def env_choice(name: str, choices: dict[str, str]) -> str:
     """The value of environment switch `name`, lower-cased; unset or empty gives the first choice.
     `choices` maps each allowed value to what it does; any other value raises one ConfigError naming
     them all."""
-    import os
-
     value = os.environ.get(name, "").strip().lower() or next(iter(choices))
     if value not in choices:
         listed = "; ".join(f"{k!r}: {v}" for k, v in choices.items())

@@ -12,7 +12,7 @@ machine without the NVIDIA driver, JAX with that plugin prints noise that reads 
 `quiet_jax_start()` runs when farskip_jax is imported. Only where that noise would come (the CUDA
 plugin installed, no NVIDIA driver, no TPU runtime, no AMD GPU) it
 1. sets `JAX_PLATFORMS=cpu` unless the user set it: the plugin then skips its version check (no
-   traceback) but still registers, so deviceless GPU compiles keep working (DESIGN.md section 2);
+   traceback) but still registers, so deviceless GPU compiles keep working (docs/design.md section 2);
 2. imports jax, and starts the plugin, with the C-level stderr captured, and writes back every line
    except the two known noise lines.
 Anywhere else it does nothing. `JAX_PLATFORMS` set by the user is always respected.
@@ -99,8 +99,10 @@ def quiet_jax_start() -> bool:
     if "jax" not in sys.modules:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         with filtered_stderr():
+            # deferred: this module runs before JAX starts: jax is imported only after JAX_PLATFORMS is set, its stderr filtered
             import jax  # noqa: F401
     else:  # jax imported first (a notebook): its import lines are out already; the backends may not be
+        # deferred: this module runs before JAX starts: it imports jax only where jax was already imported
         import jax
 
         if not os.environ.get("JAX_PLATFORMS") and not jax.config.jax_platforms:

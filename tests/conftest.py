@@ -43,7 +43,7 @@ def tiny():
 
     from farskip_jax.config import Config, ModelConfig, MoEConfig, TrainConfig
     from farskip_jax.model.transformer import Transformer
-    from farskip_jax.train.step import split_model
+    from farskip_jax.loading.train_state import split_model
 
     cfg = Config(model=ModelConfig(vocab_size=320, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1,
                                    mlp_hidden=64, max_seq_len=64),

@@ -14,10 +14,10 @@ def write_scaled_teacher(run_dir: str, overrides: list, scale: float) -> str:
     from flax import nnx
 
     from farskip_jax.config import dump_config, load_config
-    from farskip_jax.eval.loading import build_model
-    from farskip_jax.train.checkpoint import Checkpointer
-    from farskip_jax.train.optimizer import make_optimizer
-    from farskip_jax.train.step import init_state
+    from farskip_jax.loading.load import build_model
+    from farskip_jax.loading.checkpoint import Checkpointer
+    from farskip_jax.loading.optimizer import make_optimizer
+    from farskip_jax.loading.train_state import init_state
 
     cfg = load_config("configs/tiny.yaml", [*overrides, f"train.run_dir={run_dir}"])
     model = build_model(cfg, None, seed=0)
@@ -71,8 +71,8 @@ def student_and_teacher(cfg):
 
     from farskip_jax.eval.metrics import cast_state
     from farskip_jax.model.transformer import Transformer
-    from farskip_jax.train.optimizer import make_optimizer
-    from farskip_jax.train.step import init_state
+    from farskip_jax.loading.optimizer import make_optimizer
+    from farskip_jax.loading.train_state import init_state
 
     tx, schedule = make_optimizer(cfg.train)
     graphdef, state = init_state(Transformer(cfg, rngs=nnx.Rngs(0)), tx, 0)

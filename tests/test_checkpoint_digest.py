@@ -26,7 +26,7 @@ from cli_helpers import snapshot
 import train as train_entry
 from farskip_jax.config import load_config
 from farskip_jax.errors import CheckpointError, ConfigError
-from farskip_jax.train.checkpoint import Checkpointer
+from farskip_jax.loading.checkpoint import Checkpointer
 from farskip_jax.train.logger import read_metrics
 from farskip_jax.train.trainer import train
 
@@ -85,7 +85,7 @@ def test_orbax_alone_restores_a_scribbled_step_with_other_values_the_digest_refu
 
 
 def test_a_scribbled_checkpoint_is_named_on_every_read_and_resume_step_recovers(tmp_path):
-    from farskip_jax.eval.loading import load_run
+    from farskip_jax.loading.load import load_run
 
     run = str(tmp_path / "run")
     keep = ["train.checkpoint_every=1", "train.keep_checkpoints=2"]

@@ -10,7 +10,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from farskip_jax.train.checkpoint import Checkpointer
+from farskip_jax.loading.checkpoint import Checkpointer
 
 
 def _state(s):

@@ -119,8 +119,9 @@ def test_train_and_eval_steps_with_loss_chunk_equal_full_logits(tied, chunk):
     from flax import nnx
 
     from farskip_jax.model.transformer import Transformer
-    from farskip_jax.train.optimizer import make_optimizer
-    from farskip_jax.train.step import init_state, make_eval_step, make_loss_fn, make_train_step
+    from farskip_jax.loading.optimizer import make_optimizer
+    from farskip_jax.loading.train_state import init_state
+    from farskip_jax.train.step import make_eval_step, make_loss_fn, make_train_step
 
     base = _step_cfg(tied)
     chunked = _step_cfg(tied, loss_chunk=chunk)

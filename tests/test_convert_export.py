@@ -39,7 +39,7 @@ def test_the_example_config_runs_and_exports_inside_its_run_folder(fcsd_run):
 def test_export_takes_the_best_checkpoint_of_an_fcsd_run_by_default(fcsd_run, tmp_path):
     import jax
 
-    from farskip_jax.eval.loading import load_hf, load_run
+    from farskip_jax.loading.load import load_hf, load_run
 
     _, run = fcsd_run
     weights = {}

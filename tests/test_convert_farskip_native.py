@@ -246,7 +246,7 @@ def _v3_student(**farskip):
     from flax import nnx
 
     from farskip_jax.config import Config, from_dict
-    from farskip_jax.convert.families import family_by_name
+    from farskip_jax.loading.families import family_by_name
     from farskip_jax.model import Transformer
 
     v3 = dict(model_type="deepseek_v3", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
@@ -284,7 +284,7 @@ def test_a_gated_model_cannot_be_a_stock_deepseek_v3(native):
 def test_native_layout_refuses_a_model_it_cannot_hold():
     from farskip_jax.config import Config, from_dict
     from farskip_jax.convert.export import hf_config_for
-    from farskip_jax.convert.families import family_by_name
+    from farskip_jax.loading.families import family_by_name
     from farskip_jax.errors import CheckpointError
 
     v2 = dict(model_type="deepseek_v2", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

@@ -192,7 +192,7 @@ def test_export_from_scratch_with_family(family, tmp_path):
     from flax import nnx
 
     from farskip_jax.config import Config, replace
-    from farskip_jax.convert.families import family_by_name
+    from farskip_jax.loading.families import family_by_name
     from farskip_jax.model import Transformer
 
     fam = family_by_name(family)

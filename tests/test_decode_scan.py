@@ -18,7 +18,7 @@ from jax.extend import core as jcore
 
 from farskip_jax.config import FarSkipConfig, MeshConfig, replace
 from farskip_jax.serving.generate import generate, init_cache, make_decode_fn
-from farskip_jax.convert import layer_keys
+from farskip_jax.loading import layer_keys
 from farskip_jax.model import stacking
 from farskip_jax.model.transformer import Transformer
 from farskip_jax.serving.tp_ep import TpEpLayout, inference_model

@@ -14,8 +14,8 @@ from farskip_jax.eval.metrics import cast_state
 from farskip_jax.model.transformer import Transformer
 from farskip_jax.fcsd.distill import make_distill_loss_fn, make_distill_step
 from farskip_jax.fcsd.early_stopping import EarlyStopper
-from farskip_jax.train.optimizer import make_optimizer
-from farskip_jax.train.step import init_state
+from farskip_jax.loading.optimizer import make_optimizer
+from farskip_jax.loading.train_state import init_state
 
 
 def test_kl_of_identical_distributions_is_zero():

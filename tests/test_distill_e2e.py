@@ -26,7 +26,7 @@ def teacher_run(tmp_path_factory):
 
 def test_distill_end_to_end(teacher_run, tmp_path):
     import train as train_entry
-    from farskip_jax.eval.loading import load_run
+    from farskip_jax.loading.load import load_run
     from farskip_jax.train.logger import read_metrics
 
     run = str(tmp_path / "fcsd")
@@ -66,7 +66,7 @@ def test_distill_end_to_end(teacher_run, tmp_path):
     with open(os.path.join(export, "config.json")) as f:
         hf = json.load(f)
     assert hf["model_type"] == "qwen2_moe" and hf["farskip_jax"]["preset"] == "farskip"
-    from farskip_jax.eval.loading import load_hf
+    from farskip_jax.loading.load import load_hf
 
     _, gd2, st2 = load_hf(export)  # the exported student re-imports to the same predictions
     from farskip_jax.eval.metrics import forward
@@ -88,7 +88,7 @@ def test_distill_sigterm_checkpoints_and_resumes_exactly(teacher_run, tmp_path):
     import io
 
     from farskip_jax.config import load_config
-    from farskip_jax.train.checkpoint import Checkpointer
+    from farskip_jax.loading.checkpoint import Checkpointer
     from farskip_jax.fcsd.distill import distill
 
     def cfg(run):
@@ -121,7 +121,7 @@ def test_distill_sigterm_checkpoints_and_resumes_exactly(teacher_run, tmp_path):
     assert ea[3] == eb[3] and ea[6] == eb[6]
     import jax
 
-    from farskip_jax.eval.loading import load_run
+    from farskip_jax.loading.load import load_run
 
     _, _, sa = load_run(straight, "latest")
     _, _, sb = load_run(broken, "latest")
@@ -179,7 +179,7 @@ def test_distill_from_hf_folder_end_to_end(tmp_path):
     with open(os.path.join(export, "config.json")) as f:
         exported = json.load(f)
     assert exported["model_type"] == "qwen2_moe" and exported["farskip_jax"]["preset"] == "farskip"
-    from farskip_jax.eval.loading import load_hf, load_run
+    from farskip_jax.loading.load import load_hf, load_run
     from farskip_jax.eval.metrics import forward
 
     run_cfg, gd, st = load_run(run, "best")

@@ -15,8 +15,9 @@ from farskip_jax.data.pipeline import make_dataset
 from farskip_jax.data.tokenizer import load_tokenizer
 from farskip_jax.model import Transformer
 from farskip_jax.parallel.build import create_model, model_mesh
-from farskip_jax.train.optimizer import make_optimizer
-from farskip_jax.train.step import init_state, make_eval_step, make_train_step
+from farskip_jax.loading.optimizer import make_optimizer
+from farskip_jax.loading.train_state import init_state
+from farskip_jax.train.step import make_eval_step, make_train_step
 from farskip_jax.train.trainer import train
 
 STEPS = 4

@@ -76,7 +76,7 @@ def test_import_restores_exported_connectivity(exported, tokens):
 
 
 def test_eval_load_hf_restores_it(exported, tokens):
-    from farskip_jax.eval.loading import load_hf
+    from farskip_jax.loading.load import load_hf
     from flax import nnx
 
     out, section, student, _ = exported
@@ -114,7 +114,7 @@ def test_cli_import_prints_connectivity_and_source(exported, hf_dir, tokens, tmp
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("connectivity:")]
     assert len(lines) == 1 and lines[0].endswith('; source: exported config.json ("farskip_jax")')
     assert f"{section['preset']} on " in lines[0] and f"skip distance {section['skip_distance']}" in lines[0]
-    from farskip_jax.convert.native import load_native
+    from farskip_jax.loading.native import load_native
 
     cfg, model, _ = load_native(str(tmp_path / "a"))
     assert farskip_settings(cfg) == section
@@ -139,7 +139,7 @@ def test_cli_names_family_default_and_plain_override(hf_dir, tmp_path, capsys):
 def test_export_line_lists_the_exact_section(exported):
     """The line spells out layers and inputs of the restored section (first case checked exactly)."""
     out, section, _, _ = exported
-    from farskip_jax.convert.connectivity import describe, ORIGIN_EXPORTED
+    from farskip_jax.loading.connectivity import describe, ORIGIN_EXPORTED
 
     cfg, _ = import_hf(out)
     line = describe(cfg, ORIGIN_EXPORTED)

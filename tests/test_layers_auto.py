@@ -150,7 +150,7 @@ def test_loop_nothing_fits_fails_before_the_run_folder(teacher_run, tmp_path):
 
 def test_loop_auto_equals_the_explicit_list_and_resumes_with_its_choice(teacher_run, tmp_path):
     from farskip_jax.fcsd.planner import plan_conversion
-    from farskip_jax.eval.loading import read_run_config
+    from farskip_jax.loading.load import read_run_config
     from farskip_jax.eval.metrics import cast_state, val_batches
     from farskip_jax.model.layers import dtype_of
     from farskip_jax.parallel.build import model_mesh

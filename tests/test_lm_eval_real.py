@@ -22,7 +22,7 @@ from farskip_jax.data.tokenizer import ByteTokenizer  # noqa: E402
 from farskip_jax.errors import ConfigError, DataError  # noqa: E402
 from farskip_jax.eval.lm_eval_adapter import FarSkipLM, lm_eval_class, run_lm_eval  # noqa: E402
 from farskip_jax.eval.tasks import LoglikScorer, load_task, score_task  # noqa: E402
-from farskip_jax.train.step import split_model  # noqa: E402
+from farskip_jax.loading.train_state import split_model  # noqa: E402
 
 FS = FarSkipConfig(preset="farskip")
 RECORDS = [

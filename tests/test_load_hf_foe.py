@@ -9,8 +9,8 @@ from flax import nnx
 
 from farskip_jax.config import Config, MeshConfig, from_dict
 from farskip_jax.convert import export_hf
-from farskip_jax.convert.families import family_by_name
-from farskip_jax.eval.loading import load_hf
+from farskip_jax.loading.families import family_by_name
+from farskip_jax.loading.load import load_hf
 from farskip_jax.model import Transformer
 from farskip_jax.parallel.foe import FoECompute
 from farskip_jax.parallel.mesh import make_mesh

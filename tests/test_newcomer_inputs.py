@@ -148,7 +148,7 @@ def _hf_dicts() -> dict:
     ("mixtral", {"hidden_size": 0}, r"'hidden_size' is 0, must be >= 1"),
 ])
 def test_hf_config_json_fields_are_named(family, change, match):
-    from farskip_jax.convert.loader import import_config
+    from farskip_jax.loading.hf_folder import import_config
 
     hf = _hf_dicts()[family].to_dict()
     assert import_config(dict(hf))[0].moe.num_experts == 4  # the intact config reads

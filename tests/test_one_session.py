@@ -31,9 +31,9 @@ def test_fcsd_logs_what_a_train_step_logs_drops_included(tmp_path):
     the first batch (grad_accum=2), and is not zero."""
     from farskip_jax.data.pipeline import make_dataset
     from farskip_jax.data.tokenizer import load_tokenizer
-    from farskip_jax.eval.loading import load_run
+    from farskip_jax.loading.load import load_run
     from farskip_jax.fcsd.distill import distill
-    from farskip_jax.train.optimizer import make_optimizer
+    from farskip_jax.loading.optimizer import make_optimizer
     from farskip_jax.train.step import init_state, make_train_step
 
     teacher = write_scaled_teacher(str(tmp_path / "teacher"), TINY, 2.0)
@@ -71,7 +71,7 @@ def test_a_nan_stops_fcsd_as_it_stops_training(tmp_path, nan_at_steps):
     run's last good checkpoint) skip both updates, stop at step 4 with status `diverged` and the same
     message, and keep their step-2 checkpoint as the newest."""
     from farskip_jax.fcsd.distill import distill
-    from farskip_jax.train.checkpoint import Checkpointer
+    from farskip_jax.loading.checkpoint import Checkpointer
     from farskip_jax.train.trainer import train
 
     nan_at_steps(3, 4)

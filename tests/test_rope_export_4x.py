@@ -26,7 +26,7 @@ import pytest
 import transformers
 
 from farskip_jax.convert.export import export_hf, hf_config_for
-from farskip_jax.convert.loader import abstract_model, hf_to_config
+from farskip_jax.loading.hf_folder import abstract_model, hf_to_config
 
 # transformers 4.x config classes' default rope_theta: what a 4.x reader runs when the key is absent
 DEFAULT_THETA_4X = {"deepseek_v2": 10000.0, "deepseek_v3": 10000.0, "qwen3_moe": 10000.0, "qwen2_moe": 10000.0,

@@ -19,7 +19,7 @@ from cli_helpers import REPO, cli, train_args
 from farskip_jax.config import load_config
 from farskip_jax.errors import CheckpointError, ConfigError
 from farskip_jax.train import rundir
-from farskip_jax.train.checkpoint import Checkpointer
+from farskip_jax.loading.checkpoint import Checkpointer
 from farskip_jax.train.logger import drop_records_after, read_metrics
 from farskip_jax.train.trainer import train
 

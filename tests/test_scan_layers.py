@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 from farskip_jax.config import load_config, replace
-from farskip_jax.convert import layer_keys as stacking
+from farskip_jax.loading import layer_keys as stacking
 from farskip_jax.model.stacking import Segment, plan_segments
 from farskip_jax.model.transformer import Transformer
 
@@ -247,8 +247,9 @@ def _batch(b=2, s=12):
 def _one_step(scan: bool):
     if ("step", scan) in _CACHE:
         return _CACHE[("step", scan)]
-    from farskip_jax.train.optimizer import make_optimizer
-    from farskip_jax.train.step import init_state, make_train_step
+    from farskip_jax.loading.optimizer import make_optimizer
+    from farskip_jax.loading.train_state import init_state
+    from farskip_jax.train.step import make_train_step
 
     cfg = _train_cfg(scan)
     tx, sched = make_optimizer(cfg.train)
@@ -277,7 +278,7 @@ def test_train_step_scan_equals_loop():
 def test_checkpoint_restores_across_the_switch(tmp_path, first):
     """A train state saved with scan_layers=first restores into a template of the other layout
     (params, optimizer moments, router bias), and the run folder accepts the change."""
-    from farskip_jax.train.checkpoint import Checkpointer
+    from farskip_jax.loading.checkpoint import Checkpointer
     from farskip_jax.train.rundir import check_run_dir, claim_run_dir
 
     cfg_a, _, st_a, _ = _one_step(first)

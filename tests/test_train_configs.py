@@ -15,7 +15,7 @@ from farskip_jax.config import load_config
 from farskip_jax.parallel.mesh import make_mesh
 from farskip_jax.parallel.sharding import batch_sharding
 from farskip_jax.train.flops import total_params
-from farskip_jax.train.optimizer import make_optimizer
+from farskip_jax.loading.optimizer import make_optimizer
 from farskip_jax.train.step import abstract_train_state, make_train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

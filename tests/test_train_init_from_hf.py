@@ -9,7 +9,7 @@ import transformers
 
 from farskip_jax.config import load_config  # noqa: E402
 from farskip_jax.convert import import_hf  # noqa: E402
-from farskip_jax.eval.loading import load_run  # noqa: E402
+from farskip_jax.loading.load import load_run  # noqa: E402
 from farskip_jax.train.trainer import train  # noqa: E402
 
 

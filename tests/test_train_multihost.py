@@ -59,7 +59,7 @@ def _two_processes(run_dir, *extra):
 
 
 def test_two_processes_follow_the_one_process_loss_curve(tmp_path):
-    from farskip_jax.train.checkpoint import Checkpointer
+    from farskip_jax.loading.checkpoint import Checkpointer
 
     one = tmp_path / "one"
     p = subprocess.run(CMD + [f"train.run_dir={one}"], env=_env(8), capture_output=True, text=True, timeout=300,

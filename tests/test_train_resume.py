@@ -81,7 +81,7 @@ def _run_until(run_dir, env, min_step, sig):
 
 
 def _final_params(run_dir):
-    from farskip_jax.train.checkpoint import Checkpointer
+    from farskip_jax.loading.checkpoint import Checkpointer
 
     ck = Checkpointer(run_dir, keep=10)
     step = ck.latest_step()
@@ -131,7 +131,7 @@ def test_resume_after_sigkill_and_sigterm_is_bitwise_exact(tmp_path):
 
 def test_schedule_change_warning_names_both_totals_and_the_lr_jump():
     from farskip_jax.config import TrainConfig
-    from farskip_jax.train.optimizer import schedule_change_warning
+    from farskip_jax.loading.optimizer import schedule_change_warning
 
     t = TrainConfig(steps=200, warmup_steps=10, lr=1e-3, min_lr_ratio=0.1)
     msg = schedule_change_warning(100, t, 100)
@@ -144,7 +144,7 @@ def test_half_written_checkpoints_are_never_picked(tmp_path):
     the data state, are ignored: the newest COMPLETE checkpoint is the one chosen."""
     import jax.numpy as jnp
 
-    from farskip_jax.train.checkpoint import Checkpointer
+    from farskip_jax.loading.checkpoint import Checkpointer
 
     state = {"w": jnp.arange(6.0).reshape(2, 3), "step": jnp.zeros((), jnp.int32)}
     ck = Checkpointer(str(tmp_path), keep=5)

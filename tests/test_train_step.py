@@ -10,9 +10,10 @@ from run_helpers import nan_at
 
 from farskip_jax.config import Config, DataConfig, ModelConfig, MoEConfig, TrainConfig, replace
 from farskip_jax.model.transformer import Transformer
-from farskip_jax.train.optimizer import make_optimizer
+from farskip_jax.loading.optimizer import make_optimizer
 from farskip_jax.losses.ce import token_ce
-from farskip_jax.train.step import init_state, make_loss_fn, make_train_step
+from farskip_jax.loading.train_state import init_state
+from farskip_jax.train.step import make_loss_fn, make_train_step
 from farskip_jax.train.trainer import train
 
 
@@ -101,7 +102,7 @@ def test_schedule_warmup_cosine():
 
 
 def test_consecutive_nonfinite_stops_cleanly_with_last_good_checkpoint(tmp_path, nan_at_steps):
-    from farskip_jax.train.checkpoint import Checkpointer
+    from farskip_jax.loading.checkpoint import Checkpointer
     from farskip_jax.train.logger import read_metrics
 
     nan_at_steps(3, 6, 7, 8)

@@ -11,4 +11,6 @@
     programs.py    the real model's forward / train step as abstract programs
     timeline.py    one layer's compute and all-to-all streams, standard above farskip
     overlap.py     `python -m farskip_jax.analysis.overlap` (the report)
+    conversion_plan.py  `python -m farskip_jax.analysis.conversion_plan` (farskip.layers: auto, planned
+                   without training, and the overlap the choice buys)
 """

@@ -6,9 +6,8 @@ compiled attention core's FLOPs and bytes, whatever XLA's fusion made of it.
 
 Why: a compiled naive attention core is a chain of kernels that write and read the [b, h, t, s]
 scores in HBM, and how many depends on XLA's fusion decisions, which differ between two programs
-with the same attention (on the DeepSeek-V2-Lite train step: the same 13.9 TFLOP of attention
-backward in 351 ops under standard connectivity, 246 under FarSkip; a per-op roofline prices them
-98.9 vs 68.7 ms). A GPU runs the core as one flash kernel per pass; pricing that kernel makes the
+with the same attention (the same attention FLOPs in a different number of ops, which a per-op
+roofline prices differently; docs/comparison.md). A GPU runs the core as one flash kernel per pass; pricing that kernel makes the
 two programs' attention cost equal whenever their attention is.
 
 Kernels. The compute ops of the `attention_core` scope (analysis/scopes.py) of one layer, linked by

@@ -29,10 +29,16 @@ import os
 import sys
 import time
 from typing import Optional
+import dataclasses
 
 from farskip_jax.analysis.calibration_fit import DATA_DIR, fit_constants, fitted_json, load_components, load_fitted
 from farskip_jax.analysis.calibration_programs import PROGRAMS, ROOT, VARIANTS, compile_program_file, overrides_of
 from farskip_jax.errors import ConfigError
+from farskip_jax.analysis.cost_model import hardware_from_fit, optimizer_step, simulate, with_contention
+from farskip_jax.analysis.report import ALL_TO_ALLS, analyze
+from farskip_jax.analysis.schedule_store import load_schedule_file
+from farskip_jax.analysis.topology import links_from_fit, resized, Topology
+from farskip_jax.config import load_config
 
 OUT = os.path.join(ROOT, "benchmarks", "results", "calibration")
 # the SGLang TBO rows: the dp_ep serving study's committed results (farskip_jax/studies/compare_dp_ep.py)
@@ -66,8 +72,6 @@ def variants_of_constants() -> list[tuple[str, str, dict, dict]]:
 
 def score_flops(spec) -> float:
     """Forward FLOPs per attention score element of the spec's model: 2 (qk head dim + v head dim)."""
-    from farskip_jax.config import load_config
-
     m = load_config(os.path.join(ROOT, spec.config)).model
     if m.attention == "mla":
         return 2.0 * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
@@ -78,14 +82,9 @@ def retime(schedule, node_of, hardware: str, hw_which: dict, link_which: dict, f
            nics_per_node: Optional[int] = None, contention: Optional[float] = None) -> dict:
     """One compiled train step re-timed: steady / full (gradient reductions and update counted), each
     overlapped as scheduled and with every all-to-all synchronous; the all-to-all totals per direction."""
-    from farskip_jax.analysis.cost_model import hardware_from_fit, optimizer_step, simulate, with_contention
-    from farskip_jax.analysis.report import ALL_TO_ALLS, analyze
-    from farskip_jax.analysis.topology import Topology, links_from_fit, resized
-
     fitted = load_fitted()
     hw = with_contention(hardware_from_fit(hardware, fitted, hw_which), contention)
     links = links_from_fit(hardware, fitted, link_which)
-    import dataclasses
 
     per = max(node_of.count(x) for x in set(node_of))
     lk = resized(links, per)
@@ -119,8 +118,6 @@ def program_figures(spec, cache_dir: str, log=None, nic_sweep: tuple = ()) -> di
     compiled at two depths); keys: 'central', '<constant>:low|high', 'nics<N>' (central constants,
     N NICs per node), 'diag:no_contention' (central constants without any contention: a diagnostic
     of how much the contention costs, never a fit)."""
-    from farskip_jax.analysis.schedule_store import load_schedule_file
-
     fps = score_flops(spec)
     out: dict = {}
     sets = [(f"{lab}:{end}" if end else lab, hw_w, lk_w, None, None)

@@ -39,6 +39,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
+from scipy.optimize import least_squares
+
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration_data")
 HARDWARE_NAMES = ("mi300x", "mi325x", "h100_sxm", "h200")
 LINE_RATE_INTRA = {"mi300x": 7 * 64e9, "mi325x": 7 * 64e9, "h100_sxm": 450e9, "h200": 450e9}
@@ -84,9 +87,6 @@ def allreduce_time_us(size_bytes, n: int, lat_us: float, bw: float, s_half: floa
 def fit_allreduce(sizes_bytes: list[float], times_us: list[float], n: int, bw_max: float) -> dict:
     """Least squares in log time of allreduce_time_us to measured points, the bus bandwidth at most
     `bw_max` (what the links can carry): {lat_us, bw, s_half, q, residuals (measured / modelled - 1)}."""
-    import numpy as np
-    from scipy.optimize import least_squares
-
     s = np.asarray(sizes_bytes, float)
     t = np.asarray(times_us, float)
 

@@ -19,8 +19,14 @@ between are the model's repeating MoE layer); DeepSeek-V3-6L unrolled at its 6 l
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Optional
+
+from farskip_jax.analysis.deviceless import LHS_FLAGS, preset_options
+from farskip_jax.analysis.overlap import run_overlap
+from farskip_jax.analysis.schedule_store import save_schedule
+from farskip_jax.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VARIANTS = ("standard", "farskip")
@@ -68,13 +74,6 @@ def overrides_of(spec: ProgramSpec, layers: int, variant: str) -> list[str]:
 def compile_program_file(spec: ProgramSpec, variant: str, layers: int, cache_dir: str, log=None) -> str:
     """Compile (spec, variant, depth) deviceless and write its schedule to cache_dir; returns the path.
     An existing file is kept (delete it to recompile)."""
-    import time
-
-    from farskip_jax.analysis.deviceless import LHS_FLAGS, preset_options
-    from farskip_jax.analysis.overlap import run_overlap
-    from farskip_jax.analysis.schedule_store import save_schedule
-    from farskip_jax.config import load_config
-
     path = os.path.join(cache_dir, spec.key(variant, layers) + ".json.gz")
     if os.path.exists(path):
         return path

@@ -40,9 +40,13 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from typing import Optional
+import dataclasses
 
 from farskip_jax.analysis.attention_cost import attention_kernels
 from farskip_jax.analysis.hlo import Schedule
+from farskip_jax.analysis.calibration_fit import load_fitted
+from farskip_jax.analysis.scopes import layer_of, scope_of
+from farskip_jax.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -66,8 +70,7 @@ class Hardware:
 # Vendor peaks (calibration_data/components.json "peaks"); every efficiency, bandwidth, latency and
 # contention is the central value fitted to published component measurements
 # (analysis/calibration_fit.py -> calibration_data/fitted.json; docs/calibration.md has the sources,
-# spread and residuals). Earlier hand-set values (matmul_eff 0.7, contention 0.8, 0.7 x 448 GB/s)
-# are in git history and the pre-calibration tables of docs/.
+# spread and residuals).
 PEAKS = {"mi300x": ("MI300X", 1307.4e12, 5.3e12), "mi325x": ("MI325X", 1307.4e12, 6.0e12),
          "h100_sxm": ("H100-SXM", 989.4e12, 3.35e12), "h200": ("H200", 989.4e12, 4.8e12)}
 FITTED_FIELDS = ("matmul_eff", "mem_eff", "attn_eff", "launch_us", "contention", "contention_comm", "coll_bw",
@@ -85,8 +88,6 @@ def hardware_from_fit(name: str, fitted: dict, which: Optional[dict] = None) -> 
 
 
 def _hardware_table() -> dict:
-    from farskip_jax.analysis.calibration_fit import load_fitted
-
     fitted = load_fitted()
     return {name: hardware_from_fit(name, fitted) for name in PEAKS}
 
@@ -96,18 +97,12 @@ HARDWARE = _hardware_table()
 
 def hardware_variant(name: str, which: Optional[dict] = None) -> Hardware:
     """HARDWARE[name] with the constants named in `which` at their fitted low / high end."""
-    from farskip_jax.analysis.calibration_fit import load_fitted
-
     return hardware_from_fit(name, load_fitted(), which)
 
 
 def with_contention(hw: Hardware, contention: Optional[float]) -> Hardware:
     """`hw` with its contention replaced, of compute and of communication alike (None: unchanged);
     ConfigError outside (0, 1]."""
-    import dataclasses
-
-    from farskip_jax.errors import ConfigError
-
     if contention is None:
         return hw
     if not 0.0 < contention <= 1.0:
@@ -222,8 +217,6 @@ def optimizer_step(schedule: Schedule) -> OptimizerStep:
     reductions (all-reduce, reduce-scatter) whose result reaches no layer computation and no other
     collective (it only feeds the update). An all-reduce inside a layer (Federation of Experts'
     cross-group sum, forward or backward) feeds the next layer's work and is not one."""
-    from farskip_jax.analysis.scopes import layer_of
-
     consumers: dict[int, list] = {}
     for o in schedule.ops:
         for x in o.operands:
@@ -328,8 +321,6 @@ def simulate(schedule: Schedule, hw: Hardware, group_size: int = 8,
 
     Returns (the re-timed copy, modelled duration of every entry of `.pairs`: alone, without
     contention)."""
-    from farskip_jax.analysis.scopes import scope_of
-
     sched = copy.deepcopy(schedule)
     speed = with_contention(hw, contention).contention
     comm_speed = with_contention(hw, contention_comm).contention_comm if contention_comm is not None \

@@ -21,8 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import topologies
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
 from farskip_jax.analysis.hlo import Schedule, load_schedule
 from farskip_jax.errors import BackendError
+from farskip_jax.analysis.cost_model import collective_payload, collective_time_us, HARDWARE
+from farskip_jax.parallel.xla_flags import preset_flags
 
 SPECS_DIR = Path(__file__).parent / "specs"
 TARGETS = {"h100_sxm": "cuda", "h200": "cuda"}
@@ -32,7 +40,8 @@ TARGETS = {"h100_sxm": "cuda", "h200": "cuda"}
 # - no CUB radix sort: its custom call asks the CUDA runtime for scratch sizes, which a compile with
 #   no CUDA libraries cannot answer (large sorts = the MoE token sort); XLA's own sort is used instead;
 # - no Triton GEMM fusions: without autotuning (no GPU) XLA picks tiny default tiles and its cost model
-#   then rates e.g. the 1.7-TFLOP LM head at 140 ms; cuBLAS custom calls are modelled near roofline.
+#   then rates large GEMMs such as the LM head far below roofline; cuBLAS custom calls are modelled
+#   near roofline.
 LHS_FLAGS: dict[str, Any] = {
     "xla_gpu_enable_latency_hiding_scheduler": True,
     "xla_gpu_enable_cub_radix_sort": False,
@@ -43,8 +52,6 @@ LHS_FLAGS: dict[str, Any] = {
 def preset_options(name: str) -> dict[str, Any]:
     """A parallel/xla_flags.py preset as compile options (`{flag: value}`), for compiling with it
     without touching the process-wide XLA_FLAGS."""
-    from farskip_jax.parallel.xla_flags import preset_flags
-
     out: dict[str, Any] = {}
     for arg in preset_flags(name):
         k, _, v = arg.lstrip("-").partition("=")
@@ -81,8 +88,6 @@ def gpu_devices(target: str = "h100_sxm", num_devices: int = 8, platform: Option
     num_devices / gpus_per_node hosts of gpus_per_node GPUs each (topology "1 x nodes x gpus";
     jax 0.10.2 accepts e.g. 1x2x8, 1x4x8, 1x4x4, 1x8x4). Device ids run host-major: device i is on
     host i // gpus_per_node (its `process_index`)."""
-    from jax.experimental import topologies
-
     platform = platform or TARGETS.get(target, "cuda")
     text = target_config_text(target, memory_gb)
     per = gpus_per_node or num_devices
@@ -133,11 +138,6 @@ def probe_all_to_all_latency(element_type: str, dims: tuple, split_dim: int, gro
                              flags: Optional[dict] = None) -> Optional[float]:
     """XLA's modelled latency (us) of one all-to-all of a per-device operand [dims] over groups of
     `group_size` devices: compile it alone and read the start-to-done gap of its schedule."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
     if element_type not in _DTYPES or not dims or group_size < 2 or len(devices) % group_size:
         return None
     if dims[split_dim] % group_size:
@@ -164,8 +164,6 @@ def collective_durations(schedule: Schedule, devices: list, flags: Optional[dict
     `fallback_hardware` (cost_model.collective_time_us of cost_model.collective_payload; not the
     start-to-done window, which holds whatever queued or waited in it); the window when an
     all-to-all's probe fails."""
-    from farskip_jax.analysis.cost_model import HARDWARE, collective_payload, collective_time_us
-
     cache: dict = {}
     out = []
     for p in schedule.pairs:

@@ -20,6 +20,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
+
 from farskip_jax.analysis.textproto import first, parse_textproto
 
 ELEMENT_BYTES = {
@@ -190,8 +192,6 @@ def replica_groups_of(ins: dict) -> Optional[tuple[tuple[int, ...], ...]]:
     """Replica groups of a collective instruction as logical device ids: explicit lists, iota lists
     (`iota_replica_group_list`) or mesh-axes lists (`mesh_axes_replica_group_list`, whole axes
     only); None when absent or in a form not read here."""
-    import numpy as np
-
     groups = ins.get("replica_groups")
     if groups:
         return tuple(tuple(int(x) for x in g.get("replica_ids", [])) for g in groups)

@@ -48,10 +48,34 @@ is a sum over layers plus a constant).
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
+import glob
 import math
+import os
 import sys
+import tempfile
 from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from farskip_jax.analysis.calibration_fit import load_fitted
+from farskip_jax.analysis.cost_model import HARDWARE, hardware_from_fit, OptimizerStep, simulate, with_contention
+from farskip_jax.analysis.deviceless import compile_deviceless, gpu_devices, LHS_FLAGS
+from farskip_jax.analysis.hlo import COLLECTIVES
+from farskip_jax.analysis.loop_schedule import load_unrolled_schedule, row_copy_ops
+from farskip_jax.analysis.report import analyze
+from farskip_jax.analysis.scopes import scope_of
+from farskip_jax.analysis.timeline import plot_layer_timelines
+from farskip_jax.analysis.topology import LINKS, links_from_fit, resized, Topology
+from farskip_jax.config import load_config, replace
+from farskip_jax.errors import ConfigError, FarSkipError
+from farskip_jax.kernels import ops
+from farskip_jax.parallel.mesh import make_mesh
+from farskip_jax.serving.programs import decode_program, prefill_program
+from farskip_jax.serving.tp_ep import abstract_inference_model, TpEpLayout
 
 ROLES = ("attention", "routed", "shared", "dense_mlp", "other")
 LAYER_ROLES = ("attention", "routed", "shared")
@@ -100,7 +124,6 @@ def serving_shape(cfg, num_devices: int, gpus_per_node: Optional[int] = None) ->
     per = gpus_per_node or num_devices
     if ok(per):
         return num_devices // per, per
-    from farskip_jax.errors import ConfigError
 
     raise ConfigError(f"model.num_heads={m.num_heads} splits neither {num_devices} nor {per} ways; "
                       "the tp_ep layout needs mesh.tensor to divide the heads")
@@ -114,8 +137,6 @@ def serving_config(cfg, preset: str, num_devices: int, gpus_per_node: Optional[i
     (serving/generate.py) or per-layer weights unrolled (default: the config's model.scan_layers);
     micro_batches: 2 = two-batch overlap (model.micro_batches). foe_groups = H: the Federation-of-
     Experts layout instead (inference.layout=foe, moe.num_groups = H over the num_devices GPUs)."""
-    from farskip_jax.config import replace
-
     if foe_groups:
         over = {"inference.layout": "foe", "mesh.data": 1, "mesh.fsdp": 1, "mesh.expert": num_devices,
                 "mesh.tensor": 1, "moe.num_groups": foe_groups,
@@ -142,8 +163,6 @@ def serving_config(cfg, preset: str, num_devices: int, gpus_per_node: Optional[i
 
 
 def serving_mesh(cfg, devices):
-    from farskip_jax.parallel.mesh import make_mesh
-
     return make_mesh(cfg.mesh, list(devices))
 
 
@@ -157,9 +176,6 @@ USED_EXPERTS = "used_expert_weights"  # the proxy's slice of the experts that ge
 
 def _balanced_grouped_gemm(fraction: float):
     def proxy(lhs, rhs, group_sizes):
-        import jax
-        import jax.numpy as jnp
-
         m, k = lhs.shape
         g = rhs.shape[0]
         rhs = rhs.astype(lhs.dtype)
@@ -194,8 +210,6 @@ def balanced_grouped_gemm(fraction: float):
     With fewer real rows than groups only that many experts' weights are read (a grouped GEMM skips
     experts without rows): the proxy slices them out under the scope USED_EXPERTS, a copy that
     time_serving prices free (the grouped GEMM reads them in place)."""
-    from farskip_jax.kernels import ops
-
     return ops.registered_while(ops.GROUPED_MATMUL, "ragged_dot", ops.Backend(_balanced_grouped_gemm(fraction), platform=None))
 
 
@@ -223,16 +237,6 @@ def compile_serving(cfg, mesh, program: str, batch: int, tokens: int, max_len: i
     program of `cfg` on `mesh`, with LHS_FLAGS + TpEpLayout.compiler_options() (+ `flags`).
     merge_weights=False also disables NO_WEIGHT_MERGE (see there). Its schedule is the entry with
     every while loop unrolled (loop_schedule.load_unrolled_schedule): a scanned program's layers."""
-    import glob
-    import os
-    import tempfile
-
-    from farskip_jax.analysis.deviceless import LHS_FLAGS, compile_deviceless
-    from farskip_jax.analysis.loop_schedule import load_unrolled_schedule
-    from farskip_jax.errors import ConfigError
-    from farskip_jax.serving.programs import decode_program, prefill_program
-    from farskip_jax.serving.tp_ep import TpEpLayout
-
     if program not in ("prefill", "decode"):
         raise ConfigError(f"program {program!r}: choose prefill or decode")
     opts = {**LHS_FLAGS, **TpEpLayout.compiler_options(), **(flags or {})}
@@ -309,8 +313,6 @@ class ServingTiming:
 
 
 def topology_for(node_of_devices: Sequence[int], hardware: str, **links_over):
-    from farskip_jax.analysis.topology import LINKS, Topology, resized
-
     nodes = tuple(node_of_devices)
     per = max(nodes.count(x) for x in set(nodes))
     return Topology(resized(LINKS[hardware], per, **links_over), nodes)
@@ -328,10 +330,6 @@ def flash_scores(schedule, scores: int):
     FLOPs, at least one bf16 score tensor of `scores` elements moved: the masked softmax XLA fuses
     under a reshape's name, outside the attention_core scope) count as part of the attention core,
     which a flash kernel keeps on chip (analysis/attention_cost.py prices the core as one kernel)."""
-    import copy
-
-    from farskip_jax.analysis.scopes import scope_of
-
     sched = copy.deepcopy(schedule)
     for o in sched.ops:
         if (o.kind == "compute" and o.flops <= 0 and o.in_bytes + o.out_bytes >= 2 * scores
@@ -349,20 +347,11 @@ def time_serving(schedule, node_of_devices: Sequence[int], hardware: str = "h200
     materialised softmax of the naive core as part of it (flash_scores). contention: compute speed
     while a collective is in flight (default the hardware's). which: (Hardware fields, Links fields)
     {name: "low" | "high"} to take at that end of their fitted spread (calibration.SPREAD)."""
-    from farskip_jax.analysis.cost_model import HARDWARE, OptimizerStep, simulate, with_contention
-    from farskip_jax.analysis.hlo import COLLECTIVES
-    from farskip_jax.analysis.loop_schedule import row_copy_ops
-    from farskip_jax.analysis.report import analyze
-
     copies = row_copy_ops(schedule)  # before flash_scores renames op_names
     proxy = frozenset(o.id for o in schedule.ops if o.kind == "compute" and USED_EXPERTS in (o.op_name or ""))
     if program == "prefill" and scores:
         schedule = flash_scores(schedule, scores)
     if which:
-        from farskip_jax.analysis.calibration_fit import load_fitted
-        from farskip_jax.analysis.cost_model import hardware_from_fit
-        from farskip_jax.analysis.topology import Topology, links_from_fit, resized
-
         fitted = load_fitted()
         nodes = tuple(node_of_devices)
         per = max(nodes.count(x) for x in set(nodes))
@@ -422,11 +411,6 @@ def weight_bytes_per_device(cfg, mesh) -> float:
     """Parameter bytes one device reads in a decode step on the tp_ep layout (its shards of every
     weight; the embedding table is left out when the LM head is separate: a lookup reads b rows).
     Divided by the HBM bandwidth: the weight-bandwidth floor of a small-batch decode step."""
-    import jax
-    import numpy as np
-
-    from farskip_jax.serving.tp_ep import abstract_inference_model
-
     _, state = abstract_inference_model(cfg, mesh)
     total = 0.0
     for path, x in jax.tree_util.tree_leaves_with_path(state):
@@ -440,8 +424,6 @@ def weight_bytes_per_device(cfg, mesh) -> float:
 
 def expected_ar_bytes(cfg, batch: int, tokens: int) -> int:
     """Payload of one layer all-reduce: batch x tokens x d_model x bytes of the compute dtype."""
-    import numpy as np
-
     return batch * tokens * cfg.model.d_model * np.dtype(cfg.model.compute_dtype).itemsize
 
 
@@ -449,10 +431,6 @@ def plot_serving_timelines(items, hardware: str, program: str, layer: int, path:
                            scores: Optional[int] = None, contention: Optional[float] = None):
     """Two-stream timelines of one layer (analysis/timeline.py), one panel per (label, schedule,
     node_of_devices), the all-reduces coloured attention / routed; `scores` as time_serving."""
-    from farskip_jax.analysis.cost_model import HARDWARE, simulate, with_contention
-    from farskip_jax.analysis.report import analyze
-    from farskip_jax.analysis.timeline import plot_layer_timelines
-
     panels, names = [], {}
     for label, schedule, nodes in items:
         if program == "prefill" and scores:
@@ -507,13 +485,7 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", help="config overrides key=value")
     a = ap.parse_args(argv)
 
-    from farskip_jax.analysis.deviceless import gpu_devices
-    from farskip_jax.config import load_config
-    from farskip_jax.errors import FarSkipError
-
     try:
-        from farskip_jax.analysis.cost_model import HARDWARE, with_contention
-
         if a.hardware not in HARDWARE:
             raise FarSkipError(f"--hardware {a.hardware!r} is unknown; choose one of {sorted(HARDWARE)}")
         hw = with_contention(HARDWARE[a.hardware], a.contention)

@@ -31,8 +31,8 @@ transpose(jvp) = backward), from XLA's buffer live ranges (analysis/peak_buffers
 
 "Fits" = peak <= usable_fraction x device memory. The default fraction 0.75 is both JAX's default
 GPU preallocation (XLA_PYTHON_CLIENT_MEM_FRACTION=.75) and about what XLA's GPU compiler allows a
-program before it rematerializes on its own (80% x 95% slop of the device memory, minus I/O: 60.7 of
-79.1 GiB on an H100, docs/overlap.md). Programs are compiled for an H200 target with 1 TiB memory so
+program before it rematerializes on its own (80% x 95% slop of the device memory, minus I/O;
+docs/overlap.md). Programs are compiled for an H200 target with 1 TiB memory so
 that XLA never rematerializes behind the plan's back.
 """
 
@@ -47,8 +47,22 @@ import sys
 import time
 from typing import Optional, Sequence
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
 from farskip_jax.analysis import peak_buffers as pb
 from farskip_jax.analysis.cli_checks import check_out_file, int_list, read_json_object
+from farskip_jax.analysis.deviceless import gpu_devices, LHS_FLAGS, preset_options
+from farskip_jax.config import load_config, replace
+from farskip_jax.errors import ConfigError, FarSkipError
+from farskip_jax.fcsd.distill import make_distill_step
+from farskip_jax.loading.optimizer import make_optimizer
+from farskip_jax.model.layers import dtype_of
+from farskip_jax.parallel.mesh import batch_shards, make_mesh
+from farskip_jax.parallel.sharding import batch_sharding
+from farskip_jax.train.step import abstract_train_state, make_train_step
 
 GiB = 2**30
 
@@ -84,8 +98,8 @@ class Point:
     peak: int
     analytic_argument: int
     compile_s: float
-    # the non-finite guard wrote the update into the donated state (a select: GPU/TPU targets since
-    # 2026-12-02) rather than building the new state among the temporaries (a cond: CPU, older caches)
+    # the non-finite guard wrote the update into the donated state (a select: GPU/TPU targets) rather
+    # than building the new state among the temporaries (a cond: CPU targets)
     inplace_update: Optional[bool] = None
     # the values live at the program's peak (analysis/peak_buffers.py: summary)
     peak_buffers: Optional[dict] = None
@@ -101,8 +115,6 @@ def point_key(mode, remat, fsdp, layers, batch, seq) -> str:
 def cut_depth(cfg, layers: int):
     """cfg with its first `layers` layers (layer lists such as nope_layers / chunked_layers / moe_layers
     restricted to them, first_k_dense kept below the depth)."""
-    from farskip_jax.config import replace
-
     m = cfg.model
     ch: dict = {"model.num_layers": layers, "model.first_k_dense": min(m.first_k_dense, layers - 1 if layers > 1 else 0)}
     ch["model.nope_layers"] = tuple(i for i in m.nope_layers if i < layers)
@@ -120,15 +132,10 @@ def shard_bytes(x) -> int:
 
 
 def state_bytes(tree) -> int:
-    import jax
-
     return sum(shard_bytes(x) for x in jax.tree.leaves(tree))
 
 
 def mode_config(cfg, mode: str, remat: str, fsdp: int):
-    from farskip_jax.config import replace
-    from farskip_jax.errors import ConfigError
-
     if mode not in MODES:
         raise ConfigError(f"--mode {mode!r} is unknown; choose one of {list(MODES)}")
     if remat not in REMAT_ORDER:
@@ -140,16 +147,6 @@ def mode_config(cfg, mode: str, remat: str, fsdp: int):
 
 def abstract_program(cfg, mode: str, mesh, batch_per_device: int, seq: int):
     """(jitted step, abstract args, analytic per-device bytes by part) of the real step on `mesh`."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from farskip_jax.model.layers import dtype_of
-    from farskip_jax.parallel.mesh import batch_shards
-    from farskip_jax.parallel.sharding import batch_sharding
-    from farskip_jax.train.optimizer import make_optimizer
-    from farskip_jax.train.step import abstract_train_state, make_train_step
-
     tx, schedule = make_optimizer(cfg.train)
     graphdef, state = abstract_train_state(cfg, mesh, tx)
     b = batch_per_device * batch_shards(mesh)
@@ -163,7 +160,6 @@ def abstract_program(cfg, mode: str, mesh, batch_per_device: int, seq: int):
     if mode == "pretrain":
         fn = jax.jit(make_train_step(graphdef, cfg, tx, schedule), donate_argnums=0, out_shardings=out_sh)
         return fn, (state, batch), parts
-    from farskip_jax.fcsd.distill import make_distill_step
 
     td = dtype_of(cfg.distill.teacher_dtype)
 
@@ -185,16 +181,12 @@ def abstract_program(cfg, mode: str, mesh, batch_per_device: int, seq: int):
 def plan_devices(cfg, memory_gb: float = 1024.0) -> list:
     """Compile-only H200-spec GPUs (memory set to `memory_gb`, so XLA never rematerializes on its
     own) for cfg.mesh with data = 1: fsdp x expert x tensor GPUs in nodes of up to 8."""
-    from farskip_jax.analysis.deviceless import gpu_devices
-
     m = cfg.mesh
     n = m.fsdp * m.expert * m.tensor
     return gpu_devices("h200", n, gpus_per_node=min(n, GPUS_PER_NODE), memory_gb=memory_gb)
 
 
 def compile_flags() -> dict:
-    from farskip_jax.analysis.deviceless import LHS_FLAGS, preset_options
-
     return dict(preset_options("cuda_hopper"), **LHS_FLAGS)
 
 
@@ -202,8 +194,6 @@ def compile_point(cfg, mode: str, remat: str, fsdp: int, layers: int, batch: int
                   devices_for=None) -> Point:
     """Compile the step at this depth / per-device batch and read its memory analysis.
     devices_for(cfg) -> devices (default plan_devices: compile-only GPUs)."""
-    from farskip_jax.parallel.mesh import make_mesh
-
     c = cut_depth(mode_config(cfg, mode, remat, fsdp), layers)
     mesh = make_mesh(c.mesh, (devices_for or plan_devices)(c))
     t0 = time.time()
@@ -226,10 +216,6 @@ def compile_point(cfg, mode: str, remat: str, fsdp: int, layers: int, batch: int
 
 def full_state_parts(cfg, mode: str, remat: str, fsdp: int, batch: int, seq: int, devices_for=None) -> dict:
     """Analytic per-device bytes (params, optimizer, teacher, ...) of the FULL-depth model (eval_shape)."""
-    import jax
-
-    from farskip_jax.parallel.mesh import make_mesh
-
     c = mode_config(cfg, mode, remat, fsdp)
     mesh = make_mesh(c.mesh, (devices_for or plan_devices)(c))
     _, _, parts = abstract_program(c, mode, mesh, batch, seq)
@@ -249,10 +235,9 @@ class TempModel:
 
     params(L) = p0 + p1 L and optimizer(L) = o0 + o1 L are exact (counted from the shardings at one or
     two depths); the gradients are one fp32 copy of the parameters. "In place" is how XLA:GPU compiles
-    the step since the non-finite guard became a select there (train/step.apply_if_finite,
-    docs/memory.md): the new state lands in the donated buffers. With the guard's cond (CPU programs,
-    and every GPU compile before 2026-12-02) XLA:GPU built the new state among the temporaries: at
-    27 DeepSeek-V2-Lite layers 46.36 GiB = 11.59 gradients + 34.77 parameters and AdamW moments.
+    the step with the non-finite guard a select (train/step.apply_if_finite, docs/memory.md): the new
+    state lands in the donated buffers. With the guard's cond (CPU programs) the new state is built among
+    the temporaries (docs/memory.md gives the sizes).
     c0 (batch-independent temporaries beyond the gradients; negative where not every gradient is
     live at the activation peak), s0 (per sequence: logits, loss, one layer's recomputation) and s1
     (per layer and sequence: the saved activations) are fitted by least squares to the compiled points
@@ -287,10 +272,6 @@ class TempModel:
     @classmethod
     def fit(cls, pts: Sequence[Point], parts_at: dict) -> "TempModel":
         """pts: compiled points; parts_at: {depth: analytic parts} for every depth of pts."""
-        import numpy as np
-
-        from farskip_jax.errors import ConfigError
-
         depths = sorted({p.layers for p in pts})
         if len(depths) > 2 or len({p.batch for p in pts}) < 2:
             raise ConfigError("the temporaries model needs compiles at two per-device batches and one or two depths; "
@@ -388,8 +369,6 @@ def build_rows(cfg, modes, remats, fsdps, depths, batches, seq, validate_depth=N
     devices_for(cfg) -> devices to compile for (default: compile-only GPUs, plan_devices).
     validate_depth / validate_batch: compile one more point (default depth: the config's; default batch:
     the first of `batches`) and store the fit's error on it in Row.validation."""
-    import jax
-
     log = log or (lambda m: None)
     cache = {} if cache is None else cache
     rows = []
@@ -409,8 +388,6 @@ def build_rows(cfg, modes, remats, fsdps, depths, batches, seq, validate_depth=N
         return v if isinstance(v, Point) else Point(**v)
 
     if len(depths) == 1 and depths[0] != cfg.model.num_layers:
-        from farskip_jax.errors import ConfigError
-
         raise ConfigError(f"--depths {depths[0]}: one depth must be the config's ({cfg.model.num_layers}); give two "
                           "depths to extrapolate")
     for mode in modes:
@@ -561,8 +538,6 @@ def default_depths(cfg) -> list[int]:
 
 def check_plan_args(a, cfg, depths: Sequence[int], batches: Sequence[int]) -> None:
     """ConfigError for a memory-plan command line that cannot run as asked, before anything compiles."""
-    from farskip_jax.errors import ConfigError
-
     if not 0.0 < a.usable <= 1.0:
         raise ConfigError(f"--usable {a.usable} must be a fraction of device memory in (0, 1] (default "
                           f"{USABLE_FRACTION}: JAX's GPU preallocation)")
@@ -613,9 +588,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--top", type=int, default=8, help="print this many of the largest buffers live at the peak (0: none)")
     ap.add_argument("overrides", nargs="*", help="config overrides key=value")
     a = ap.parse_args(argv)
-
-    from farskip_jax.config import load_config
-    from farskip_jax.errors import FarSkipError
 
     log = lambda m: m and print(m, file=sys.stderr, flush=True)  # noqa: E731
     try:

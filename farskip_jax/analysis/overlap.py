@@ -41,6 +41,8 @@ import os
 import sys
 import time
 from typing import Optional, Sequence
+import glob
+import tempfile
 
 from farskip_jax.analysis.cli_checks import check_out_folder, number_list
 from farskip_jax.analysis.deviceless import (LHS_FLAGS, collective_durations, compile_deviceless, gpu_devices,
@@ -48,6 +50,17 @@ from farskip_jax.analysis.deviceless import (LHS_FLAGS, collective_durations, co
 from farskip_jax.analysis.report import (ALL_TO_ALLS, OverlapReport, analyze, format_collectives,
                                          format_side_by_side)
 from farskip_jax.kernels.gmm import resolve_backend
+from farskip_jax.analysis.cost_model import HARDWARE, simulate, with_contention
+from farskip_jax.analysis.groups import foe_json, foe_summary, format_foe_summary
+from farskip_jax.analysis.loop_schedule import layer_loops, load_unrolled_schedule
+from farskip_jax.analysis.programs import analysis_mesh, forward_program, grouped_gemm_proxy, train_program
+from farskip_jax.analysis.sensitivity import (bandwidth_sweep, contention_sweep, format_contention_sweep, format_sweep,
+                                              implied_bandwidth)
+from farskip_jax.analysis.speedup import split_lines, split_speedup
+from farskip_jax.analysis.timeline import plot_layer_timelines
+from farskip_jax.analysis.topology import LINKS, Topology
+from farskip_jax.config import load_config, PRESETS as CONNECTIVITY, replace
+from farskip_jax.errors import ConfigError, FarSkipError
 
 PROGRAMS = ("forward", "train")
 
@@ -128,13 +141,6 @@ def run_overlap(cfg, presets: Sequence[str] = ("standard", "farskip"), programs:
       .collective_durations); False takes the start-to-done windows (XLA's report only; faster).
     contention: the two-stream model's compute speed while a collective is in flight (default: the
       hardware's, cost_model.HARDWARE); fused_attention: attention_core as flash kernels (else as compiled)."""
-    from farskip_jax.analysis.cost_model import HARDWARE, simulate, with_contention
-    from farskip_jax.analysis.programs import analysis_mesh, forward_program, grouped_gemm_proxy, train_program
-    from farskip_jax.analysis.topology import LINKS, Topology
-    from farskip_jax.config import replace
-
-    from farskip_jax.errors import ConfigError
-
     bad = [p for p in programs if p not in PROGRAMS]
     if bad:
         raise ConfigError(f"programs {bad} are unknown; choose from {list(PROGRAMS)}")
@@ -207,11 +213,6 @@ def compile_program(fn, args, flags: dict):
     (while loops over layers) gets the schedule with those loops unrolled as executed
     (loop_schedule.load_unrolled_schedule(as_executed=True): the carry links the iterations, XLA's
     timestamps on one timeline); an unrolled one keeps hlo.load_schedule's entry schedule."""
-    import glob
-    import tempfile
-
-    from farskip_jax.analysis.loop_schedule import layer_loops, load_unrolled_schedule
-
     with tempfile.TemporaryDirectory(prefix="farskip_overlap_") as d:
         compiled = compile_deviceless(fn, *args, flags=flags, keep_dump=d)
         with open(sorted(glob.glob(os.path.join(d, "*.schedule.txt")), key=os.path.getmtime)[-1]) as f:
@@ -236,15 +237,14 @@ def no_overlap_step(rep: OverlapReport, serial: Optional[OverlapReport] = None) 
 
 def target_lines(reports: dict[str, OverlapReport], min_of_bound: float = 0.95, min_speedup: float = 1.11,
                  paper_hidden: float = 0.884, serial: Optional[OverlapReport] = None) -> list[str]:
-    """Verdicts of issue 7's targets for one program: {preset: report} with 'standard' and 'farskip'.
+    """PASS / FAIL verdicts of the overlap targets (farskip hides >= min_of_bound of its structural bound,
+    speedup >= min_speedup) for one program: {preset: report} with 'standard' and 'farskip'.
 
     Next to the measured speedup: the ceiling (standard's step with every all-to-all microsecond
     hidden) and, clearly apart, farskip vs standard with no overlap at all (the paper's comparator;
     `serial` = standard re-timed with synchronous all-to-alls, else step + hidden time). Each speedup
     is split into hiding communication x compute difference (analysis/speedup.py), with a NOTE when
     the compute difference dominates."""
-    from farskip_jax.analysis.speedup import split_lines, split_speedup
-
     fs, std = reports.get("farskip"), reports.get("standard")
     if fs is None:
         return []
@@ -307,8 +307,6 @@ def has_all_to_alls(cfg) -> bool:
 
 
 def to_json(results: Sequence[ProgramResult]) -> dict:
-    from farskip_jax.analysis.speedup import split_speedup
-
     out = {}
     for r in results:
         entry = {"compile_s": r.compile_s, "step_time_us": r.report.step_time,
@@ -340,7 +338,6 @@ def to_json(results: Sequence[ProgramResult]) -> dict:
         if r.modelled is not None:
             entry["compute_disagreement"] = compute_disagreement(r.report, r.modelled)
         if r.mesh is not None and "group" in r.mesh.shape:  # Federation of Experts: collectives per group
-            from farskip_jax.analysis.groups import foe_json
 
             entry["foe"] = foe_json(r.hlo_text, r.mesh)
         out.setdefault(r.program, {})[r.preset] = entry
@@ -410,13 +407,9 @@ def format_results(results: Sequence[ProgramResult], programs: Sequence[str], ta
         lines.extend(xla_block)
         for r in sel:
             if r.mesh is not None and "group" in r.mesh.shape:  # Federation of Experts
-                from farskip_jax.analysis.groups import foe_summary, format_foe_summary
 
                 p(format_foe_summary(foe_summary(r.hlo_text, r.mesh), f"FoE {r.preset}"))
         if hw and sweep_bw:
-            from farskip_jax.analysis.cost_model import HARDWARE, with_contention
-            from farskip_jax.analysis.sensitivity import bandwidth_sweep, format_sweep, implied_bandwidth
-
             std = next((r for r in sel if r.preset == "standard"), None)
             fs = next((r for r in sel if r.preset == "farskip"), None)
             if std is not None and fs is not None:
@@ -436,8 +429,6 @@ def format_results(results: Sequence[ProgramResult], programs: Sequence[str], ta
 
 def cost_model_line(r: ProgramResult) -> str:
     """The two-stream model's settings a result was timed with, in words (printed with the headline)."""
-    from farskip_jax.analysis.cost_model import HARDWARE
-
     hw = HARDWARE.get(r.hardware)
     c = r.contention if r.contention is not None else (hw.contention if hw is not None else 1.0)
     if hw is None:
@@ -455,9 +446,6 @@ def cost_model_line(r: ProgramResult) -> str:
 def contention_block(sel: Sequence[ProgramResult], values: Sequence[float], num_devices: int) -> list[str]:
     """The program's standard and farskip schedules re-timed at each contention (sensitivity.
     contention_sweep), as text."""
-    from farskip_jax.analysis.cost_model import HARDWARE
-    from farskip_jax.analysis.sensitivity import contention_sweep, format_contention_sweep
-
     std = next((r for r in sel if r.preset == "standard"), None)
     fs = next((r for r in sel if r.preset == "farskip"), None)
     if std is None or fs is None or std.hardware is None:
@@ -471,8 +459,6 @@ def contention_block(sel: Sequence[ProgramResult], values: Sequence[float], num_
 def write_timelines(results: Sequence[ProgramResult], programs: Sequence[str], out: str) -> list[str]:
     """timeline_<program>_<fwd|bwd>.png of the middle MoE layer, drawn on the headline model's
     timeline (ProgramResult.headline); returns the paths written."""
-    from farskip_jax.analysis.timeline import plot_layer_timelines
-
     paths = []
     for prog in programs:
         sel = [r for r in results if r.program == prog]
@@ -502,9 +488,6 @@ def _bandwidths(text: Optional[str]) -> list[float]:
 
 def check_args(a, presets: Sequence[str], progs: Sequence[str]) -> None:
     """ConfigError for a command line that cannot run as asked, before anything is compiled."""
-    from farskip_jax.config import PRESETS as CONNECTIVITY
-    from farskip_jax.errors import ConfigError
-
     for flag, v in (("--batch", a.batch), ("--seq", a.seq)):
         if v is not None and v < 1:
             raise ConfigError(f"{flag} {v} must be >= 1 (leave it out for the config's "
@@ -568,9 +551,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("overrides", nargs="*", help="config overrides key=value")
     a = ap.parse_args(argv)
 
-    from farskip_jax.config import load_config
-    from farskip_jax.errors import FarSkipError
-
     try:
         cfg = load_config(a.config, a.overrides)
         flags = dict(preset_options(a.preset))
@@ -582,7 +562,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         presets = [p.strip() for p in a.presets.split(",") if p.strip()]
         check_args(a, presets, progs)
         _bandwidths(a.sweep_bw)  # every value a bandwidth, before anything compiles
-        from farskip_jax.analysis.cost_model import HARDWARE, with_contention
 
         if a.hardware and a.hardware.lower() == "none":
             a.hardware = None

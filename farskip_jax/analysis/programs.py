@@ -15,6 +15,7 @@ train/step.py); the optimizer's elementwise update does not change what overlaps
 from __future__ import annotations
 
 from typing import Optional, Sequence
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -25,13 +26,14 @@ from farskip_jax.config import Config
 from farskip_jax.kernels import ops
 from farskip_jax.model import Transformer
 from farskip_jax.parallel.mesh import BATCH_AXES
+from farskip_jax.errors import ConfigError
+from farskip_jax.parallel.build import config_on, model_mesh, routed_compute_on, state_shardings_on
+from farskip_jax.parallel.ep import AllToAllCompute
 
 
 def analysis_mesh(cfg: Config, devices: Sequence) -> Mesh:
     """The mesh of cfg.mesh over the given (compile-only) devices; the FoE mesh (group x expert,
     parallel/foe.py) for moe.num_groups > 1 with expert parallelism, as in training."""
-    from farskip_jax.parallel.build import model_mesh
-
     return model_mesh(cfg, devices=list(devices))
 
 
@@ -41,12 +43,6 @@ def abstract_model(cfg: Config, mesh: Mesh, ep_options: Optional[dict] = None):
     ep_options: fields of the all_to_all backend to set (parallel/ep.AllToAllCompute): `chunks`
     (exchange each device's tokens in that many chunks: MaxText's num_moe_token_chunks) and
     `dispatch_dtype` (e.g. "float8_e4m3fn": the dispatch payload in fp8, as DeepSeek-V3 trains)."""
-    import dataclasses
-
-    from farskip_jax.errors import ConfigError
-    from farskip_jax.parallel.build import config_on, routed_compute_on, state_shardings_on
-    from farskip_jax.parallel.ep import AllToAllCompute
-
     cfg = config_on(cfg, mesh)  # the GPU gmm backend in a GPU program
     rc = routed_compute_on(cfg, mesh)  # FoECompute on a FoE mesh
     if ep_options:

@@ -21,6 +21,7 @@ from farskip_jax.analysis.bound import independent_ops, structural_bound
 from farskip_jax.analysis.hlo import Schedule
 from farskip_jax.analysis.loop_schedule import ROW_COPY
 from farskip_jax.analysis.scopes import direction_of, label_of, layer_of, scope_of
+from farskip_jax.analysis.speedup import split_speedup
 
 ALL_TO_ALLS = ("all-to-all", "ragged-all-to-all")
 
@@ -196,8 +197,6 @@ def format_side_by_side(reports: Sequence[OverlapReport]) -> str:
     base = reports[0].step_time
     row(f"speedup vs {reports[0].label}", lambda r: base / r.step_time if r.step_time else 0.0, "{:>15.3f}x")
     if len(reports) > 1:
-        from farskip_jax.analysis.speedup import split_speedup
-
         row("  of which hiding communication", lambda r: split_speedup(reports[0], r).hiding, "{:>15.3f}x")
         row("  of which compute difference", lambda r: split_speedup(reports[0], r).compute, "{:>15.3f}x")
     row("step, every all-to-all hidden (us)", lambda r: r.ceiling_step())

@@ -18,6 +18,7 @@ import json
 from typing import Optional
 
 from farskip_jax.analysis.hlo import CollectivePair, HloOp, Schedule
+from farskip_jax.errors import ConfigError
 
 FORMAT = 1
 
@@ -39,8 +40,6 @@ def _encode(schedule: Schedule) -> dict:
 
 
 def _decode(d: dict) -> Schedule:
-    from farskip_jax.errors import ConfigError
-
     if d.get("format") != FORMAT:
         raise ConfigError(f"schedule file format {d.get('format')!r} is not {FORMAT}; recompile it "
                           "(python -m farskip_jax.analysis.calibration --compile)")

@@ -37,6 +37,7 @@ from typing import Optional, Sequence
 from farskip_jax.analysis.cost_model import Hardware, simulate
 from farskip_jax.analysis.hlo import Schedule
 from farskip_jax.analysis.report import ALL_TO_ALLS, analyze
+from farskip_jax.analysis.speedup import split_speedup
 
 
 @dataclass(frozen=True)
@@ -134,8 +135,6 @@ class ContentionRow:
 def contention_sweep(std: Schedule, fs: Schedule, hw: Hardware, contentions: Sequence[float], group_size: int = 8,
                      **kw) -> list[ContentionRow]:
     """Both schedules re-timed at each contention (cost_model.simulate's `contention`)."""
-    from farskip_jax.analysis.speedup import split_speedup
-
     rows = []
     for c in contentions:
         s_rep = analyze(*simulate(std, hw, group_size, in_place_updates=True, contention=c, **kw), with_bound=False)

@@ -40,9 +40,11 @@ def plot_layer_timelines(items: Sequence[tuple[str, Schedule, OverlapReport]], l
     all-reduce" for the serving programs' reports, analysis/inference_report.py); `lane` names the
     collective lane."""
     role_of = role_of or (lambda s: s.role)
+    # deferred: matplotlib's backend is chosen when a figure is drawn, not at import
     import matplotlib
 
     matplotlib.use("Agg")
+    # deferred: pyplot loads after that backend choice
     import matplotlib.pyplot as plt
 
     width_in = 13.0

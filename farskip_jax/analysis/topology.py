@@ -41,8 +41,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional, Sequence
+import dataclasses
 
 from farskip_jax.errors import ConfigError
+from farskip_jax.analysis.calibration_fit import load_fitted
+from farskip_jax.analysis.cost_model import size_efficiency
 
 GBIT = 1e9 / 8  # bytes/s of 1 Gb/s
 SUM_ALL_TO_ALL = "sum-all-to-all"  # an all-to-all + local sum standing for a reduce-scatter (collective_time_us)
@@ -84,8 +87,6 @@ class Links:
         return self.intra_allreduce_bw or self.intra_bw
 
     def g(self, payload: float) -> float:
-        from farskip_jax.analysis.cost_model import size_efficiency
-
         return size_efficiency(payload, self.size_half, self.size_q)
 
 
@@ -120,8 +121,6 @@ def links_from_fit(name: str, fitted: dict, which: Optional[dict] = None, **over
 
 
 def _links_table() -> dict:
-    from farskip_jax.analysis.calibration_fit import load_fitted
-
     fitted = load_fitted()
     return {name: links_from_fit(name, fitted) for name in _LINE}
 
@@ -133,8 +132,6 @@ def resized(links: Links, gpus_per_node: int, **overrides) -> Links:
     """`links` on nodes of `gpus_per_node` GPUs: a full mesh has gpus_per_node - 1 links per GPU, and
     each GPU keeps its NIC share (nics_per_node scales with the GPUs: one 400 Gb/s NIC per GPU stays
     one per GPU); `overrides` replace fields afterwards."""
-    import dataclasses
-
     nics = max(1, round(links.nics_per_node * gpus_per_node / links.gpus_per_node))
     full_mesh = {} if links.switch else {"intra_links": gpus_per_node - 1}
     return dataclasses.replace(links, gpus_per_node=gpus_per_node, nics_per_node=nics, **{**full_mesh, **overrides})

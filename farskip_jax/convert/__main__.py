@@ -29,7 +29,16 @@ import sys
 import time
 from typing import Optional
 
+from flax import nnx
+
 from farskip_jax.errors import CheckpointError, FarSkipError
+from farskip_jax.convert.export import export_hf, export_target
+from farskip_jax.convert.native import write_native_from_hf
+from farskip_jax.folders import check_output
+from farskip_jax.loading.import_folder import is_native
+from farskip_jax.loading.load import checkpoint_step, default_which, load_run, read_run_config
+from farskip_jax.loading.native import load_native, native_config
+from farskip_jax.loading.reader import read_json
 
 
 def _size(text: str) -> int:
@@ -44,10 +53,6 @@ def _size(text: str) -> int:
 def _load_ckpt(path: str, which: Optional[str], family: Optional[str]):
     """(cfg, model, source config.json or None, farskip_export.json source dict) of a folder to export;
     the export target (family) is checked against the folder's config before any weights are read."""
-    from farskip_jax.convert.export import export_target
-    from farskip_jax.convert.native import is_native, load_native, native_config
-    from farskip_jax.convert.reader import read_json
-
     path = os.path.abspath(path)
     if is_native(path):
         if which is not None:
@@ -55,9 +60,6 @@ def _load_ckpt(path: str, which: Optional[str], family: Optional[str]):
         export_target(native_config(path), read_json(os.path.join(path, "hf_config.json")), family)  # before the weights
         cfg, model, hf = load_native(path)
         return cfg, model, hf, {"import": path}
-    from flax import nnx
-
-    from farskip_jax.eval.loading import checkpoint_step, default_which, load_run, read_run_config
 
     which = which or default_which(path)
     sel = int(which) if which.isdigit() else which
@@ -101,8 +103,6 @@ def main(argv=None) -> int:
     t0 = time.time()
     try:
         if a.cmd == "import":
-            from farskip_jax.convert.native import write_native_from_hf
-
             def show(i, n, spec):
                 print(f"[{i + 1}/{n}] {'.'.join(map(str, spec.path))} <- {spec.hf[0]}{' ...' if len(spec.hf) > 1 else ''} "
                       f"{tuple(spec.shape)} ({time.time() - t0:.1f}s)", flush=True)
@@ -112,9 +112,6 @@ def main(argv=None) -> int:
             print(f"imported {a.hf_dir} -> {a.out_dir} (layers {cfg.model.num_layers}, experts {cfg.moe.num_experts}, "
                   f"farskip preset {cfg.farskip.preset}) in {time.time() - t0:.1f}s")
         else:
-            from farskip_jax.convert.export import export_hf
-            from farskip_jax.folders import check_output
-
             check_output(a.hf_dir, "export", overwrite=a.overwrite, what="the export folder")  # before any reading
             cfg, model, hf, source = _load_ckpt(a.ckpt_dir, a.which, a.family)
             what = (f"checkpoint {source['checkpoint']} (step {source['step']}) of the run" if "run" in source

@@ -41,14 +41,14 @@ import numpy as np
 from flax import nnx
 
 from farskip_jax.config import Config
-from farskip_jax.convert.families import family_by_name, family_for, farskip_native, text_part
-from farskip_jax.convert.families.common import rope_notes
-from farskip_jax.convert.reader import TOKENIZER_FILES, read_hf_config
-from farskip_jax.convert.safetensors_io import write_file
+from farskip_jax.loading.families import family_by_name, family_for, farskip_native, text_part
+from farskip_jax.loading.families.common import rope_notes
+from farskip_jax.loading.reader import TOKENIZER_FILES, read_hf_config
+from farskip_jax.loading.safetensors_io import write_file
 from farskip_jax.convert.fit import connectivity_notes, families_that_fit, family_problems, native_keys
 from farskip_jax.errors import CheckpointError, ConfigError
 from farskip_jax.folders import RUN_ENTRIES, check_output, write_marker
-from farskip_jax.convert.layer_keys import per_layer_values
+from farskip_jax.loading.layer_keys import per_layer_values
 from farskip_jax.model.stacking import plan_segments
 from farskip_jax.model.transformer import Transformer
 

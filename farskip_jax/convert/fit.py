@@ -24,8 +24,9 @@ from types import ModuleType, SimpleNamespace
 from typing import Optional
 
 from farskip_jax.config import Config, MoEConfig, ModelConfig, from_dict
-from farskip_jax.convert.families.common import hf_rope
+from farskip_jax.loading.families.common import hf_rope
 from farskip_jax.errors import CheckpointError, FarSkipError
+from farskip_jax.loading.families import SUPPORTED
 
 NATIVE_ARCHITECTURE = "InstellaMoEForCausalLM"
 
@@ -93,8 +94,6 @@ def family_problems(cfg: Config, fam: ModuleType, hf_cfg: dict) -> list[str]:
 
 def families_that_fit(cfg: Config, config_for) -> list[str]:
     """The model_types whose family holds cfg's model; config_for(model_type) -> (hf config, family)."""
-    from farskip_jax.convert.families import SUPPORTED
-
     fits = []
     for mt in SUPPORTED:
         try:

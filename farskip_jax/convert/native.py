@@ -9,10 +9,7 @@
 `write_native_from_hf` converts tensor by tensor straight from the HF memory map (no JAX arrays)
 into a temporary folder renamed into place at the end; an existing OUT_DIR is replaced (overwrite)
 only when it is an import folder farskip_jax wrote, never a run folder (folders.check_output);
-`load_native` streams it back onto devices/a mesh like import_hf does, its overrides applied with
-import_hf's connectivity rules (convert/connectivity.py: the folder's farskip section stands for an
-exported one). It is read by `python -m farskip_jax.convert export` and `eval.py --hf`; a run folder
-reader or init_from_hf given one names it (describe_import_folder) and what to do instead.
+loading/native.py reads it back (`load_native`).
 """
 
 from __future__ import annotations
@@ -23,25 +20,16 @@ import shutil
 import tempfile
 from typing import Callable, Optional
 
-import jax
 import numpy as np
 from flax import nnx
 
-from farskip_jax.config import Config, apply_overrides, dump_config, from_dict, kernels_env_overrides, load_yaml_tree
-from farskip_jax.convert.import_folder import PARAMS, is_native
-from farskip_jax.convert.connectivity import EXPORT_KEY, describe, import_connectivity
-from farskip_jax.convert.families import family_for
-from farskip_jax.convert.loader import (abstract_model, import_config, open_checkpoint, override_tree, target_shardings,
-                                        validate)
-from farskip_jax.convert.reader import read_json
-from farskip_jax.convert.safetensors_io import read_header, MappedTensor, write_file
-from farskip_jax.errors import CheckpointError
+from farskip_jax.config import Config, dump_config
 from farskip_jax.folders import check_output, write_marker
-from farskip_jax.model.transformer import Transformer
-
-
-def _key(path) -> str:
-    return ".".join(str(p) for p in path)
+from farskip_jax.loading.connectivity import describe
+from farskip_jax.loading.families import family_for
+from farskip_jax.loading.hf_folder import abstract_model, import_config, open_checkpoint, validate
+from farskip_jax.loading.import_folder import PARAMS, flat_key
+from farskip_jax.loading.safetensors_io import write_file
 
 
 def _commit(tmp: str, out_dir: str, overwrite: bool) -> None:
@@ -70,8 +58,8 @@ def write_native_from_hf(hf_dir: str, out_dir: str, overrides=None, *, dtype: Op
     params = dict(nnx.to_flat_state(nnx.state(abstract_model(cfg))))
     specs = fam.specs(cfg)
     validate(ckpt, specs, params, ckpt.config, cfg.model.tie_embeddings, getattr(fam, "ignored", None))
-    by_key = {_key(s.path): s for s in specs}
-    entries = [(_key(s.path), tuple(s.shape), np.dtype(params[s.path].get_value().dtype)) for s in specs]
+    by_key = {flat_key(s.path): s for s in specs}
+    entries = [(flat_key(s.path), tuple(s.shape), np.dtype(params[s.path].get_value().dtype)) for s in specs]
     dtypes = dict((k, d) for k, _, d in entries)
     count = {"i": 0}
 
@@ -96,38 +84,3 @@ def write_native_from_hf(hf_dir: str, out_dir: str, overrides=None, *, dtype: Op
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return cfg
-
-
-def native_config(path: str, overrides=None) -> Config:
-    """The Config of an import folder with `overrides` (["a.b=v"] or {"a.b": v}) applied as import_hf
-    applies them: a farskip.preset override drops the folder's attn_input / moe_input refinements."""
-    tree = apply_overrides(load_yaml_tree(os.path.join(path, "config.yaml")), kernels_env_overrides())
-    section, _ = import_connectivity({EXPORT_KEY: tree.get("farskip") or {}}, None, overrides)
-    tree["farskip"] = section
-    return from_dict(Config, override_tree(tree, overrides))
-
-
-def load_native(path: str, mesh=None, overrides=None, routed_compute=None) -> tuple[Config, Transformer, Optional[dict]]:
-    """(Config, Transformer, source HF config or None) of a folder written by write_native_from_hf."""
-    if not is_native(path):
-        raise CheckpointError(f"{path} is not a farskip_jax import folder (needs config.yaml and {PARAMS})")
-    cfg = native_config(path, overrides)
-    infos = read_header(os.path.join(path, PARAMS))
-    model = abstract_model(cfg, routed_compute)
-    graphdef, state = nnx.split(model)
-    params = dict(nnx.to_flat_state(state))
-    missing = [_key(p) for p in params if _key(p) not in infos]
-    if missing:
-        raise CheckpointError(f"{path}/{PARAMS} lacks parameters {missing[:5]}")
-    sharding_of = target_shardings(state, mesh)
-    for p, var in params.items():
-        info = infos[_key(p)]
-        want = tuple(var.get_value().shape)
-        if info.shape != want:
-            raise CheckpointError(f"shape mismatch for {_key(p)}: expected {want}, found {info.shape}")
-        t, d = MappedTensor(info), np.dtype(var.get_value().dtype)
-        var.set_value(jax.make_array_from_callback(want, sharding_of(p), lambda idx, t=t, d=d: t[idx].astype(d)))
-    hf = None
-    if os.path.isfile(os.path.join(path, "hf_config.json")):
-        hf = read_json(os.path.join(path, "hf_config.json"), "hf_config.json (the source's config.json)")
-    return cfg, nnx.merge(graphdef, state), hf

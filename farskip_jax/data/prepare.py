@@ -20,6 +20,8 @@ import sys
 import time
 from typing import Optional
 
+from array_record.python.array_record_module import ArrayRecordWriter
+
 from farskip_jax.config import DataConfig
 from farskip_jax.data.sources import build_source
 from farskip_jax.data.tokenizer import load_tokenizer
@@ -62,8 +64,6 @@ def _ours(out: str) -> bool:
 
 def prepare(cfg: DataConfig, out: str, *, stream=None) -> dict:
     """Write every document of `cfg` (train and val splits) to ArrayRecord `out`. Returns the meta dict."""
-    from array_record.python.array_record_module import ArrayRecordWriter
-
     if os.path.exists(out) and not _ours(out):
         raise DataError(f"--out {out} already exists and was not written by prepare (no {out}.meta.json naming a "
                         "tokenizer); choose a new --out, or move that file away yourself")

@@ -18,6 +18,7 @@ import os
 from typing import Callable, Sequence
 
 import numpy as np
+from array_record.python.array_record_module import ArrayRecordReader
 
 from farskip_jax.errors import DataError
 
@@ -95,8 +96,6 @@ def _meta_trusted(path: str, n: int, tokenizer) -> bool:
 def arrayrecord_bad(files: Sequence[str], vocab: int, tokenizer, *, skip: bool, model_vocab: bool = True,
                     chunk: int = 4096) -> list[tuple[int, str]]:
     """[(global record index, description)] of the bad records of `files` (module docstring)."""
-    from array_record.python.array_record_module import ArrayRecordReader
-
     whose = "the model's" if model_vocab else "the tokenizer's"
     out, base = [], 0
     for path in files:

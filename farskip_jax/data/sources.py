@@ -36,6 +36,7 @@ import sysconfig
 from typing import Optional, Sequence
 
 import numpy as np
+import grain
 
 from farskip_jax.config import DataConfig
 from farskip_jax.data.records import arrayrecord_bad, index_jsonl, skipped_line
@@ -224,8 +225,6 @@ class ArrayRecordSource:
     """Pre-tokenized documents (int32 little-endian bytes per record) selected by record index."""
 
     def __init__(self, files: Sequence[str], indices: Sequence[int]):
-        import grain
-
         self.files = list(files)
         self._src = grain.sources.ArrayRecordDataSource(self.files)
         self.indices = np.asarray(indices, np.int64)
@@ -289,8 +288,6 @@ def build_source(cfg: DataConfig, split: str, tokenizer, *, vocab_size: Optional
         files = expand_paths(cfg.paths, "arrayrecord")
         check_arrayrecord_meta(files, tokenizer)
         try:
-            import grain
-
             n = len(grain.sources.ArrayRecordDataSource(files))
         except Exception as e:
             raise DataError(f"cannot open ArrayRecord files {files}: {e}") from None

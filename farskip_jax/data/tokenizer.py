@@ -22,6 +22,7 @@ import os
 from typing import Optional
 
 import numpy as np
+from tokenizers import decoders, models, pre_tokenizers, Tokenizer, trainers
 
 from farskip_jax.errors import ConfigError, DataError
 
@@ -73,11 +74,6 @@ class HFTokenizer:
     """A `tokenizers.Tokenizer` loaded from a tokenizer.json file (special tokens not auto-added)."""
 
     def __init__(self, path: str):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError as e:  # pragma: no cover - tokenizers is a core dependency
-            raise DataError("data.tokenizer points to a tokenizer.json but the `tokenizers` package is missing; "
-                            "pip install tokenizers") from e
         try:
             self._tok = Tokenizer.from_file(path)
         except Exception as e:  # tokenizers raises a plain Exception on malformed files
@@ -143,8 +139,6 @@ def train_bpe(texts, vocab_size: int, out_path: str, *, min_frequency: int = 2) 
     `<|end_of_text|>` (EOS, id 1), found by HFTokenizer like any HF checkpoint's. Every byte is in the
     initial alphabet, so any text encodes (no unknown token). Give it TRAINING text only: a tokenizer
     fitted on validation documents leaks them. Returns the loaded HFTokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     specials = ["<|begin_of_text|>", "<|end_of_text|>"]
     if vocab_size < 256 + len(specials) + 1:
         raise ConfigError(f"BPE vocab_size={vocab_size} must exceed the 256 byte tokens plus "

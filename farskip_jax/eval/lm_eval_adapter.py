@@ -16,8 +16,8 @@ Tasks are lm-eval task names or paths of task YAML files. A local task needs no 
 `dataset_path: json` and `dataset_kwargs: {data_files: {test: /abs/path/records.jsonl}}` (docs/fcsd.md
 shows one); it loads with or without network. `run_lm_eval(..., offline=True)` sets HF_DATASETS_OFFLINE /
 HF_HUB_OFFLINE for the call (unless the user set them), so a hub task whose dataset is not cached fails
-at once instead of after ~20 s of retries; either way that failure is one DataError. When every task is a YAML file (or `include_path` holds them), lm-eval's ~15k
-built-in task configs are not indexed (about 20 s saved).
+at once instead of after retries; either way that failure is one DataError. When every task is a YAML
+file (or `include_path` holds them), lm-eval's built-in task configs are not indexed.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from farskip_jax.config import FarSkipConfig
 from farskip_jax.errors import ConfigError, DataError, FarSkipError
 from farskip_jax.serving.generate import generate, make_decode_fn
 from farskip_jax.eval.tasks import LoglikScorer
+from farskip_jax.data.tokenizer import load_tokenizer
+from farskip_jax.loading.load import load_hf, load_run
 
 MODEL_NAME = "farskip_jax"
 OFFLINE_VARS = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
@@ -85,7 +87,9 @@ class FarSkipLM:
 
 def _need_lm_eval():
     try:
+        # deferred: optional dependency (lm-eval: pip install .[lmeval])
         import lm_eval  # noqa: F401
+        # deferred: optional dependency (lm-eval: pip install .[lmeval])
         from lm_eval.api.model import LM
     except ImportError as e:
         raise FarSkipError('lm-eval-harness is not installed: pip install -e ".[lmeval]" (lm-eval==0.4.13), or score '
@@ -97,9 +101,6 @@ def load_core(run: Optional[str] = None, hf: Optional[str] = None, which: str = 
               tokenizer: Optional[str] = None, batch_size: int = 8, **overrides) -> FarSkipLM:
     """FarSkipLM of a run folder (`run`, checkpoint `which`) or an HF folder (`hf`, imported with its
     exported connectivity); dotted `overrides` ("farskip.preset": "farskip") change the config."""
-    from farskip_jax.data.tokenizer import load_tokenizer
-    from farskip_jax.eval.loading import load_hf, load_run
-
     if bool(run) == bool(hf):
         raise ConfigError(f"lm_eval model_args for {MODEL_NAME!r} need exactly one of run=RUN_DIR or hf=HF_FOLDER")
     if run:
@@ -116,6 +117,7 @@ def lm_eval_class():
     if _CLASS:
         return _CLASS[0]
     LM = _need_lm_eval()
+    # deferred: optional dependency (lm-eval: pip install .[lmeval])
     from lm_eval.api.registry import register_model
 
     @register_model(MODEL_NAME)
@@ -133,6 +135,7 @@ def lm_eval_class():
 
         @classmethod
         def create_from_arg_string(cls, arg_string: str, additional_config: Optional[dict] = None):
+            # deferred: optional dependency (lm-eval: pip install .[lmeval])
             from lm_eval.utils import simple_parse_args_string
 
             return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
@@ -171,6 +174,7 @@ def _is_yaml(spec) -> bool:
 def task_manager(tasks: Sequence[str], include_path: Union[None, str, Sequence[str]] = None):
     """lm_eval TaskManager for `tasks`: without lm-eval's built-in index when every task is a YAML
     path or a task of `include_path`; ConfigError naming a task that is neither."""
+    # deferred: optional dependency (lm-eval: pip install .[lmeval])
     from lm_eval.tasks import TaskManager
 
     for t in tasks:
@@ -204,6 +208,7 @@ def run_lm_eval(core: FarSkipLM, tasks: Sequence[str], *, num_fewshot: Optional[
             os.environ.setdefault(v, "1")
     try:
         lm = as_lm_eval_model(core)
+        # deferred: optional dependency (lm-eval: pip install .[lmeval])
         import lm_eval
 
         tm = task_manager(list(tasks), include_path)

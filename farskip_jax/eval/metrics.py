@@ -23,6 +23,8 @@ from flax import nnx
 from farskip_jax.config import Config, FarSkipConfig
 from farskip_jax.errors import ConfigError
 from farskip_jax.losses.divergence import forward_kl, top1_agreement
+from farskip_jax.data.pipeline import make_dataset
+from farskip_jax.parallel.sharding import shard_batch
 
 STANDARD = FarSkipConfig()
 
@@ -112,8 +114,6 @@ def evaluate_pair(fn: Callable, s_st: dict, t_st: dict, batches: list) -> PairRe
 def put_batch(batch: dict, mesh=None) -> dict:
     """numpy batch -> device arrays (batch dim sharded over the mesh when one is given)."""
     if mesh is not None:
-        from farskip_jax.parallel.sharding import shard_batch
-
         return shard_batch(batch, mesh)
     return {k: jnp.asarray(v) for k, v in batch.items()}
 
@@ -122,8 +122,6 @@ def val_batches(cfg: Config, n: int, *, mesh=None, tokenizer=None, batch_size: O
                 seq_len: Optional[int] = None) -> list:
     """The first `n` validation batches of cfg.data (fixed: file order), placed on the mesh; every id is
     checked against cfg.model.vocab_size (DataError naming the source)."""
-    from farskip_jax.data.pipeline import make_dataset
-
     if n < 1:
         raise ConfigError(f"{n} validation batches: evaluate at least one (--batches N / eval.batches >= 1)")
     t = cfg.train
@@ -132,11 +130,6 @@ def val_batches(cfg: Config, n: int, *, mesh=None, tokenizer=None, batch_size: O
                       tokenizer=tokenizer, vocab_size=cfg.model.vocab_size)
     it = iter(ds)
     return [put_batch({k: np.asarray(v) for k, v in next(it).items()}, mesh) for _ in range(n)]
-
-
-def model_state(st: dict) -> dict:
-    """{params, bias, rest} of a train state (drops optimizer state and counters)."""
-    return {k: st[k] for k in ("params", "bias", "rest")}
 
 
 def cast_state(st: dict, dtype) -> dict:

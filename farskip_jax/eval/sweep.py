@@ -86,9 +86,11 @@ def read_csv(path: str) -> list[dict]:
 
 def plot_sweep(rows: list[dict], path: str, title: str = "FarSkip conversion without training") -> str:
     """Two panels: validation loss and top-1 agreement vs number of converted layers (first-N, last-N)."""
+    # deferred: matplotlib's backend is chosen when a figure is drawn, not at import
     import matplotlib
 
     matplotlib.use("Agg")
+    # deferred: pyplot loads after that backend choice
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))

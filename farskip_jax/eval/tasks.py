@@ -23,6 +23,7 @@ import numpy as np
 from farskip_jax.config import FarSkipConfig
 from farskip_jax.errors import DataError
 from farskip_jax.eval.metrics import forward
+from farskip_jax.parallel.sharding import shard_batch
 
 BUCKET = 32  # padded lengths are multiples of this (few compilations)
 
@@ -119,8 +120,6 @@ class LoglikScorer:
             pos = np.broadcast_to(np.arange(n, dtype=np.int32), (b, n))
             batch = [tok, pos, seg, tgt]
             if self.mesh is not None:
-                from farskip_jax.parallel.sharding import shard_batch
-
                 batch = shard_batch(batch, self.mesh)
             lp, greedy = jax.device_get(self._fn(self.st, *batch))
             for r, i in enumerate(idx):

@@ -19,12 +19,20 @@ the runs could detect.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 import time
 from typing import Callable, Mapping, Optional, Sequence
 
-from farskip_jax.config import Config, replace
+import numpy as np
+from scipy import stats
+
+from farskip_jax.config import Config, replace, apply_overrides, from_dict, to_dict
+from farskip_jax.analysis.overlap import run_overlap
+from farskip_jax.errors import ConfigError
+from farskip_jax.train.logger import read_metrics
+from farskip_jax.train.trainer import train
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +63,6 @@ def variants_by_name(names: Sequence[str], pool: Sequence[Variant] = VARIANTS + 
     by = {v.name: v for v in pool}
     unknown = [n for n in names if n not in by]
     if unknown:
-        from farskip_jax.errors import ConfigError
-
         raise ConfigError(f"unknown ablation variant(s) {unknown}; choose from {sorted(by)}")
     return [by[n] for n in names]
 
@@ -77,8 +83,6 @@ class RunRecord:
 
 
 def _eval_curve(run_dir: str) -> tuple[list, list]:
-    from farskip_jax.train.logger import read_metrics
-
     by_step = {}
     for r in read_metrics(run_dir, "eval"):
         by_step[int(r["step"])] = float(r["val_loss"])  # a resumed run may log a step twice: keep the last
@@ -92,9 +96,6 @@ def run_ablation(base: Config, variants: Sequence[Variant], seeds: Sequence[int]
 
     A finished run folder is reused (the trainer resumes and returns at once), so rerunning a notebook
     only trains what is missing. `stream` receives the trainer's log lines (None: stdout)."""
-    from farskip_jax.errors import ConfigError
-    from farskip_jax.train.trainer import train
-
     names = [v.name for v in variants]
     for what, items in (("variant", names), ("seed", [int(s) for s in seeds])):
         twice = sorted({x for x in items if items.count(x) > 1})
@@ -126,8 +127,6 @@ def run_ablation(base: Config, variants: Sequence[Variant], seeds: Sequence[int]
 def summarize(records: Sequence[RunRecord], reference: str = "standard") -> list[dict]:
     """Per variant (first-seen order): final val loss mean, std (over seeds, ddof=0), min, max, the
     number of seeds and the relative difference of the mean to `reference`'s mean (when present)."""
-    import numpy as np
-
     order, by = [], {}
     for r in records:
         if r.variant not in by:
@@ -153,9 +152,6 @@ def overlap_by_variant(base: Config, variants: Sequence[Variant], *, overrides: 
     a realistic shape, `moe.dispatch=all_to_all mesh.expert=8`). Each entry: exposed_frac (exposed
     all-to-all time / all-to-all time), hidden_frac, bound_frac, step_time_us, count — from the two-stream
     cost model on `hardware` when given, else from XLA's own schedule."""
-    from farskip_jax.analysis.overlap import run_overlap
-    from farskip_jax.config import apply_overrides, from_dict, to_dict
-
     out = {}
     for v in variants:
         cfg = v.apply(base)
@@ -213,13 +209,6 @@ def paired_differences(records: Sequence[RunRecord], reference: str = "standard"
                        power: float = 0.8) -> list[PairedDifference]:
     """One PairedDifference per variant other than `reference` (first-seen order), over the seeds that
     both ran. ConfigError when no record is the reference or a variant shares no seed with it."""
-    import math
-
-    import numpy as np
-    from scipy import stats
-
-    from farskip_jax.errors import ConfigError
-
     if not 0 < level < 1 or not 0 < power < 1:
         raise ConfigError(f"level={level} and power={power} must be probabilities in (0, 1)")
     by: dict = {}

@@ -18,6 +18,7 @@ from typing import Callable, Optional, Sequence
 
 from farskip_jax.config import Config, replace
 from farskip_jax.experiments.ablation import Variant
+from farskip_jax.fcsd.distill import distill
 
 
 @dataclasses.dataclass
@@ -45,8 +46,6 @@ def run_fcsd(distill_cfg: Config, variants: Sequence[Variant], teacher_run: str,
     distill_cfg: a train.mode=distill config (e.g. configs/distill_tiny.yaml with the budget set);
     each variant's overrides (farskip.preset / attn_input / layers ...) are applied on top and the run
     goes to `<out_dir>/fcsd_<variant>` (overwritten: FCSD runs are short)."""
-    from farskip_jax.fcsd.distill import distill
-
     out_dir = os.path.abspath(out_dir)
     recs = []
     for k, v in enumerate(variants, 1):

@@ -11,14 +11,19 @@ or a markdown string so a notebook displays it and a script can save it).
 
 from __future__ import annotations
 
+import io
 from typing import Mapping, Optional, Sequence
+
+import numpy as np
 
 
 def _plt():
+    # deferred: matplotlib's backend is chosen when a figure is drawn, not at import
     import matplotlib
 
     if matplotlib.get_backend().lower() not in ("module://matplotlib_inline.backend_inline", "inline"):
         matplotlib.use("Agg")
+    # deferred: pyplot loads after that backend choice
     import matplotlib.pyplot as plt
 
     return plt
@@ -27,8 +32,6 @@ def _plt():
 def plot_val_curves(records: Sequence, labels: Optional[Mapping[str, str]] = None, ax=None,
                     title: str = "validation loss during pretraining"):
     """One line per variant: mean validation loss over seeds vs step, shaded between min and max."""
-    import numpy as np
-
     plt = _plt()
     fig = None
     if ax is None:
@@ -56,8 +59,6 @@ def plot_val_curves(records: Sequence, labels: Optional[Mapping[str, str]] = Non
 def zoom_last(ax, records: Sequence, frac: float = 0.5, pad: float = 0.05) -> None:
     """Show the last `frac` of training only: the x axis from that step on, the y axis to the range the
     curves take there (the tails differ by a few hundredths; the first steps would hide them)."""
-    import numpy as np
-
     tail, last = [], max((r.steps[-1] for r in records if r.steps), default=None)
     if last is None:
         return
@@ -118,8 +119,6 @@ def ablation_table(summary: Sequence[dict], overlap: Optional[Mapping[str, dict]
 def plot_paired_differences(paired: Sequence, labels: Optional[Mapping[str, str]] = None, ax=None):
     """One row per variant: its final-loss difference to the reference for every seed (dots), their
     mean with its interval (bar), and the band of differences the runs could not detect (shaded)."""
-    import numpy as np
-
     plt = _plt()
     fig = None
     if ax is None:
@@ -154,8 +153,6 @@ def plot_quality_vs_speed(paired: Sequence, overlap: Mapping[str, dict],
     """Scatter: exposed all-to-all fraction (x) vs the paired final-loss difference to the reference
     (y, mean with its interval; the reference at 0). One colour and marker per variant, named in the
     legend (no text on the points: close points would overlap)."""
-    import numpy as np
-
     plt = _plt()
     fig = None
     if ax is None:
@@ -215,8 +212,7 @@ def plot_recovery(records: Sequence, teacher_tokens: Optional[int] = None,
 def show(fig, dpi: int = 100) -> None:
     """Display `fig` as a PNG in a notebook and close it. Works whatever the matplotlib backend (some
     library plotters switch to Agg, after which the inline backend no longer renders figures)."""
-    import io
-
+    # deferred: optional dependency (IPython: notebooks)
     from IPython.display import Image, display
 
     plt = _plt()

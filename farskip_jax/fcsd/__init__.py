@@ -5,6 +5,7 @@
     distill.py         the loss, the jitted step and the loop (teacher frozen, student trained)
     early_stopping.py  the early-stopping rule on the validation metric
 
-It builds on model/, train/ (train state, optimizer, checkpoints, run folders) and eval/ (the
-teacher/student comparison it early-stops on); nothing outside this package imports train code from it.
+It builds on model/, loading/ (train state, optimizer, checkpoints), train/ (run folders, the loop),
+eval/ (the teacher/student comparison it early-stops on) and convert/ (the student's export); the
+planner's command line is analysis/conversion_plan.py.
 """

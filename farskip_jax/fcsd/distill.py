@@ -48,7 +48,7 @@ from flax import nnx
 from farskip_jax.config import Config
 from farskip_jax.data.pipeline import first_batches
 from farskip_jax.errors import ConfigError
-from farskip_jax.eval.loading import restore_train_state
+from farskip_jax.loading.load import restore_train_state
 from farskip_jax.eval.metrics import STANDARD, cast_state, evaluate_pair, make_compare_fn, val_batches
 from farskip_jax.eval.tasks import load_task, score_tasks
 from farskip_jax.losses.ce import token_ce
@@ -58,10 +58,11 @@ from farskip_jax.model.layers import dtype_of
 from farskip_jax.parallel.build import model_mesh
 from farskip_jax.parallel.distributed import maybe_initialize
 from farskip_jax.parallel.sharding import place_state
+from farskip_jax.convert.export import run_export_dir  # a relative export_hf is inside the run folder, never another's export
 from farskip_jax.fcsd.early_stopping import EarlyStopper
 from farskip_jax.fcsd.planner import Plan, apply_choice, plan_conversion, read_plan, request_of, write_plan
 from farskip_jax.fcsd.source import check_source, export_student, load_source, source_shape
-from farskip_jax.train.checkpoint import Checkpointer
+from farskip_jax.loading.checkpoint import Checkpointer
 from farskip_jax.train.host_memory_check import check_host_memory
 from farskip_jax.train.loop import Task, check_folder, open_session, train_data
 from farskip_jax.train.rundir import check_run_dir
@@ -217,7 +218,6 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     if d.export_hf and not cfg.init_from_hf and not d.export_family:
         raise ConfigError("distill.export_hf needs distill.export_family (an HF model_type such as qwen2_moe) when "
                           "the weights do not come from init_from_hf")
-    from farskip_jax.convert.export import run_export_dir  # relative: inside the run folder; never another's export
     export_dir = run_export_dir(d.export_hf, t.run_dir) if d.export_hf else None
     maybe_initialize(cfg.mesh)
     mesh = model_mesh(cfg)  # the FoE group x expert mesh when num_groups > 1 with EP

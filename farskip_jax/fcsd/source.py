@@ -17,7 +17,9 @@ from flax import nnx
 
 from farskip_jax.config import Config, merge_checkpoint_shape, runtime_overrides
 from farskip_jax.errors import ConfigError
-from farskip_jax.eval.loading import load_hf, load_run, read_run_config
+from farskip_jax.loading.load import load_hf, load_run, read_run_config
+from farskip_jax.convert.export import export_hf
+from farskip_jax.train.trainer import shape_from_hf
 
 
 def _tokenizer_id(spec: str) -> Optional[str]:
@@ -36,8 +38,6 @@ def _tokenizer_id(spec: str) -> Optional[str]:
 def source_shape(cfg: Config) -> Config:
     """cfg with the model shape of the distillation source, read from its config only (no weights)."""
     if cfg.init_from_hf and not cfg.distill.init_from_run:
-        from farskip_jax.train.trainer import shape_from_hf
-
         return shape_from_hf(cfg)
     if cfg.distill.init_from_run and not cfg.init_from_hf:
         return merge_checkpoint_shape(cfg, read_run_config(cfg.distill.init_from_run))
@@ -81,8 +81,6 @@ def export_student(cfg: Config, graphdef, st: dict, out_dir: str, step: Optional
     """Write the student as an HF folder with its FarSkip settings (convert/export.py `export_hf`).
 
     The HF family comes from the config.json of `init_from_hf`, else from `distill.export_family`."""
-    from farskip_jax.convert.export import export_hf
-
     model = nnx.merge(graphdef, st["params"], st["bias"], st["rest"])
     family = None if cfg.init_from_hf else cfg.distill.export_family
     if not cfg.init_from_hf and family is None:

@@ -21,10 +21,12 @@ _LIBRARY = ("KernelUnavailable", "available", "amx_available")
 
 def __getattr__(name: str):
     if name in _EXPORTS:
+        # deferred: kernels.host_memory runs before JAX starts; kernels/cpu/ imports jax
         from farskip_jax.kernels.cpu import dispatch
 
         return getattr(dispatch, name)
     if name in _LIBRARY:
+        # deferred: kernels.host_memory runs before JAX starts; kernels/cpu/ imports jax
         from farskip_jax.kernels.cpu import library
 
         return getattr(library, name)

@@ -4,8 +4,8 @@ Why: XLA:CPU allocates every buffer of a step (expert-weight gradients of hundre
 with malloc and frees it when the step is done. glibc serves blocks over 32 MiB with a fresh mmap
 and unmaps them on free; XLA's worker threads allocate from their own arenas, whose heaps (64 MiB at
 most) hand any bigger block to mmap as well. Each step then pays a page fault and the kernel's
-zeroing of every page it writes (`clear_page`): at DeepSeek-V2-Lite expert proportions
-(`benchmarks/moe_layer.py` shape b) that was 1.2 s of system CPU time per 2.1 s step on 2 cores.
+zeroing of every page it writes (`clear_page`); docs/cpu_speed.md "Resident host memory" has what
+that costs and what this saves.
 
 `keep_freed_memory()` sets, at run time through `mallopt`:
     M_ARENA_MAX = 1         threads share the main arena (no per-thread heaps that fall back to mmap)
@@ -13,13 +13,9 @@ zeroing of every page it writes (`clear_page`): at DeepSeek-V2-Lite expert propo
     M_TRIM_THRESHOLD = -1   (read by glibc as SIZE_MAX) freed memory is never given back to the OS
 so steady-state steps reuse already-mapped pages. The cost is memory: the process keeps its
 high-water mark plus some fragmentation (XLA frees and allocates a step's buffers in a slightly
-varying order), flat after a few steps. Measured on a 2-layer train step at DeepSeek-V2-Lite
-expert proportions (d 1024, 64 experts top-6, 8 x 256 tokens): 3.8-4.3 s per step at 12.8 GB
-resident, against 5.6-6.2 s at 11.3-11.5 GB with glibc's defaults (1.1M page faults per step).
-The largest threshold mallopt takes as a positive int, 2 GiB, is not enough: that step frees 4.3
-GB at the top of the heap, glibc gave it back and the next step faulted it in again (7-9 s per
-step, its peak 11.8 GB). benchmarks/moe_layer.py's shape b: 6.3 GB resident here against 4.6 GB
-with the 2 GiB trim.
+varying order), flat after a few steps. The trim threshold is unlimited because the largest one
+mallopt takes as a positive int, 2 GiB, is less than a step can free at the top of the heap, which
+glibc would give back for the next step to fault in again.
 
 Call it before JAX starts its CPU backend (the entry points do; threads created earlier keep their
 arenas). `kernels.host_malloc: default` (environment override FARSKIP_HOST_MALLOC=default) leaves
@@ -33,6 +29,9 @@ import ctypes.util
 import sys
 
 from typing import Optional
+
+from farskip_jax.config import kernels_from_env
+from farskip_jax.errors import ConfigError
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8  # glibc malloc.h
 _NEVER = -1  # M_TRIM_THRESHOLD: glibc converts it to SIZE_MAX
 
@@ -60,12 +59,8 @@ def keep_freed_memory(mode: Optional[str] = None) -> bool:
     if _applied is not None:
         return _applied
     if mode is None:
-        from farskip_jax.config import kernels_from_env
-
         mode = kernels_from_env().host_malloc
     if mode not in ("resident", "default"):
-        from farskip_jax.errors import ConfigError
-
         raise ConfigError(f"kernels.host_malloc={mode!r} is not a choice; expected 'resident' or 'default'")
     libc = _glibc() if mode == "resident" else None
     ok = libc is not None

@@ -14,7 +14,7 @@ repeating pattern is one stack of that period (Llama-4-Scout: 3 chunked rope lay
 layer, 12 times). A layer that repeats nothing is a stack of repeats 1 (it runs unrolled).
 
 The per-layer layout ("layers", i, ...) stays the exchange format: HF import/export name layers
-by index, and checkpoints of either layout convert through convert/layer_keys.py.
+by index, and checkpoints of either layout convert through loading/layer_keys.py.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ import os
 from typing import Optional
 
 import jax
+from jax._src import xla_bridge
 
 from farskip_jax.config import MeshConfig
 from farskip_jax.errors import BackendError, ConfigError
@@ -50,8 +51,6 @@ def wants_distributed(mcfg: MeshConfig) -> bool:
 
 
 def _backend_started() -> bool:
-    from jax._src import xla_bridge
-
     return xla_bridge.backends_are_initialized()
 
 

@@ -88,6 +88,7 @@ def merge_flags(existing: str, extra: list[str]) -> str:
 def _backend_started() -> bool:
     if "jax" not in sys.modules:
         return False
+    # deferred: flags are applied before JAX starts: jax is read only when already imported
     from jax._src import xla_bridge
 
     return xla_bridge.backends_are_initialized()

@@ -96,7 +96,7 @@ def _dp_ep_graph(cfg: Config, mesh: Mesh):
 
 def dp_ep_model(cfg: Config, mesh: Mesh, state):
     """A Transformer of cfg for the dp_ep layout on `mesh`. state: an nnx.State or the {params, bias,
-    rest} dict of eval/loading.py, from any layout or device, resharded onto this one."""
+    rest} dict of loading/load.py, from any layout or device, resharded onto this one."""
     graphdef, abstract = _dp_ep_graph(cfg, mesh)
     if isinstance(state, dict):
         state = nnx.merge_state(*(state[k] for k in ("params", "bias", "rest") if k in state))

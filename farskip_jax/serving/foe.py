@@ -135,7 +135,7 @@ def _foe_graph(cfg: Config, mesh: Mesh):
 
 def foe_inference_model(cfg: Config, mesh: Mesh, state):
     """A FoE Transformer of cfg placed for the foe layout on `mesh`. state: an nnx.State or the
-    {params, bias, rest} dict of eval/loading.py, from any layout or device."""
+    {params, bias, rest} dict of loading/load.py, from any layout or device."""
     graphdef, abstract = _foe_graph(cfg, mesh)
     if isinstance(state, dict):
         state = nnx.merge_state(*(state[k] for k in ("params", "bias", "rest") if k in state))

@@ -50,7 +50,7 @@ def serving_model(cfg: Config, graphdef, st: dict, mesh: Optional[Mesh] = None):
     and None; `tp_ep` -> inference_model on `mesh` (default make_mesh(cfg.mesh)) and its TpEpLayout;
     `dp_ep` -> dp_ep_model and its DpEpLayout; `foe` -> foe_inference_model on the FoE mesh of `mesh`
     and its FoELayout.
-    st: {params, bias, rest} (eval/loading.py)."""
+    st: {params, bias, rest} (loading/load.py)."""
     if cfg.inference.layout == "training":
         return nnx.merge(graphdef, st["params"], st["bias"], st["rest"]), None
     layout = serving_layout(cfg, mesh or make_mesh(cfg.mesh))

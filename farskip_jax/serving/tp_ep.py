@@ -173,7 +173,7 @@ def _tp_ep_graph(cfg: Config, mesh: Mesh):
 def inference_model(cfg: Config, mesh: Mesh, state):
     """A Transformer of cfg for the tp_ep layout on `mesh`: the ReplicatedEPCompute backend, the tp_ep
     layer and parameters placed by tp_ep_state_shardings. state: a model state from any layout or
-    device (an nnx.State, or the {params, bias, rest} dict of eval/loading.py), resharded onto this
+    device (an nnx.State, or the {params, bias, rest} dict of loading/load.py), resharded onto this
     one. Fresh parameters: `nnx.state(parallel.build.create_model(cfg))`."""
     graphdef, abstract, cfg = _tp_ep_graph(cfg, mesh)
     if isinstance(state, dict):

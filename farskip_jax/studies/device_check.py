@@ -134,8 +134,9 @@ def part_a(sh: dict, hw) -> dict:
     from farskip_jax.parallel.mesh import make_mesh
     from farskip_jax.parallel.sharding import place_state, shard_batch
     from farskip_jax.train.flops import train_flops_per_token
-    from farskip_jax.train.optimizer import make_optimizer
-    from farskip_jax.train.step import init_state, make_train_step
+    from farskip_jax.loading.optimizer import make_optimizer
+    from farskip_jax.loading.train_state import init_state
+    from farskip_jax.train.step import make_train_step
 
     rows = {}
     for name, ov in train_variants(sh).items():

@@ -22,7 +22,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 def load(run_dir: str):
     """(cfg, graphdef, state, connectivity, description) of a run folder."""
-    from farskip_jax.eval.loading import load_run
+    from farskip_jax.loading.load import load_run
     from farskip_jax.eval.metrics import STANDARD
 
     if os.path.isfile(os.path.join(run_dir, "early_stopping.json")):  # a distillation run

@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     from farskip_jax.studies.fcsd_methods import run_config
 
     from farskip_jax.fcsd.planner import read_plan
-    from farskip_jax.eval.loading import load_run
+    from farskip_jax.loading.load import load_run
     from farskip_jax.eval.metrics import evaluate_pair, make_compare_fn, val_batches
     from farskip_jax.fcsd.distill import distill
 

@@ -99,7 +99,7 @@ def fcsd_config(a, out: str, teacher_dir: str, steps: int, budget: int):
 
 def main(argv=None) -> int:
     a = parse(argv)
-    from farskip_jax.eval.loading import load_run
+    from farskip_jax.loading.load import load_run
     from farskip_jax.eval.metrics import STANDARD, evaluate_pair, make_compare_fn, val_batches
     from farskip_jax.eval.sweep import conversion_sweep, plot_sweep, read_csv, write_csv
     from farskip_jax.fcsd.distill import distill

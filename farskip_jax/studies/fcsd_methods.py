@@ -107,7 +107,7 @@ def run_config(a, tcfg, run_dir: str, budget: int, ovr: list):
 
 def main(argv=None) -> int:
     a = parse(argv)
-    from farskip_jax.eval.loading import load_run
+    from farskip_jax.loading.load import load_run
     from farskip_jax.eval.metrics import make_compare_fn, evaluate_pair, val_batches
     from farskip_jax.fcsd.distill import distill
     from farskip_jax.train.logger import read_metrics

@@ -43,9 +43,9 @@ def parse(argv):
 def main(argv=None) -> int:
     a = parse(argv)
     from farskip_jax.config import FarSkipConfig
-    from farskip_jax.eval.loading import load_run, read_run_config
+    from farskip_jax.loading.load import load_run, read_run_config
     from farskip_jax.eval.metrics import evaluate_pair, make_compare_fn, val_batches
-    from farskip_jax.train.checkpoint import Checkpointer
+    from farskip_jax.loading.checkpoint import Checkpointer
 
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "hardness.json")

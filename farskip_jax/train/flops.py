@@ -2,8 +2,8 @@
 
 On a CPU the peak MFU divides by is measured once per machine (cpu_matmul_peak: 2 s of matmuls, kept in
 <cache>/matmul_peak.json under the CPU model, its cores, the device count, dtype and jax version), so
-MFU compares across runs on one machine; a measurement at start-up of every run swung 3x with the
-load of a shared machine. train.peak_flops overrides it.
+MFU compares across runs on one machine (a peak measured at every start would follow the machine's
+load). train.peak_flops overrides it.
 
 MFU = achieved model FLOPs/s / (peak FLOPs/s per device x devices). Model FLOPs count only useful
 work: 6 x (active matmul parameters) per trained token (forward 2, backward 4) plus the attention

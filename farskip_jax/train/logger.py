@@ -13,6 +13,8 @@ import sys
 import time
 from typing import Optional
 
+from tensorboardX import SummaryWriter
+
 
 def format_eta(seconds: float) -> str:
     if not math.isfinite(seconds) or seconds < 0:
@@ -69,8 +71,6 @@ class RunLogger:
         os.makedirs(run_dir, exist_ok=True)
         self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
         if tensorboard:
-            from tensorboardX import SummaryWriter
-
             self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
 
     def print(self, msg: str) -> None:

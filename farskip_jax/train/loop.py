@@ -27,19 +27,21 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from farskip_jax.config import Config
 from farskip_jax.data.pipeline import close_iterator, make_dataset
 from farskip_jax.data.tokenizer import check_vocab, load_tokenizer
 from farskip_jax.errors import ConfigError
 from farskip_jax.parallel.sharding import place_state, shard_batch
-from farskip_jax.train.checkpoint import Checkpointer
+from farskip_jax.loading.checkpoint import Checkpointer
 from farskip_jax.train.flops import cpu_matmul_peak, total_params, train_flops_per_token
 from farskip_jax.train.logger import RunLogger, config_summary, drop_records_after
-from farskip_jax.train.optimizer import make_optimizer, schedule_change_warning
+from farskip_jax.loading.optimizer import make_optimizer, schedule_change_warning
 from farskip_jax.train.preemption import StopFlag
 from farskip_jax.train.rundir import RunFolder, check_run_dir, claim_run_dir, release_run_dir
-from farskip_jax.train.step import init_state, make_step
+from farskip_jax.loading.train_state import init_state
+from farskip_jax.train.step import make_step
 
 
 class Task:
@@ -122,7 +124,6 @@ def open_run(cfg: Config, folder: RunFolder, ckpt: Optional[Checkpointer], resto
     if primary:
         claim_run_dir(cfg, folder, write_config=not keep_config)
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices("farskip_jax run_dir ready")
     if primary and folder.resume:  # steps after the restored one are logged again

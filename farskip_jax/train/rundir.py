@@ -29,9 +29,10 @@ import shutil
 from typing import Optional
 
 import jax
+import yaml
 
 from farskip_jax.config import Config, KernelsConfig, config_from_dict, dump_config, to_dict
-from farskip_jax.convert.import_folder import describe_import_folder, is_native
+from farskip_jax.loading.import_folder import describe_import_folder, is_native
 from farskip_jax.errors import ConfigError, FarSkipError
 from farskip_jax.folders import folder_kind, write_marker
 
@@ -42,7 +43,7 @@ RESUMABLE_KEYS = {"train.steps", "train.time_limit_s", "train.log_every", "train
                   # with one may resume with another, e.g. a run from before model.attention_impl=auto
                   "model.attention_impl", "model.attention_block", "model.remat", "moe.gmm", "moe.gmm_tile",
                   "data.prefetch",
-                  # stacked vs per-layer parameters: train/checkpoint.py converts at restore
+                  # stacked vs per-layer parameters: loading/checkpoint.py converts at restore
                   "model.scan_layers"}
 
 # the CPU kernels (config.KernelsConfig) change how the same math is computed, never what
@@ -167,8 +168,6 @@ def check_run_dir(cfg: Config) -> RunFolder:
     - holds another run that never finished a step (no checkpoint, no logged train step: e.g. one
       that failed while compiling) in a marked folder whose config.yaml loads: reclaimed, with a note;
     - holds another run's results, or a config.yaml this version cannot read: ConfigError naming the fix."""
-    import yaml
-
     run_dir = os.path.abspath(cfg.train.run_dir)
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise ConfigError(f"train.run_dir={run_dir} is a file, not a folder; choose another train.run_dir")

@@ -1,18 +1,8 @@
 """The jitted train / eval steps on a functional train state.
 
-    state = init_state(model, tx, seed)        # dict pytree (see TrainStateDict below)
+    graphdef, state = init_state(model, tx, seed)   # loading/train_state.py: the train state dict
     step_fn = make_train_step(graphdef, cfg, tx, schedule)   # make_step with the pretraining loss
     state, metrics = step_fn(state, batch)     # batch: dict of [global_batch, seq] arrays
-
-Train state (a plain dict so checkpoints are a plain tree):
-    params            nnx.State of nnx.Param (fp32 master weights; matmuls run in model.compute_dtype)
-    bias              nnx.State of RouterBias (aux-loss-free selection bias; updated here, not by optax)
-    rest              nnx.State of any other variables (carried unchanged)
-    opt               optax state
-    step              int32 []   number of steps taken (skipped non-finite steps included)
-    rng               uint32 [2] PRNG key data (folded with the step for any stochastic op)
-    nonfinite_total   int32 []   steps whose loss or gradient was not finite (update skipped)
-    nonfinite_streak  int32 []   consecutive such steps up to now
 
 Loss = token-mean cross entropy over `loss_mask` + moe.aux_loss_weight * aux + moe.z_loss_weight * z
 (the cross entropy from full logits, or `train.loss_chunk` positions at a time: losses/chunked.py).
@@ -28,26 +18,16 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from farskip_jax.config import Config
 from farskip_jax.losses.chunked import chunked_ce
 from farskip_jax.model.layers import dtype_of
 from farskip_jax.losses.ce import token_ce
+from farskip_jax.loading.train_state import init_state
 from farskip_jax.model.router import RouterBias
-
-
-def split_model(model: nnx.Module):
-    """-> graphdef, params, bias, rest."""
-    return nnx.split(model, nnx.Param, RouterBias, ...)
-
-
-def init_state(model: nnx.Module, tx: optax.GradientTransformation, seed: int) -> tuple[Any, dict]:
-    """(graphdef, fresh train state) for `model`."""
-    graphdef, params, bias, rest = split_model(model)
-    state = dict(params=params, bias=bias, rest=rest, opt=tx.init(params), step=jnp.zeros((), jnp.int32),
-                 rng=jax.random.key_data(jax.random.key(seed)), nonfinite_total=jnp.zeros((), jnp.int32),
-                 nonfinite_streak=jnp.zeros((), jnp.int32))
-    return graphdef, state
+from farskip_jax.parallel.build import create_model
+from farskip_jax.parallel.sharding import state_shardings
 
 
 def load_stats(load: jax.Array | None) -> dict:
@@ -236,11 +216,6 @@ def abstract_train_state(cfg: Config, mesh, tx: optax.GradientTransformation, se
     For compile-only checks of real shapes: `jax.jit(step).lower(abstract_state, abstract_batch)`.
     Params/bias/rest take the shardings of parallel.sharding.state_shardings; optimizer moments take
     those of their parameter; counters and the RNG are replicated."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from farskip_jax.parallel.build import create_model
-    from farskip_jax.parallel.sharding import state_shardings
-
     box = {}
 
     def build():

@@ -19,9 +19,10 @@ from typing import Optional
 
 import jax
 
-from farskip_jax.config import Config, merge_checkpoint_shape, runtime_overrides
+from farskip_jax.config import Config, merge_checkpoint_shape, runtime_overrides, to_dict
 from farskip_jax.data.pipeline import first_batches, make_dataset
 from farskip_jax.errors import ConfigError
+from farskip_jax.loading.hf_folder import hf_to_config, import_hf, open_checkpoint
 from farskip_jax.parallel.build import create_model, model_mesh
 from farskip_jax.parallel.distributed import maybe_initialize
 from farskip_jax.parallel.sharding import shard_batch
@@ -49,7 +50,6 @@ def shape_from_hf(cfg: Config) -> Config:
     """cfg with the model/moe shape of the HF checkpoint `cfg.init_from_hf` (runtime keys such as
     compute_dtype, remat, dispatch, loss weights and the FoE group count moe.num_groups stay the
     user's: config.RUNTIME_MODEL_KEYS / RUNTIME_MOE_KEYS)."""
-    from farskip_jax.convert.loader import hf_to_config, open_checkpoint
 
     src = hf_to_config(open_checkpoint(cfg.init_from_hf).config, runtime_overrides(cfg), source=cfg.init_from_hf)
     return merge_checkpoint_shape(cfg, src)
@@ -62,8 +62,6 @@ def make_model_fn(cfg: Config, mesh):
         return lambda: create_model(cfg, mesh, seed=cfg.train.seed)
 
     def imported():
-        from farskip_jax.config import to_dict
-        from farskip_jax.convert.loader import import_hf
 
         # the run's connectivity, not the one an exported folder carries: the train step runs the model's
         _, model = import_hf(cfg.init_from_hf, mesh=mesh, overrides={

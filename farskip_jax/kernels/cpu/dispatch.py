@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from farskip_jax.config import KernelsConfig
-from farskip_jax.kernels.cpu import library
+from farskip_jax.kernels.cpu import library, attention, gmm
 from farskip_jax.kernels.cpu.library import available
 from farskip_jax.kernels import ops
 
@@ -56,8 +56,6 @@ def _one_device(devices: int) -> bool:
 def _dense_accepts(x2: jax.Array, w: jax.Array, transpose_w: bool) -> bool:
     """bf16 rows on AMX (not transposed; K, N multiples of 32), or float32 x and w unless
     kernels.dense_matmul: xla; in a one-device process only."""
-    from farskip_jax.kernels.cpu import gmm
-
     if process_devices() != 1 or not available():
         return False
     if x2.dtype == jnp.bfloat16:
@@ -69,7 +67,6 @@ def resolve(cfg: KernelsConfig) -> dict[str, ops.Backend]:
     """The backends `cfg` installs, by name (none when cfg.enabled is false)."""
     if not cfg.enabled:
         return {}
-    from farskip_jax.kernels.cpu import attention, gmm
 
     return {
         "blas": ops.Backend(gmm.gmm, platform="cpu", auto=_one_device, stored_weights=True),

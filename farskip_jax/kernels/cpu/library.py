@@ -1,8 +1,7 @@
 """The project's CPU kernel library (csrc/: grouped GEMM and attention as XLA FFI custom calls): build
 and load.
 
-On first use the library is compiled with the system C++ compiler ($CXX, else g++, c++ or clang++;
-about 4 s) against jaxlib's FFI headers into a cache folder (kernels.cache_dir, default
+On first use the library is compiled with the system C++ compiler ($CXX, else g++, c++ or clang++) against jaxlib's FFI headers into a cache folder (kernels.cache_dir, default
 ~/.cache/farskip_jax), keyed by the sources, the jaxlib version and the flags. It links no BLAS: at
 load time it is handed the address of cblas_sgemm from the first library that has one, in order:
 kernels.blas_lib, Intel MKL from the `mkl` wheel (the `mkl` extra; on Intel CPUs, or anywhere with
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import jaxlib
 
 from farskip_jax.config import KernelsConfig
 from farskip_jax.errors import ConfigError
@@ -101,8 +101,6 @@ def _publish(dst: Path, write) -> None:
 
 def build() -> Path:
     """Compile the library once per (sources, jaxlib, flags) and return the shared library's path."""
-    import jaxlib
-
     src = b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS))
     key = hashlib.sha256(src + jaxlib.__version__.encode() + " ".join(CXX_FLAGS).encode()).hexdigest()[:16]
     out = _cache_dir() / f"libfarskip_cpu_kernels_{key}.so"

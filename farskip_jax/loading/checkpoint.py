@@ -14,7 +14,7 @@ orbax's `commit_success.txt` (written last) and the data-state file of this proc
 the state save begins), so a half-copied or half-written step folder is never picked.
 
 Digests: once orbax has finalized a step's files and before it renames the step into place, process
-0 writes `data_state/<step>/digest.json` (train/digest.py: SHA-256 of every file of the step's state
+0 writes `data_state/<step>/digest.json` (loading/digest.py: SHA-256 of every file of the step's state
 and of its data states). A folder whose steps all have digests is sealed (`data_state/digests`) and
 then only steps with a digest count as complete. Every restore checks the step against its digest
 first (on every process: each reads the files it restores); a step that differs is never read: one
@@ -30,7 +30,7 @@ already saved or in flight is a no-op.
 Layer layout: a checkpoint written with `model.scan_layers` stores stacked parameters
 ("params.stacks.<s>.blocks.<q>....", leading layer axis) where one without stores
 "params.layers.<i>....". `restore` converts either into the other when the template has the other
-layout (optimizer moments included; convert/layer_keys.py maps the keys): a run resumes across a change
+layout (optimizer moments included; loading/layer_keys.py maps the keys): a run resumes across a change
 of model.scan_layers. The stacks of a stacked checkpoint are read back from its own key names and shapes.
 """
 
@@ -47,8 +47,8 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from farskip_jax.errors import CheckpointError, ConfigError
-from farskip_jax.convert import layer_keys as stacking
-from farskip_jax.train.digest import digest_files, first_mismatch, read_digest, write_digest
+from farskip_jax.loading import layer_keys as stacking
+from farskip_jax.loading.digest import digest_files, first_mismatch, read_digest, write_digest
 
 SEALED = "digests"  # in data_state/: every committed step of this folder has a digest
 DIGEST = "digest.json"  # in data_state/<step>/

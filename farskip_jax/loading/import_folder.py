@@ -1,7 +1,7 @@
 """Is a folder one of our import folders (config.yaml + params.safetensors), and what is it.
 
-`convert/native.py` writes and reads such folders; readers of HF folders and run folders use these
-two functions to name one when it is passed to them by mistake.
+convert/native.py writes such folders and loading/native.py reads them; readers of HF folders and run
+folders use `is_native` and `describe_import_folder` to name one when it is passed to them by mistake.
 """
 
 from __future__ import annotations
@@ -26,3 +26,8 @@ def describe_import_folder(path: str) -> str:
         pass
     return (f"{path} is an import folder written by `python -m farskip_jax.convert import` (config.yaml + {PARAMS}"
             + (f", imported from {src}" if src else "") + ")")
+
+
+def flat_key(path) -> str:
+    """The tensor name of an NNX state path in params.safetensors ("layers.0.attn.q_proj.w")."""
+    return ".".join(str(p) for p in path)

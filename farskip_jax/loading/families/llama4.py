@@ -5,7 +5,7 @@ chunked local attention on rope layers, weightless q/k L2 norm after rope (rope 
 from __future__ import annotations
 
 from farskip_jax.config import Config
-from farskip_jax.convert.families.common import Names, base_model_tree, common_hf, layer_specs
+from farskip_jax.loading.families.common import Names, base_model_tree, common_hf, layer_specs
 
 MODEL_TYPES = ("llama4_text", "llama4")
 ARCHITECTURE = "Llama4ForCausalLM"

@@ -20,7 +20,7 @@ import os
 
 import numpy as np
 
-from farskip_jax.convert.safetensors_io import MappedTensor, TensorInfo, read_header
+from farskip_jax.loading.safetensors_io import MappedTensor, TensorInfo, read_header
 from farskip_jax.errors import CheckpointError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")

@@ -4,9 +4,9 @@ A stacked model keeps layer i = start + r * period + q of stack s as row r of bl
 the per-layer layout names it by index. Any key of the form `<prefix>.layers.<i>.<rest>` maps to
 `<prefix>.stacks.<s>.blocks.<q>.<rest>` and row r, optimizer moments included:
 
-    stack_flat / unstack_flat        {key: array} of one layout -> the other (train/checkpoint.py)
+    stack_flat / unstack_flat        {key: array} of one layout -> the other (loading/checkpoint.py)
     per_layer_values                 a model state of either layout, per layer (convert/export.py)
-    stacked_specs                    HF tensor specs of per-layer paths grouped per stacked path (convert/loader.py)
+    stacked_specs                    HF tensor specs of per-layer paths grouped per stacked path (loading/hf_folder.py)
 """
 
 from __future__ import annotations

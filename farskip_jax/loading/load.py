@@ -28,12 +28,16 @@ import yaml
 
 from farskip_jax.config import Config, config_from_dict, replace
 from farskip_jax.errors import CheckpointError, ConfigError
-from farskip_jax.eval.metrics import model_state
+from farskip_jax.loading.train_state import model_state, init_state, split_model
+from farskip_jax.loading.checkpoint import Checkpointer
+from farskip_jax.loading.hf_folder import import_hf
+from farskip_jax.loading.import_folder import describe_import_folder, is_native
+from farskip_jax.loading.native import load_native
+from farskip_jax.loading.optimizer import make_optimizer
+from farskip_jax.parallel.build import create_model
 
 
 def read_run_config(run_dir: str) -> Config:
-    from farskip_jax.convert.import_folder import describe_import_folder, is_native
-
     if is_native(run_dir):
         raise ConfigError(f"{describe_import_folder(run_dir)}, not a run folder (it has no checkpoints/): evaluate it "
                           f"with `eval.py --hf {run_dir}`, export it with `python -m farskip_jax.convert export "
@@ -48,8 +52,6 @@ def read_run_config(run_dir: str) -> Config:
 
 def build_model(cfg: Config, mesh=None, seed: int = 0):
     """Transformer of cfg with params on `mesh` (parallel.build.create_model)."""
-    from farskip_jax.parallel.build import create_model
-
     return create_model(cfg, mesh, seed=seed)
 
 
@@ -83,10 +85,6 @@ def restore_train_state(cfg: Config, ckpt_root: str, which: Union[str, int] = "l
                         hint: Callable[[int], str] = read_hint):
     """(graphdef, full train state) restored from `<ckpt_root>/checkpoints` (a run folder or its best/),
     verified against its digest (Checkpointer.restore; `hint` says how to use an earlier good step)."""
-    from farskip_jax.train.checkpoint import Checkpointer
-    from farskip_jax.train.optimizer import make_optimizer
-    from farskip_jax.train.step import init_state
-
     if not os.path.isdir(os.path.join(ckpt_root, "checkpoints")):
         raise CheckpointError(f"no checkpoints under {ckpt_root!r}")
     model = build_model(cfg, mesh, seed=cfg.train.seed)
@@ -131,11 +129,8 @@ def load_run(run_dir: str, which: Union[str, int] = "latest", mesh=None,
 
 
 def load_import(path: str, mesh=None, overrides=None) -> tuple[Config, object, dict]:
-    """(cfg, graphdef, {params, bias, rest}) of an import folder (convert.native.load_native; overrides
+    """(cfg, graphdef, {params, bias, rest}) of an import folder (loading.native.load_native; overrides
     as import_hf applies them)."""
-    from farskip_jax.convert.native import load_native
-    from farskip_jax.train.step import split_model
-
     cfg, model, _ = load_native(path, mesh=mesh, overrides=overrides)
     graphdef, params, bias, rest = split_model(model)
     return cfg, graphdef, dict(params=params, bias=bias, rest=rest)
@@ -147,9 +142,6 @@ def load_hf(hf_dir: str, mesh=None, overrides=None) -> tuple[Config, object, dic
     With a mesh the model is placed as the trainer places it (parallel.build: routed_compute_on, and
     the FoE group x expert mesh over the same devices when moe.num_groups > 1 with expert
     parallelism); without one, on the first device."""
-    from farskip_jax.convert.loader import import_hf
-    from farskip_jax.train.step import split_model
-
     cfg, model = import_hf(hf_dir, mesh=mesh, overrides=overrides)
     graphdef, params, bias, rest = split_model(model)
     return cfg, graphdef, dict(params=params, bias=bias, rest=rest)

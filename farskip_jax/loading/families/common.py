@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from farskip_jax.config import Config
-from farskip_jax.convert.spec import TensorSpec, experts_t, part, same, t
+from farskip_jax.loading.spec import TensorSpec, experts_t, part, same, t
 from farskip_jax.errors import CheckpointError
 
 ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}

@@ -8,8 +8,8 @@ architectures [InstellaMoEForCausalLM]."""
 from __future__ import annotations
 
 from farskip_jax.config import Config
-from farskip_jax.convert.families import deepseek
-from farskip_jax.convert.families.common import layer_specs
+from farskip_jax.loading.families import deepseek
+from farskip_jax.loading.families.common import layer_specs
 
 MODEL_TYPES = ("instella_moe",)
 ARCHITECTURE = "InstellaMoEForCausalLM"

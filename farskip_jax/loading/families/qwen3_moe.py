@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from farskip_jax.config import Config
-from farskip_jax.convert.families.common import Names, base_model_tree, common_hf, layer_specs, moe_layers_from_step
+from farskip_jax.loading.families.common import Names, base_model_tree, common_hf, layer_specs, moe_layers_from_step
 from farskip_jax.errors import CheckpointError
 
 MODEL_TYPES = ("qwen3_moe",)

@@ -3,7 +3,7 @@
     cfg, model = import_hf("path/to/hf", mesh=None, overrides=["farskip.preset=farskip"])
 
 1. config.json -> our Config through the family module (overrides applied on top, then validated);
-   the connectivity defaults to the "farskip_jax" section an export wrote (convert/connectivity.py),
+   the connectivity defaults to the "farskip_jax" section an export wrote (loading/connectivity.py),
    so an exported FCSD student re-imports as the FarSkip model it was trained as;
 2. an abstract model (`nnx.eval_shape`, no memory) gives every parameter's shape and dtype;
 3. every parameter is checked against the family's tensor specs (missing / unexpected HF tensors and
@@ -12,7 +12,7 @@
    slice from the memory-mapped safetensors and casts it to the parameter dtype (bf16/fp32). No host
    ever holds the whole model, only the slices of one tensor that its devices own. Under
    `model.scan_layers` a stacked parameter [repeats, ...] reads each of its layers' tensors
-   (the HF names stay per layer; convert/layer_keys.py maps them).
+   (the HF names stay per layer; loading/layer_keys.py maps them).
 
 With a mesh the model is placed as `parallel.build.create_model` places it: target shardings follow
 the logical-axis rules (`parallel.sharding.state_shardings`), and the routed-expert exchange is
@@ -37,14 +37,14 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from farskip_jax.config import Config, apply_overrides, from_dict
-from farskip_jax.convert.connectivity import describe, import_connectivity
-from farskip_jax.convert.families import family_for, text_part
-from farskip_jax.convert.hf_fields import read_family_config
-from farskip_jax.convert.import_folder import describe_import_folder, is_native
-from farskip_jax.convert.reader import HFCheckpoint
-from farskip_jax.convert.spec import TensorSpec
+from farskip_jax.loading.connectivity import describe, import_connectivity
+from farskip_jax.loading.families import family_for, text_part
+from farskip_jax.loading.hf_fields import read_family_config
+from farskip_jax.loading.import_folder import describe_import_folder, is_native
+from farskip_jax.loading.reader import HFCheckpoint
+from farskip_jax.loading.spec import TensorSpec
 from farskip_jax.errors import CheckpointError
-from farskip_jax.convert.layer_keys import stacked_specs
+from farskip_jax.loading.layer_keys import stacked_specs
 from farskip_jax.model.stacking import plan_segments
 from farskip_jax.model.transformer import Transformer
 from farskip_jax.parallel.build import placement_mesh, routed_compute_on, state_shardings_on
@@ -69,7 +69,7 @@ def import_config(hf: dict, overrides: Overrides = None, *, source: Optional[str
     """(our Config, origin of its connectivity) for an HF config.json dict; `overrides`: ["a.b=v", ...]
     or {"a.b": v}. The farskip section defaults to the one export_hf saved under "farskip_jax", else
     the family's (standard, or the Instella keys of a FarSkip-native layout); overrides win
-    (convert/connectivity.py). origin: "family default" | "exported config.json ..." | "override ..."."""
+    (loading/connectivity.py). origin: "family default" | "exported config.json ..." | "override ..."."""
     if hf.get("quantization_config"):
         q = hf["quantization_config"].get("quant_method", "?")
         raise CheckpointError(f"quantized checkpoints ({q}) are not supported; dequantize to bf16/fp32 safetensors first")
@@ -170,7 +170,7 @@ def load_params(ckpt: HFCheckpoint, cfg: Config, *, mesh=None, routed_compute=No
                 progress: Optional[Callable] = None) -> Transformer:
     """Build the Transformer of `cfg` with its parameters streamed from `ckpt`. Under
     model.scan_layers each stacked parameter [repeats, ...] is one array whose shard callback reads
-    and stacks its rows' slices (convert/layer_keys.py), so the stacked layout streams like the per-layer one."""
+    and stacks its rows' slices (loading/layer_keys.py), so the stacked layout streams like the per-layer one."""
     fam = family_for(ckpt.config)
     mesh, routed_compute = model_placement(cfg, mesh, routed_compute)
     model = abstract_model(cfg, routed_compute)

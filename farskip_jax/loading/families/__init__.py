@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from farskip_jax.convert.families import deepseek, farskip_native, llama4, mixtral, olmoe, qwen2_moe, qwen3_moe
+from farskip_jax.loading.families import deepseek, farskip_native, llama4, mixtral, olmoe, qwen2_moe, qwen3_moe
 from farskip_jax.errors import CheckpointError
 
 FAMILIES: tuple[ModuleType, ...] = (deepseek, llama4, mixtral, olmoe, qwen2_moe, qwen3_moe, farskip_native)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from farskip_jax.config import Config
-from farskip_jax.convert.families.common import Names, base_model_tree, common_hf, layer_specs
+from farskip_jax.loading.families.common import Names, base_model_tree, common_hf, layer_specs
 from farskip_jax.errors import CheckpointError
 
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
