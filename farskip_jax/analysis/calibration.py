@@ -39,6 +39,7 @@ from farskip_jax.analysis.report import ALL_TO_ALLS, analyze
 from farskip_jax.analysis.schedule_store import load_schedule_file
 from farskip_jax.analysis.topology import links_from_fit, resized, Topology
 from farskip_jax.config import load_config
+from farskip_jax.analysis.dp_ep_report import point_rows
 
 OUT = os.path.join(ROOT, "benchmarks", "results", "calibration")
 # the SGLang TBO rows: the dp_ep serving study's committed results (farskip_jax/studies/compare_dp_ep.py)
@@ -172,7 +173,6 @@ def dp_ep_entry(e: dict, row: dict, study: dict) -> dict:
     """A hold-out row modelled by the dp_ep serving study (row["dp_ep"]: its point and variant in
     benchmarks/results/compare_dp_ep/results.json): the variant's throughput over standard without
     overlap, central and over the constants' spread, with FarSkip and FarSkip + TBO beside it."""
-    from farskip_jax.analysis.dp_ep_report import point_rows
 
     pt = study["points"][row["dp_ep"]["point"]]
     rows = point_rows(pt, study["depths"], study["layers"])

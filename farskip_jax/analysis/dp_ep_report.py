@@ -32,6 +32,15 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Optional
+from farskip_jax.config import replace
+import time
+from farskip_jax.analysis import inference_report as ir
+from farskip_jax.analysis.deviceless import gpu_devices
+from farskip_jax.analysis.calibration_fit import load_fitted
+from farskip_jax.analysis.cost_model import OptimizerStep, hardware_from_fit, simulate, with_contention
+from farskip_jax.analysis.inference_report import USED_EXPERTS, flash_scores
+from farskip_jax.analysis.report import ALL_TO_ALLS, analyze
+from farskip_jax.analysis.topology import Topology, links_from_fit, resized
 
 GPUS_PER_NODE = 8
 
@@ -41,7 +50,6 @@ def dp_ep_config(base, preset: str, ep: int, layers: Optional[int] = None, micro
     """`base` on the dp_ep layout of `ep` GPUs: connectivity `preset`, micro_batches 2 = TBO, bf16, no
     remat, unrolled layers, a server's kernels (moe.gmm / attention auto), capacity factor 1.0 (module
     doc); `layers` cuts the depth; num_experts: e.g. 288 = 256 + 32 redundant (EPLB's EP 72 pool)."""
-    from farskip_jax.config import replace
 
     over = {"inference.layout": "dp_ep", "mesh.data": 1, "mesh.fsdp": 1, "mesh.expert": ep, "mesh.tensor": 1,
             "moe.dispatch": dispatch if ep > GPUS_PER_NODE or dispatch != "hierarchical" else "all_to_all",
@@ -69,10 +77,7 @@ def compile_dp_ep(cfg, program: str, rows_per_gpu: int, tokens: int, context: in
                   target: str = "h100_sxm") -> CompiledPoint:
     """The prefill (tokens = the prompt) or decode (tokens = 1, a `context`-slot cache) program of cfg
     on cfg.mesh.expert compile-only `target` GPUs, every GPU `rows_per_gpu` requests."""
-    import time
 
-    from farskip_jax.analysis import inference_report as ir
-    from farskip_jax.analysis.deviceless import gpu_devices
 
     ep = cfg.mesh.expert
     mesh = ir.serving_mesh(cfg, gpu_devices(target, ep, gpus_per_node=min(GPUS_PER_NODE, ep), memory_gb=1e4))
@@ -106,11 +111,6 @@ def time_dp_ep(c: CompiledPoint, hardware: str = "h100_sxm", which: Optional[tup
     fields) {name: "low" | "high"}, calibration.SPREAD; None: central); imbalance: the busiest
     device's expert load / the mean (cost_model.simulate); contention: replaces the fitted one of
     compute and communication (1.0: none; a diagnostic, never a fit)."""
-    from farskip_jax.analysis.calibration_fit import load_fitted
-    from farskip_jax.analysis.cost_model import OptimizerStep, hardware_from_fit, simulate, with_contention
-    from farskip_jax.analysis.inference_report import USED_EXPERTS, flash_scores
-    from farskip_jax.analysis.report import ALL_TO_ALLS, analyze
-    from farskip_jax.analysis.topology import Topology, links_from_fit, resized
 
     which = which or ({}, {})
     fitted = load_fitted()

@@ -38,6 +38,12 @@ from farskip_jax.studies import harness
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+from farskip_jax.analysis.dp_ep_report import compile_dp_ep, dp_ep_config
+import dataclasses
+from farskip_jax.analysis.calibration import variants_of_constants
+from farskip_jax.analysis.dp_ep_report import time_dp_ep
+from farskip_jax.config import load_config
+from farskip_jax.analysis.dp_ep_report import point_rows
 
 ROOT = harness.REPO
 OUT = harness.results_dir("compare_dp_ep")
@@ -52,7 +58,6 @@ def point_key(program: str, ep: int, rows: int, tokens: int, variant: str, layer
 
 
 def compile_point(base, program, ep, rows, tokens, context, variant, layers, cache_dir, log):
-    from farskip_jax.analysis.dp_ep_report import compile_dp_ep, dp_ep_config
 
     path = os.path.join(cache_dir, point_key(program, ep, rows, tokens, variant, layers) + ".pkl.gz")
     if os.path.exists(path):
@@ -71,10 +76,7 @@ def compile_point(base, program, ep, rows, tokens, context, variant, layers, cac
 def timings(c) -> dict:
     """{constant set: DpEpTiming fields} of a compiled point: central, each SPREAD constant low / high,
     and the diagnostic without contention."""
-    import dataclasses
 
-    from farskip_jax.analysis.calibration import variants_of_constants
-    from farskip_jax.analysis.dp_ep_report import time_dp_ep
 
     out = {}
     for lab, end, hw_w, lk_w in variants_of_constants():
@@ -95,7 +97,6 @@ def points(a) -> list[tuple]:
 
 def run(a, path: str, log) -> dict:
     """Compile what is missing, time every point; results.json is rewritten after each point."""
-    from farskip_jax.config import load_config
 
     base = load_config(os.path.join(ROOT, "configs", "deepseek_v3_6l.yaml"))
     res = {"date": time.strftime("%Y-%m-%d"), "depths": a.depths, "layers": a.layers, "context": a.context,
@@ -114,7 +115,6 @@ def run(a, path: str, log) -> dict:
 
 
 def table_md(res: dict) -> str:
-    from farskip_jax.analysis.dp_ep_report import point_rows
 
     d, n = res["depths"], res["layers"]
     lines = [f"Modelled {res['date']} (`JAX_PLATFORMS=cpu python -m farskip_jax.studies.compare_dp_ep`): DeepSeek-V3 "

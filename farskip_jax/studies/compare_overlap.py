@@ -48,6 +48,22 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 from farskip_jax.studies.harness import (MODEL_OVERRIDES, MODELS, ResultStore, fail, figure, log, md_header,
                                           md_row, model_config_path, results_dir, spread_range, tbo_verdicts,
                                           write_json, write_text)
+from farskip_jax.errors import ConfigError
+from farskip_jax.config import replace
+from farskip_jax.analysis.cost_model import HARDWARE, optimizer_step, simulate, with_contention
+from farskip_jax.analysis.deviceless import LHS_FLAGS, preset_options
+from farskip_jax.analysis.overlap import run_overlap
+from farskip_jax.analysis.report import ALL_TO_ALLS, analyze
+import dataclasses
+from farskip_jax.analysis.calibration import variants_of_constants
+from farskip_jax.analysis.calibration_fit import load_fitted
+from farskip_jax.analysis.cost_model import hardware_from_fit, optimizer_step, simulate
+from farskip_jax.analysis.report import ALL_TO_ALLS
+from farskip_jax.analysis.topology import Topology, links_from_fit
+from farskip_jax.analysis.speedup import split_speedup
+from farskip_jax.analysis.cost_model import HARDWARE, with_contention
+from farskip_jax.config import load_config, replace
+from farskip_jax.errors import ConfigError, FarSkipError
 
 # the depth the existing tools extrapolate from (overlap_levers / multinode_scaling --layers 4 for
 # DeepSeek-V2-Lite: layer 0 dense + 3 MoE); DeepSeek-V3-6L is compiled at its 6 layers
@@ -70,7 +86,6 @@ MICRO_BATCHES = {"standard": 1, "standard_tbo": 2, "farskip": 1, "farskip_tbo": 
 def parse_tokens(text: str) -> list[tuple[int, int]]:
     """'1x1024,8x4096' -> [(1, 1024), (8, 4096)]: sequences per GPU x sequence length; ConfigError
     naming a bad item."""
-    from farskip_jax.errors import ConfigError
 
     out = []
     for item in text.split(","):
@@ -89,7 +104,6 @@ def parse_tokens(text: str) -> list[tuple[int, int]]:
 def variant_config(variant: str, cfg, groups: int):
     """The config `variant` compiles: farskip.preset, model.micro_batches (TBO) and, for FoE,
     moe.num_groups = `groups`."""
-    from farskip_jax.config import replace
 
     over = {"farskip.preset": "farskip" if "farskip" in variant else "standard",
             "model.micro_batches": MICRO_BATCHES[variant]}
@@ -131,10 +145,6 @@ def compile_variant(cfg, variant: str, program: str, batch: int, seq: int, ep: i
                     contention: Optional[float], gpus_per_node: int = 8, target: str = "h200", log=None) -> dict:
     """Compile one variant deviceless for `ep` GPUs and time it with the two-stream model (run_overlap);
     returns its figures: the modelled report, the no-overlap re-timing, and what it was compiled as."""
-    from farskip_jax.analysis.cost_model import HARDWARE, optimizer_step, simulate, with_contention
-    from farskip_jax.analysis.deviceless import LHS_FLAGS, preset_options
-    from farskip_jax.analysis.overlap import run_overlap
-    from farskip_jax.analysis.report import ALL_TO_ALLS, analyze
 
     nodes = max(1, ep // gpus_per_node)
     flags = dict(preset_options("cuda_hopper"), **LHS_FLAGS)
@@ -162,13 +172,7 @@ def compile_variant(cfg, variant: str, program: str, batch: int, seq: int, ep: i
 def spread_steps(r, hardware: str, ep: int, program: str) -> dict:
     """{constant-set: {modelled, no_overlap, steady, steady_no_overlap: step us}}: the compiled schedule
     re-timed with each fitted constant at the low and the high end of its spread (docs/calibration.md)."""
-    import dataclasses
 
-    from farskip_jax.analysis.calibration import variants_of_constants
-    from farskip_jax.analysis.calibration_fit import load_fitted
-    from farskip_jax.analysis.cost_model import hardware_from_fit, optimizer_step, simulate
-    from farskip_jax.analysis.report import ALL_TO_ALLS
-    from farskip_jax.analysis.topology import Topology, links_from_fit
 
     fitted = load_fitted()
     out = {}
@@ -225,7 +229,6 @@ def rows_of(entries: dict, reasons: dict, steady: bool = False) -> list[dict]:
     """Table rows of one token shape: `entries` {variant: compile_variant(...)}, `reasons` {variant:
     'n/a: ...'}. Every speedup is over the standard entry's modelled step, split into hiding x compute.
     steady: the re-timing with gradient reductions and the update priced at zero (gradient accumulation)."""
-    from farskip_jax.analysis.speedup import split_speedup
 
     part, serial = ("steady", "steady_no_overlap") if steady else ("modelled", "no_overlap")
     std = entries["standard"]
@@ -402,9 +405,6 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", help="config overrides key=value")
     a = ap.parse_args(argv)
 
-    from farskip_jax.analysis.cost_model import HARDWARE, with_contention
-    from farskip_jax.config import load_config, replace
-    from farskip_jax.errors import ConfigError, FarSkipError
 
     a.hardware_given = a.hardware is not None
     a.tokens = a.tokens or DEFAULT_TOKENS[a.model]

@@ -50,6 +50,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 from farskip_jax.studies.harness import (MODEL_OVERRIDES, MODELS, CompileCache, ResultStore, fail, figure, grid,
                                           log, md_header, md_row, model_config_path, results_dir, spread_range,
                                           tbo_verdicts, write_json, write_text)
+from farskip_jax.analysis import inference_report as ir
+from farskip_jax.analysis.deviceless import gpu_devices
+from farskip_jax.analysis.calibration import variants_of_constants
+from farskip_jax.analysis.speedup import split_speedup
+from farskip_jax.analysis.cost_model import HARDWARE, with_contention
+from farskip_jax.config import load_config
+from farskip_jax.errors import ConfigError, FarSkipError
 
 VARIANTS = ("standard", "standard_tbo", "farskip", "farskip_tbo", "foe", "foe_farskip")
 ROWS = ("standard", "no_overlap", "standard_tbo", "farskip", "farskip_tbo", "foe", "foe_farskip")
@@ -105,8 +112,6 @@ def key(model, gpus, program, batch, tokens, ctx, variant, extra=""):
 
 def compile_point(base, model, gpus, program, batch, tokens, ctx, variant, cache_dir, log=log, extra="") -> dict:
     """The compiled schedule of one point (cached in cache_dir) and what it was compiled as."""
-    from farskip_jax.analysis import inference_report as ir
-    from farskip_jax.analysis.deviceless import gpu_devices
 
     k = key(model, gpus, program, batch, tokens, ctx, variant, extra)
     cache = CompileCache(cache_dir)
@@ -130,7 +135,6 @@ def compile_point(base, model, gpus, program, batch, tokens, ctx, variant, cache
 
 def time_point(c: dict, program: str, hardware: str, contention: Optional[float]) -> dict:
     """The ServingTiming json of a compiled point, with what it was compiled as."""
-    from farskip_jax.analysis import inference_report as ir
 
     t = ir.time_serving(c["schedule"], c["node_of"], hardware, program, c["scores"] or None, contention)
     meta = {k: c[k] for k in ("compile_s", "mesh", "layers", "layout", "micro_batches", "preset", "num_groups")}
@@ -140,8 +144,6 @@ def time_point(c: dict, program: str, hardware: str, contention: Optional[float]
 def time_spread(c: dict, program: str, hardware: str) -> dict:
     """{constant-set: {time_us, serial_us}} of a compiled point under each fitted constant at the low
     and high end of its spread (calibration.variants_of_constants; docs/calibration.md)."""
-    from farskip_jax.analysis import inference_report as ir
-    from farskip_jax.analysis.calibration import variants_of_constants
 
     out = {}
     for lab, end, hw_w, lk_w in variants_of_constants():
@@ -176,7 +178,6 @@ def _rep(t: dict, serial: bool = False):
 def rows_of(entries: dict, reasons: dict) -> list[dict]:
     """Rows of one point: `entries` {variant: timing json}, `reasons` {variant: 'n/a: ...'}; speedups
     over the standard entry's modelled time, split into hiding x compute."""
-    from farskip_jax.analysis.speedup import split_speedup
 
     std = entries["standard"]
     ref = _rep(std)
@@ -310,9 +311,6 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", help="config overrides key=value")
     a = ap.parse_args(argv)
 
-    from farskip_jax.analysis.cost_model import HARDWARE, with_contention
-    from farskip_jax.config import load_config
-    from farskip_jax.errors import ConfigError, FarSkipError
 
     try:
         if a.hardware not in HARDWARE:

@@ -40,6 +40,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from farskip_jax.studies.harness import REPO, results_dir
+from farskip_jax.analysis.cost_model import HARDWARE, Hardware
+from farskip_jax.train.flops import measure_matmul_peak
+from farskip_jax.config import load_config
+from farskip_jax.parallel.build import create_model
+from farskip_jax.parallel.mesh import make_mesh
+from farskip_jax.parallel.sharding import place_state, shard_batch
+from farskip_jax.train.flops import train_flops_per_token
+from farskip_jax.loading.optimizer import make_optimizer
+from farskip_jax.loading.train_state import init_state
+from farskip_jax.train.step import make_train_step
+from farskip_jax.kernels.gmm import gmm
+from farskip_jax.analysis.cost_model import CAUSAL_FRACTION, FLASH_BWD_RECOMPUTE, collective_time_us, compute_time_us
+from farskip_jax.kernels.attention import attention_core, blockwise_attention_core
+from farskip_jax.model.attention import attention_mask
 
 SCHEMA_VERSION = 1
 PARTS = ("a", "b", "c", "d")
@@ -76,8 +90,6 @@ def measure_bandwidth(n_bytes: int, reps: int) -> float:
 def detect_hardware(smoke: bool):
     """(key, cost_model.Hardware, how) for the local device: the cost model's entry for a known GPU
     (H100, H200, MI300X, MI325X), else one built from measured peaks (the CPU of a smoke run)."""
-    from farskip_jax.analysis.cost_model import HARDWARE, Hardware
-    from farskip_jax.train.flops import measure_matmul_peak
 
     kind = jax.devices()[0].device_kind.lower()
     for key, pat in (("h200", "h200"), ("h100_sxm", "h100"), ("mi325x", "mi325"), ("mi300x", "mi300")):
@@ -129,14 +141,6 @@ def train_variants(sh: dict) -> dict:
 
 def part_a(sh: dict, hw) -> dict:
     """tokens/s and MFU of the real train step (trainer's jit: donated state, out_shardings)."""
-    from farskip_jax.config import load_config
-    from farskip_jax.parallel.build import create_model
-    from farskip_jax.parallel.mesh import make_mesh
-    from farskip_jax.parallel.sharding import place_state, shard_batch
-    from farskip_jax.train.flops import train_flops_per_token
-    from farskip_jax.loading.optimizer import make_optimizer
-    from farskip_jax.loading.train_state import init_state
-    from farskip_jax.train.step import make_train_step
 
     rows = {}
     for name, ov in train_variants(sh).items():
@@ -187,7 +191,6 @@ def balanced_groups(m: int, g: int, seed: int = 0) -> np.ndarray:
 
 def gemm_cases(sh: dict):
     """(name, fn(lhs, rhs, group_sizes), groups) of part (b)."""
-    from farskip_jax.kernels.gmm import gmm
 
     def ragged(x, w, gs):
         return jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32).astype(x.dtype)
@@ -245,9 +248,6 @@ def attention_flops(b, s, h, d) -> float:
 
 def part_c(sh: dict, hw) -> dict:
     """Each op class: measured us, the cost model's predicted us, and the constant refitted from it."""
-    from farskip_jax.analysis.cost_model import CAUSAL_FRACTION, FLASH_BWD_RECOMPUTE, collective_time_us, compute_time_us
-    from farskip_jax.kernels.attention import attention_core, blockwise_attention_core
-    from farskip_jax.model.attention import attention_mask
 
     ops = []
     dt = jnp.bfloat16
@@ -339,7 +339,6 @@ def part_c(sh: dict, hw) -> dict:
 
 
 def attention_impls(sh: dict, mask, scale: float) -> dict:
-    from farskip_jax.kernels.attention import attention_core, blockwise_attention_core
 
     def xla_sdpa(q, k, v, implementation=None):
         return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation=implementation)
@@ -354,8 +353,6 @@ def attention_impls(sh: dict, mask, scale: float) -> dict:
 
 
 def part_d(sh: dict, hw) -> list:
-    from farskip_jax.analysis.cost_model import CAUSAL_FRACTION
-    from farskip_jax.model.attention import attention_mask
 
     out = []
     for c in sh["attn"]:

@@ -18,12 +18,13 @@ import os
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from farskip_jax.loading.load import load_run
+from farskip_jax.eval.metrics import STANDARD
+from farskip_jax.eval.metrics import evaluate_pair, make_compare_fn, val_batches
 
 
 def load(run_dir: str):
     """(cfg, graphdef, state, connectivity, description) of a run folder."""
-    from farskip_jax.loading.load import load_run
-    from farskip_jax.eval.metrics import STANDARD
 
     if os.path.isfile(os.path.join(run_dir, "early_stopping.json")):  # a distillation run
         cfg, gd, st = load_run(run_dir, "best")
@@ -43,7 +44,6 @@ def main(argv=None) -> int:
     ap.add_argument("--confidence", type=float, default=0.5)
     a = ap.parse_args(argv)
 
-    from farskip_jax.eval.metrics import evaluate_pair, make_compare_fn, val_batches
 
     cfg_a, gd_a, st_a, fs_a, desc_a = load(a.a)
     _, gd_b, st_b, fs_b, desc_b = load(a.b)

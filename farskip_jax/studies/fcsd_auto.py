@@ -25,6 +25,12 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from farskip_jax.studies.harness import REPO, results_dir  # noqa: E402
+from farskip_jax.studies.fcsd_methods import run_config
+from farskip_jax.fcsd.planner import read_plan
+from farskip_jax.loading.load import load_run
+from farskip_jax.eval.metrics import evaluate_pair, make_compare_fn, val_batches
+from farskip_jax.fcsd.distill import distill
+from farskip_jax.fcsd.planner import Plan, choose
 
 
 def main(argv=None) -> int:
@@ -41,12 +47,7 @@ def main(argv=None) -> int:
     out = os.path.abspath(a.out)
     os.makedirs(out, exist_ok=True)
     os.chdir(REPO)
-    from farskip_jax.studies.fcsd_methods import run_config
 
-    from farskip_jax.fcsd.planner import read_plan
-    from farskip_jax.loading.load import load_run
-    from farskip_jax.eval.metrics import evaluate_pair, make_compare_fn, val_batches
-    from farskip_jax.fcsd.distill import distill
 
     ns = argparse.Namespace(batch_size=8, lr=1e-3, min_lr_ratio=0.1, evals=8, select_batches=8,
                             overrides=list(a.overrides))
@@ -73,7 +74,6 @@ def main(argv=None) -> int:
             ovr = ["farskip.layers=auto", f"distill.auto_budget={budget}", f"distill.auto_search={a.search}"]
             cfg = run_config(ns, tcfg, rd, int(a.tokens * pre), ovr)
             if done:  # the candidates do not depend on the budget: choose from the first run's sweep
-                from farskip_jax.fcsd.planner import Plan, choose
 
                 first = read_plan(next(iter(done.values()))["run_dir"])
                 plan = Plan.from_json(first)

@@ -32,6 +32,14 @@ import time
 from farskip_jax.studies.harness import REPO, figure
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # a CPU experiment; JAX_PLATFORMS=cuda to run it on a GPU
+from farskip_jax.config import load_config
+from farskip_jax.loading.load import load_run
+from farskip_jax.eval.metrics import STANDARD, evaluate_pair, make_compare_fn, val_batches
+from farskip_jax.eval.sweep import conversion_sweep, plot_sweep, read_csv, write_csv
+from farskip_jax.fcsd.distill import distill
+from farskip_jax.train.logger import read_metrics
+from farskip_jax.train.trainer import train
+import types
 
 
 def parse(argv):
@@ -72,7 +80,6 @@ def parse(argv):
 
 
 def teacher_config(a, out: str, seed: int):
-    from farskip_jax.config import load_config
 
     name = "teacher" if seed == 0 else f"teacher_seed{seed}"
     return load_config(os.path.join(REPO, "configs/tiny.yaml"), [
@@ -83,7 +90,6 @@ def teacher_config(a, out: str, seed: int):
 
 
 def fcsd_config(a, out: str, teacher_dir: str, steps: int, budget: int):
-    from farskip_jax.config import load_config
 
     return load_config(os.path.join(REPO, "configs/distill_tiny.yaml"), [
         f"train.seq_len={a.seq_len}", "train.tensorboard=false", "mesh.data=1", *a.overrides,
@@ -99,12 +105,6 @@ def fcsd_config(a, out: str, teacher_dir: str, steps: int, budget: int):
 
 def main(argv=None) -> int:
     a = parse(argv)
-    from farskip_jax.loading.load import load_run
-    from farskip_jax.eval.metrics import STANDARD, evaluate_pair, make_compare_fn, val_batches
-    from farskip_jax.eval.sweep import conversion_sweep, plot_sweep, read_csv, write_csv
-    from farskip_jax.fcsd.distill import distill
-    from farskip_jax.train.logger import read_metrics
-    from farskip_jax.train.trainer import train
 
     out = os.path.abspath(a.out)
     os.makedirs(out, exist_ok=True)
@@ -148,7 +148,6 @@ def main(argv=None) -> int:
     fdir = os.path.join(out, a.fcsd_dir)
     es_file = os.path.join(fdir, "early_stopping.json")
     if a.reuse_fcsd and os.path.isfile(es_file):
-        import types
 
         with open(es_file) as f:
             es = json.load(f)

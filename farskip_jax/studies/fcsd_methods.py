@@ -31,6 +31,11 @@ import time
 from farskip_jax.studies.harness import REPO, figure
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from farskip_jax.config import load_config
+from farskip_jax.loading.load import load_run
+from farskip_jax.eval.metrics import make_compare_fn, evaluate_pair, val_batches
+from farskip_jax.fcsd.distill import distill
+from farskip_jax.train.logger import read_metrics
 
 # name -> overrides of the distill config; budget-relative lengths use the placeholders {tokens} (the
 # run's token budget), {half}, {tenth} and {stage} (budget / (2 x layers)), so a schedule scales with it
@@ -78,7 +83,6 @@ def method_table(a) -> dict:
 
 
 def run_config(a, tcfg, run_dir: str, budget: int, ovr: list):
-    from farskip_jax.config import load_config
 
     # a method may set its own batch (train.batch_size=N): the schedule is sized to the same token budget
     # (fewer steps) and the early-stopping slice stays the same rows (val batches are file order)
@@ -107,10 +111,6 @@ def run_config(a, tcfg, run_dir: str, budget: int, ovr: list):
 
 def main(argv=None) -> int:
     a = parse(argv)
-    from farskip_jax.loading.load import load_run
-    from farskip_jax.eval.metrics import make_compare_fn, evaluate_pair, val_batches
-    from farskip_jax.fcsd.distill import distill
-    from farskip_jax.train.logger import read_metrics
 
     out = os.path.abspath(a.out)
     os.makedirs(out, exist_ok=True)

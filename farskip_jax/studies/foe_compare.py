@@ -20,6 +20,11 @@ import sys
 import time
 
 from farskip_jax.studies.harness import REPO, figure
+from farskip_jax.config import load_config
+from farskip_jax.train.trainer import train
+from farskip_jax.analysis.groups import foe_summary
+from farskip_jax.analysis.overlap import run_overlap
+import numpy as np
 
 VARIANTS = {  # name -> overrides of configs/foe_tiny.yaml
     "moe": ["moe.num_groups=1"],
@@ -35,8 +40,6 @@ OVERLAP_SHAPE = ["model.d_model=1024", "model.num_layers=4", "model.num_heads=16
 
 
 def train_part(steps: int, out: str) -> dict:
-    from farskip_jax.config import load_config
-    from farskip_jax.train.trainer import train
 
     res = {}
     for name, ov in VARIANTS.items():
@@ -53,9 +56,6 @@ def train_part(steps: int, out: str) -> dict:
 
 
 def overlap_part(target: str, hardware: str) -> dict:
-    from farskip_jax.analysis.groups import foe_summary
-    from farskip_jax.analysis.overlap import run_overlap
-    from farskip_jax.config import load_config
 
     res = {}
     for name, ov in VARIANTS.items():
@@ -96,7 +96,6 @@ def table(results: dict) -> str:
 
 
 def plot(results: dict, path: str) -> None:
-    import numpy as np
 
     with figure(path, figsize=(7, 4), dpi=120) as (fig, ax):
         for n, t in results["train"].items():

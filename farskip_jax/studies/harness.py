@@ -148,9 +148,11 @@ def md_header(columns: Sequence[str]) -> list[str]:
 def figure(path: str, *subplot_args, dpi: int = 110, **subplot_kw):
     """plt.subplots(*subplot_args, **subplot_kw) on the Agg backend, yielding (fig, axes); on exit the
     figure is laid out, saved to `path` and closed."""
+    # deferred: matplotlib's backend is chosen when a figure is drawn, not at import
     import matplotlib
 
     matplotlib.use("Agg")
+    # deferred: pyplot loads after that backend choice
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(*subplot_args, **subplot_kw)

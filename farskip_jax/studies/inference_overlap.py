@@ -37,6 +37,14 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from farskip_jax.studies.harness import (REPO, CompileCache, ResultStore, fail, figure, grid, log, md_header,
                                           results_dir, write_json, write_text)
+from farskip_jax.analysis.cost_model import HARDWARE, with_contention
+from farskip_jax.analysis import inference_report as ir
+from farskip_jax.analysis.inference_report import ServingTiming, extrapolate
+from farskip_jax.analysis.cost_model import HARDWARE
+from farskip_jax.analysis.deviceless import gpu_devices
+from farskip_jax.analysis.inference_report import plot_serving_timelines
+from farskip_jax.config import load_config
+from farskip_jax.errors import FarSkipError
 
 # name: (config, label, depths to compile when cut)
 MODELS = {"dsv2_lite": ("configs/deepseek_v2_lite.yaml", "DeepSeek-V2-Lite", (2, 4)),
@@ -61,7 +69,6 @@ def scores_of(base, mesh_shape: dict, program: str, batch: int, tokens: int) -> 
 
 def _contention(hardware: str, contention=None) -> float:
     """The contention a point is timed with: `contention`, else the hardware's (cost_model.HARDWARE)."""
-    from farskip_jax.analysis.cost_model import HARDWARE, with_contention
 
     return with_contention(HARDWARE[hardware], contention).contention
 
@@ -70,7 +77,6 @@ def compile_point(base, model, gpus, gpn, program, batch, tokens, ctx, layers, p
                   compile_missing: bool = True, scan_layers=None, contention=None):
     """ServingTiming json of one compiled point (compiled, or re-timed from the schedule cache; None
     when it is not cached and compile_missing is False). scan_layers: None = the config's."""
-    from farskip_jax.analysis import inference_report as ir
 
     k = key(model, gpus, program, batch, tokens, ctx if program == "decode" else tokens,
             layers or base.model.num_layers, preset)  # = the results key
@@ -82,7 +88,6 @@ def compile_point(base, model, gpus, gpn, program, batch, tokens, ctx, layers, p
     elif not compile_missing:
         return None
     else:
-        from farskip_jax.analysis.deviceless import gpu_devices
 
         cfg = ir.serving_config(base, preset, gpus, gpn, layers, scan)
         devices = gpu_devices("h200", gpus, gpus_per_node=min(gpn, gpus), memory_gb=1e4)
@@ -108,7 +113,6 @@ def compile_point(base, model, gpus, gpn, program, batch, tokens, ctx, layers, p
 
 def timing_at(results, model, gpus, program, batch, tokens, ctx, preset, full_layers):
     """(ServingTiming at full depth, how: 'full' or 'cut a/b'), or (None, None) when missing."""
-    from farskip_jax.analysis.inference_report import ServingTiming, extrapolate
 
     full = results.get(key(model, gpus, program, batch, tokens, ctx, full_layers, preset))
     if full:
@@ -123,7 +127,6 @@ def timing_at(results, model, gpus, program, batch, tokens, ctx, preset, full_la
 
 
 def rows_of(results, models, gpus_list, points, ctx, full_layers):
-    from farskip_jax.analysis import inference_report as ir
 
     rows = []
     for m in models:
@@ -258,9 +261,6 @@ def summary_md(rows) -> str:
 def weight_floor_md(rows, bases, gpn, hardware: str = "h200") -> list[str]:
     """Plausibility of the decode rows: the weight-bandwidth floor (parameter bytes per GPU / (HBM
     bandwidth x mem_eff)) next to the modelled time per output token at the smallest batch."""
-    from farskip_jax.analysis import inference_report as ir
-    from farskip_jax.analysis.cost_model import HARDWARE
-    from farskip_jax.analysis.deviceless import gpu_devices
 
     hw = HARDWARE[hardware]
     out = ["", "Decode plausibility: parameter bytes each GPU reads per step / (HBM bandwidth x "
@@ -282,7 +282,6 @@ def weight_floor_md(rows, bases, gpn, hardware: str = "h200") -> list[str]:
 def timelines(cache_dir, hardware, out, ctx, full_layers, contention=None) -> list[str]:
     """One layer's two streams, standard above farskip, for DeepSeek-V2-Lite (else the first model
     cached) at prefill 16 x 4096 and decode batch 64 on 8 GPUs, from the schedule cache."""
-    from farskip_jax.analysis.inference_report import plot_serving_timelines
 
     written, cache = [], CompileCache(cache_dir)
     for program, batch, tokens in (("prefill", 16, 4096), ("decode", 64, 1)):
@@ -333,8 +332,6 @@ def main() -> int:
                     help="re-time the cached schedules (e.g. with another --hardware); compile nothing")
     a = ap.parse_args()
 
-    from farskip_jax.config import load_config
-    from farskip_jax.errors import FarSkipError
 
     try:
         contention = _contention(a.hardware, a.contention)

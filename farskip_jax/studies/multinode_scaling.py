@@ -67,6 +67,18 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from farskip_jax.studies.harness import (MODEL_OVERRIDES, MODELS, CompileCache, ResultStore, contention_error, fail,
                                           figure, grid, log, md_header, model_config_path, results_dir)
+from farskip_jax.analysis.overlap import run_overlap
+from farskip_jax.analysis.cost_model import HARDWARE, optimizer_step, simulate, with_contention
+from farskip_jax.analysis.report import ALL_TO_ALLS, analyze
+from farskip_jax.analysis.topology import LINKS, SUM_ALL_TO_ALL, Topology, resized
+import dataclasses
+from farskip_jax.analysis.topology import SUM_ALL_TO_ALL
+from farskip_jax.analysis.report import ALL_TO_ALLS
+from farskip_jax.config import replace
+from farskip_jax.parallel.foe import foe_device_order
+from farskip_jax.analysis.deviceless import LHS_FLAGS, preset_options
+from farskip_jax.config import load_config
+from farskip_jax.analysis.topology import GBIT
 
 # the paper's Figure 5 (arXiv 2511.11505, DeepSeek-V3 cut to 6 layers, Megatron on MI325X nodes, 400 Gb/s
 # between nodes): FarSkip step speedup over the baseline without overlap
@@ -116,7 +128,6 @@ def compile_one(cfg, variant, program, batch, seq, n, gpus_per_node, nodes, flag
                 ep_options=None, groups=None) -> dict:
     """Compile one variant deviceless (FoE with `groups` groups, default H = nodes); returns what the
     analysis needs (picklable)."""
-    from farskip_jax.analysis.overlap import run_overlap
 
     (r,) = run_overlap(cfg, (variant,), (program,), batch=batch, seq=seq, target=target, num_devices=n, flags=flags,
                        hardware=None, log=log, gpus_per_node=min(gpus_per_node, n), memory_gb=memory_gb,
@@ -135,15 +146,11 @@ def entry_of(c: dict, hardware: str, links_over: dict, streams: str, fused_atten
     placement: (device groups, "strided") re-times a contiguous FoE compile with the strided group
     placement (logical device p on plain position foe_device_order(...).flat[p]). contention: compute
     speed while a collective is in flight (default the hardware's)."""
-    from farskip_jax.analysis.cost_model import HARDWARE, optimizer_step, simulate, with_contention
-    from farskip_jax.analysis.report import ALL_TO_ALLS, analyze
-    from farskip_jax.analysis.topology import LINKS, SUM_ALL_TO_ALL, Topology, resized
 
     nodes = c["node_of"]
     if retime_gpus_per_node:  # the same program on nodes of another size (XLA's schedule ignores hosts)
         nodes = tuple(i // retime_gpus_per_node for i in range(len(nodes)))
     if placement is not None:
-        from farskip_jax.parallel.foe import foe_device_order
 
         gm, data, how = placement
         order = foe_device_order((data, 1, len(nodes) // data, 1), gm, how).reshape(-1)
@@ -190,9 +197,7 @@ def foe_sums_relabelled(sched):
     gathers; the routing redistributed over the groups) labelled SUM_ALL_TO_ALL: priced as
     all-to-alls, but on the sums' stream and not counted as the dispatch / combine all-to-alls
     (hidden fractions, the no-overlap baseline)."""
-    import dataclasses
 
-    from farskip_jax.analysis.topology import SUM_ALL_TO_ALL
 
     pairs = [dataclasses.replace(p, collective=SUM_ALL_TO_ALL) if p.collective == "all-to-all" and _is_foe_sum(p)
              else p for p in sched.pairs]
@@ -201,7 +206,6 @@ def foe_sums_relabelled(sched):
 
 def _other_cross(pairs, durations, node_of) -> float:
     """Share of the non-all-to-all collective time (modelled) whose replica groups span nodes."""
-    from farskip_jax.analysis.report import ALL_TO_ALLS
 
     tot = cross = 0.0
     for p, d in zip(pairs, durations):
@@ -226,7 +230,6 @@ def nic_bytes(pairs, node_of) -> float:
 
 def cfg_for_variant(groups):
     """variant -> config: the FarSkip preset, and FoE's `groups` (moe.num_groups) for the FoE variants."""
-    from farskip_jax.config import replace
 
     def fn(variant, cfg):
         preset = "farskip" if variant in ("farskip", "foe_farskip") else "standard"
@@ -419,10 +422,7 @@ def main() -> int:
     os.makedirs(a.out, exist_ok=True)
     results = ResultStore(os.path.join(a.out, "results.json"))
     if not a.plot_only:
-        from farskip_jax.analysis.deviceless import LHS_FLAGS, preset_options
-        from farskip_jax.config import load_config
 
-        from farskip_jax.analysis.topology import GBIT
 
         cache = CompileCache(a.cache)
         links_over = {}

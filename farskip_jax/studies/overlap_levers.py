@@ -33,6 +33,13 @@ import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from farskip_jax.model.layer_step import LayerStep
+from farskip_jax.analysis.deviceless import LHS_FLAGS, preset_options
+from farskip_jax.analysis.cost_model import HARDWARE, with_contention
+from farskip_jax.analysis.overlap import no_overlap_step, run_overlap
+from farskip_jax.analysis.speedup import split_speedup
+from farskip_jax.config import load_config, replace
+from farskip_jax.errors import FarSkipError
 
 DSV2_LITE = [
     "model.vocab_size=102400", "model.d_model=2048", "model.num_heads=16", "model.num_kv_heads=16",
@@ -48,7 +55,6 @@ DSV2_LITE = [
 def moe_first():
     """The layer step (model/layer_step.py) issuing the MoE before attention when it reads R_{k-1}
     (moe input `outdated`; same values)."""
-    from farskip_jax.model.layer_step import LayerStep
 
     orig = LayerStep.layer
 
@@ -83,12 +89,6 @@ def main() -> int:
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
 
-    from farskip_jax.analysis.deviceless import LHS_FLAGS, preset_options
-    from farskip_jax.analysis.cost_model import HARDWARE, with_contention
-    from farskip_jax.analysis.overlap import no_overlap_step, run_overlap
-    from farskip_jax.analysis.speedup import split_speedup
-    from farskip_jax.config import load_config, replace
-    from farskip_jax.errors import FarSkipError
 
     try:
         with_contention(HARDWARE[a.hardware], a.contention)
