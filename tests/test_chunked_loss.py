@@ -114,7 +114,8 @@ def _step_cfg(tied: bool, **train_kw):
                   train=TrainConfig(**t))
 
 
-@pytest.mark.parametrize("tied,chunk", [(False, 5), (True, 16)])
+# the tied head in the chunked loss is checked by test_chunked_ce_equals_full_logits; its steps with -m extended
+@pytest.mark.parametrize("tied,chunk", [(False, 5), pytest.param(True, 16, marks=pytest.mark.extended)])
 def test_train_and_eval_steps_with_loss_chunk_equal_full_logits(tied, chunk):
     from flax import nnx
 
