@@ -5,9 +5,9 @@ bytes each all-to-all moves compared with the analytic minimum. Side by side in 
                                        [--experts 8] [--top-k 2] [--capacity-factor 1.25]
 
 Variants (same weights, same batch, train step = jax.value_and_grad of the next-token loss + SGD):
-  dp8        mesh data=8, moe.dispatch=local: experts replicated, each device routes its own tokens
-  ep8        mesh expert=8, moe.dispatch=all_to_all, dropless (capacity = worst case)
-  ep8@cfX    the same with moe.capacity_factor=X (fixed buffers ~X times the useful rows)
+  dp8        mesh data=8, runtime.dispatch=local: experts replicated, each device routes its own tokens
+  ep8        mesh expert=8, runtime.dispatch=all_to_all, dropless (capacity = worst case)
+  ep8@cfX    the same with runtime.capacity_factor=X (fixed buffers ~X times the useful rows)
 Timing: steps interleaved (one of each variant per round), median per variant; the ratios are
 against dp8. On a CPU the 8 "devices" share the host's cores and an all-to-all is a memory copy, so
 the ratio measures the overhead of the exchange code (packing, buffers, extra collectives), not

@@ -126,7 +126,7 @@ def run_shape(name: str, backends: list[str], repeats: int, tile: int,
     moe_params = {"router": f32(d, e, std=0.5), "w_gate": f32(e, d, h), "w_up": f32(e, d, h), "w_down": f32(e, h, d)}
     dense_params = {"w_gate": f32(d, k * h), "w_up": f32(d, k * h), "w_down": f32(k * h, d)}
     variants = {"dense": (make_dense_step(), dense_params)}
-    if dtype != "float32":  # activations in dtype, weights float32 (master weights), as model.compute_dtype does
+    if dtype != "float32":  # activations in dtype, weights float32 (master weights), as runtime.compute_dtype does
         variants["dense[float32]"] = (make_dense_step(), dense_params, x, ct)
         x, ct = x.astype(dtype), ct.astype(dtype)
     for be in backends:
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tile", type=int, default=MoEConfig.gmm_tile)
     ap.add_argument("--batch-b", type=int, default=SHAPES["b"]["batch"], help="batch of shape b")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                    help="activations' dtype (weights stay float32 master weights, as with model.compute_dtype); "
+                    help="activations' dtype (weights stay float32 master weights, as with runtime.compute_dtype); "
                          "bfloat16 adds a dense[float32] row to compare against")
     ap.add_argument("--malloc", choices=["default", "resident"], default="resident",
                     help="resident: glibc keeps freed memory (no fresh-page faults for either side); see above")

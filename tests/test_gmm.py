@@ -136,7 +136,7 @@ def test_tail_buckets_and_backend_resolution():
 
 def test_blas_unavailable_falls_back_to_tiled_and_explicit_blas_fails_clearly(tmp_path):
     """No working compiler: `auto` resolves to `tiled` with one warning naming the reason, an explicit
-    moe.gmm=blas raises KernelUnavailable naming the fix (fresh process: the kernel load is cached);
+    runtime.gmm=blas raises KernelUnavailable naming the fix (fresh process: the kernel load is cached);
     the cache folder comes from the environment override of kernels.cache_dir."""
     import subprocess
     import sys

@@ -1,6 +1,6 @@
-"""Node-deduplicated (hierarchical) dispatch, `moe.dispatch=hierarchical` (parallel/ep.HierarchicalCompute).
+"""Node-deduplicated (hierarchical) dispatch, `runtime.dispatch=hierarchical` (parallel/ep.HierarchicalCompute).
 
-On 8 CPU devices viewed as 2 "nodes" x 4 and 4 x 2 (moe.gpus_per_node), in fp32:
+On 8 CPU devices viewed as 2 "nodes" x 4 and 4 x 2 (runtime.gpus_per_node), in fp32:
 - the exchange alone equals the all_to_all backend and the single-device path (outputs and the
   gradients of tokens, router weights and expert weights), dropless and with a capacity that drops
   (then the same assignments drop as in all_to_all, counted the same), on a data x expert mesh too;

@@ -30,7 +30,7 @@ def tiny_cfg(mesh=None, **model_kw):
              max_seq_len=128, attention_impl="naive")  # the plain core on one device too (no CPU kernel)
     m.update(model_kw)
     mesh = mesh or MeshConfig(data=1, tensor=8)
-    # moe.dispatch is the training layout's; its check wants all_to_all when mesh.expert > 1
+    # runtime.dispatch is the training layout's; its check wants all_to_all when mesh.expert > 1
     moe = MoEConfig(num_experts=8, top_k=2, expert_hidden=16, num_shared_experts=1,
                     dispatch="all_to_all" if mesh.expert > 1 else "local")
     return Config(model=ModelConfig(**m), moe=moe, mesh=mesh, inference=InferenceConfig(layout="tp_ep"))
@@ -107,7 +107,7 @@ def test_tp_ep_forward_equals_one_device(case):
     ({"model.num_heads": 4, "model.num_kv_heads": 4}, "model.num_heads=4"),
     ({"model.num_kv_heads": 4, "mesh.tensor": 8}, None),  # 4 kv heads replicated over 8 ranks: fine
     ({"model.num_heads": 24, "model.num_kv_heads": 3, "model.head_dim": 4}, "num_kv_heads=3"),
-    ({"moe.capacity_factor": 1.0}, "capacity_factor=null"),
+    ({"runtime.capacity_factor": 1.0}, "capacity_factor=null"),
     ({"moe.num_experts": 4}, "num_experts=4"),
     ({"model.qk_norm": True, "model.qk_norm_scope": "all_heads"}, "all_heads"),
     ({"moe.shared_hidden": 12}, "shared_experts=replicated"),  # 12 hidden units over 8 tensor ranks

@@ -203,7 +203,7 @@ def test_ragged_on_cpu_fails_early_naming_all_to_all():
     cfg = mw.tiny_config(ep=4, dispatch="ragged")
     with pytest.raises(BackendError, match="all_to_all"):
         create_model(cfg, make_mesh(cfg.mesh))
-    with pytest.raises(BackendError, match="moe.dispatch=all_to_all"):
+    with pytest.raises(BackendError, match="runtime.dispatch=all_to_all"):
         RaggedCompute(make_mesh(cfg.mesh))
 
 

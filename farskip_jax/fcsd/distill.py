@@ -8,7 +8,7 @@ student only:
     loss = kl_weight * T^2 * KL_kind(softmax(t/T), softmax(s/T))    (forward | reverse | both; top-k)
          + ce_weight * CE(student, next tokens)
          + hidden_weight * mean_layers ||h_s - h_t||^2 / d           (per-layer full streams)
-         + moe.aux_loss_weight * aux + moe.z_loss_weight * z          (student router)
+         + runtime.aux_loss_weight * aux + runtime.z_loss_weight * z          (student router)
 
 all token means over non-padding tokens (`loss_mask`). Every `distill.eval_every` steps the student
 is compared with the teacher on fixed validation batches (KL, top-1 agreement, losses); the metric
@@ -88,7 +88,7 @@ def make_distill_loss_fn(graphdef, cfg: Config) -> Callable:
     """loss_fn(params, bias, rest, teacher, batch) -> (loss, aux); teacher = {params, bias, rest}. With
     train.loss_chunk both models return their final streams and the KL and CE come from
     losses/chunked.chunked_fcsd (no [b, s, V] logits of either model; same values and gradients)."""
-    d, moe = cfg.distill, cfg.moe
+    d, runtime = cfg.distill, cfg.runtime
     want_hidden = d.hidden_weight > 0
 
     def loss_fn(params, bias, rest, teacher, batch):
@@ -104,7 +104,7 @@ def make_distill_loss_fn(graphdef, cfg: Config) -> Callable:
         if chunk:
             kl, ce, n = chunked_fcsd(s_out.final, student.unembed(), t_out.final, t_model.unembed(), batch["targets"],
                                      mask, chunk=chunk, kind=d.kl, temperature=d.temperature, top_k=d.top_k_logits,
-                                     compute_dtype=dtype_of(cfg.model.compute_dtype))
+                                     compute_dtype=dtype_of(cfg.runtime.compute_dtype))
         else:
             t_logits = jax.lax.stop_gradient(t_out.logits)
             kl = masked_mean(token_divergence(t_logits, s_out.logits, kind=d.kl, temperature=d.temperature,
@@ -113,7 +113,7 @@ def make_distill_loss_fn(graphdef, cfg: Config) -> Callable:
         hid = (hidden_l2(jax.lax.stop_gradient(t_out.hidden), s_out.hidden, mask) if want_hidden
                else jnp.zeros((), jnp.float32))
         loss = (d.kl_weight * kl + d.ce_weight * ce + d.hidden_weight * hid
-                + moe.aux_loss_weight * s_out.aux_loss + moe.z_loss_weight * s_out.z_loss)
+                + runtime.aux_loss_weight * s_out.aux_loss + runtime.z_loss_weight * s_out.z_loss)
         load = s_out.load if s_out.load is not None else jnp.zeros((0, 1), jnp.float32)
         return loss, dict(kl=kl, ce=ce, hidden=hid, aux_loss=s_out.aux_loss, load=load, tokens=n)
 

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-from farskip_jax.config import MoEConfig, ModelConfig
+from farskip_jax.config import ModelConfig, RuntimeConfig
 from farskip_jax.errors import ConfigError
 from farskip_jax.model.attention import LayerCache
 from farskip_jax.model.experts import ExpertWeights, RoutedOutput, expert_swiglu
@@ -90,7 +90,7 @@ class ReplicatedEPCompute:
     mesh: Mesh
     reduce: bool = True
 
-    def __call__(self, x, route: RouteResult, experts: ExpertWeights, cfg: MoEConfig) -> RoutedOutput:
+    def __call__(self, x, route: RouteResult, experts: ExpertWeights, cfg: RuntimeConfig) -> RoutedOutput:
         b, s, d = x.shape
         k = route.indices.shape[-1]
         num_e = experts.w_gate.shape[0]

@@ -5,7 +5,7 @@
     state, metrics = step_fn(state, batch)     # batch: dict of [global_batch, seq] arrays
 
 Train state (a plain dict so checkpoints are a plain tree):
-    params            nnx.State of nnx.Param (fp32 master weights; matmuls run in model.compute_dtype)
+    params            nnx.State of nnx.Param (fp32 master weights; matmuls run in runtime.compute_dtype)
     bias              nnx.State of RouterBias (aux-loss-free selection bias; updated here, not by optax)
     rest              nnx.State of any other variables (carried unchanged)
     opt               optax state
@@ -14,7 +14,7 @@ Train state (a plain dict so checkpoints are a plain tree):
     nonfinite_total   int32 []   steps whose loss or gradient was not finite (update skipped)
     nonfinite_streak  int32 []   consecutive such steps up to now
 
-Loss = token-mean cross entropy over `loss_mask` + moe.aux_loss_weight * aux + moe.z_loss_weight * z
+Loss = token-mean cross entropy over `loss_mask` + runtime.aux_loss_weight * aux + runtime.z_loss_weight * z
 (the cross entropy from full logits, or `train.loss_chunk` positions at a time: losses/chunked.py).
 Gradient accumulation: the batch is cut into `train.grad_accum` micro-batches (lax.scan) and their
 gradients averaged. A non-finite loss or gradient norm leaves params, optimizer and bias untouched.
@@ -64,7 +64,7 @@ def make_loss_fn(graphdef, cfg: Config, farskip=None) -> Callable:
     """loss_fn(params, bias, rest, batch) -> (loss, aux dict). With `train.loss_chunk` the model returns
     its final stream (logits=False) and the cross entropy is losses/chunked.chunked_ce over chunks of
     that many positions (same value and gradients; no [b, s, V] logits)."""
-    aux_w, z_w = cfg.moe.aux_loss_weight, cfg.moe.z_loss_weight
+    aux_w, z_w = cfg.runtime.aux_loss_weight, cfg.runtime.z_loss_weight
 
     chunk = cfg.train.loss_chunk or 0
 
@@ -73,7 +73,7 @@ def make_loss_fn(graphdef, cfg: Config, farskip=None) -> Callable:
         out = model(batch["tokens"], batch["positions"], batch["segment_ids"], farskip=farskip, logits=not chunk)
         if chunk:
             ce, n = chunked_ce(out.final, model.unembed(), batch["targets"], batch["loss_mask"], chunk=chunk,
-                               compute_dtype=dtype_of(cfg.model.compute_dtype))
+                               compute_dtype=dtype_of(cfg.runtime.compute_dtype))
         else:
             ce, n = token_ce(out.logits, batch["targets"], batch["loss_mask"])
         loss = ce + aux_w * out.aux_loss + z_w * out.z_loss
@@ -91,7 +91,7 @@ def update_router_bias(graphdef, params, bias, rest, load: jax.Array, rate: floa
     bias = jax.tree.map(lambda x: x, bias)  # fresh Variables: the caller's `bias` must stay untouched
     model = nnx.merge(graphdef, params, bias, rest)
     j = 0
-    blocks = model.blocks()  # per-layer views under model.scan_layers, written back below
+    blocks = model.blocks()  # per-layer views under runtime.scan_layers, written back below
     for block in blocks:
         if not block.is_moe:
             continue
@@ -175,7 +175,7 @@ def update_state(graphdef, cfg: Config, tx: optax.GradientTransformation, state:
     new_params, new_opt = apply_if_finite(tx, finite, grads, state["opt"], params)
     new_bias = bias
     if cfg.moe.num_experts and cfg.moe.selection_bias and load.shape[0] > 0:
-        moved = update_router_bias(graphdef, params, bias, rest, load, cfg.moe.bias_update_rate)
+        moved = update_router_bias(graphdef, params, bias, rest, load, cfg.runtime.bias_update_rate)
         new_bias = jax.tree.map(lambda n, o: jnp.where(finite, n, o), moved, bias)
     streak = jnp.where(finite, 0, state["nonfinite_streak"] + 1).astype(jnp.int32)
     total = state["nonfinite_total"] + (~finite).astype(jnp.int32)
