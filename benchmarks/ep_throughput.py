@@ -84,15 +84,15 @@ def main(argv=None) -> int:
     import numpy as np
     from flax import nnx
 
-    from farskip_jax.config import Config, MeshConfig, ModelConfig, MoEConfig, TrainConfig
+    from farskip_jax.config import Config, MeshConfig, ModelConfig, MoEConfig, RuntimeConfig, TrainConfig
     from farskip_jax.parallel import create_model, make_mesh, shard_batch
 
     def config(dispatch, expert, cf=None):
         return Config(
             model=ModelConfig(d_model=a.d_model, num_layers=a.layers, num_heads=4, num_kv_heads=2, vocab_size=256,
                               mlp_hidden=4 * a.d_model, max_seq_len=a.seq),
-            moe=MoEConfig(num_experts=a.experts, top_k=a.top_k, expert_hidden=a.expert_hidden, dispatch=dispatch,
-                          capacity_factor=cf, gmm=a.gmm),
+            moe=MoEConfig(num_experts=a.experts, top_k=a.top_k, expert_hidden=a.expert_hidden),
+            runtime=RuntimeConfig(dispatch=dispatch, capacity_factor=cf, gmm=a.gmm),
             mesh=MeshConfig(data=DEVICES // expert, expert=expert), train=TrainConfig(seq_len=a.seq, batch_size=a.batch))
 
     variants = {"dp8": config("local", 1), "ep8": config("all_to_all", DEVICES)}

@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import multihost_worker as mw
-from farskip_jax.config import MoEConfig, replace
+from farskip_jax.config import RuntimeConfig, replace
 from farskip_jax.errors import ConfigError
 from farskip_jax.model.experts import ExpertWeights, local_routed_compute
 from farskip_jax.model.router import RouteResult
@@ -52,7 +52,7 @@ def _inputs(seed=0):
 def _run(rc, mesh, cf, seed=0):
     """(y, dropped, grads of (x, w, w_gate, w_up, w_down)) of backend `rc` (None = single device)."""
     x, idx, w, ew = _inputs(seed)
-    cfg = MoEConfig(num_experts=E, top_k=K, expert_hidden=H, capacity_factor=cf, gmm="einsum")
+    cfg = RuntimeConfig(capacity_factor=cf, gmm="einsum")
     if mesh is not None:
         tok = NamedSharding(mesh, P(BATCH_AXES, None, None))
         wsh = NamedSharding(mesh, P("expert", None, None))
@@ -166,7 +166,7 @@ def test_one_node_is_all_to_all_and_bad_layouts_fail():
     for per in (4, 8, None):  # None: process_index, one process on CPU = one node
         assert expert_node_layout(mesh, per).nodes == 1
     x, idx, w, ew = _inputs()
-    cfg = MoEConfig(num_experts=E, top_k=K, expert_hidden=H, capacity_factor=1.0, gmm="einsum")
+    cfg = RuntimeConfig(capacity_factor=1.0, gmm="einsum")
     r = RouteResult(indices=jnp.asarray(idx), weights=jnp.asarray(w), aux_loss=None, z_loss=None, load=None)
     progs = [str(jax.make_jaxpr(lambda x, ew: rc(x, r, ExpertWeights(*ew), cfg).y)(x, ew))
              for rc in (HierarchicalCompute(mesh, 8), AllToAllCompute(mesh))]
@@ -175,7 +175,7 @@ def test_one_node_is_all_to_all_and_bad_layouts_fail():
         expert_node_layout(make_mesh(MeshConfig(data=1, expert=8)), 3)  # 8 ranks over nodes of 3
     assert expert_node_layout(make_mesh(MeshConfig(data=4, expert=2)), 4).nodes == 1  # 2 expert groups per node
     with pytest.raises(ConfigError, match="gpus_per_node"):
-        MoEConfig(dispatch="all_to_all", gpus_per_node=4)
+        RuntimeConfig(dispatch="all_to_all", gpus_per_node=4)
     with pytest.raises(ConfigError, match=">= 1"):
-        MoEConfig(dispatch="hierarchical", gpus_per_node=0)
+        RuntimeConfig(dispatch="hierarchical", gpus_per_node=0)
     assert isinstance(routed_compute_for("hierarchical", mesh, 2), HierarchicalCompute)

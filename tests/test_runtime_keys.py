@@ -11,22 +11,18 @@ import torch  # the hf extra: CI installs it
 import transformers
 import yaml
 
-from farskip_jax.config import ModelConfig, MoEConfig, load_config, to_dict
+from farskip_jax.config import MOVED_KEYS, RuntimeConfig, load_config, to_dict
+from farskip_jax.errors import ConfigError
 
-# the run's choices that live in model: / moe: today; every one must survive a load
-RUNTIME = {"model": ("param_dtype", "compute_dtype", "remat", "scan_layers", "micro_batches", "attention_impl",
-                     "attention_block"),
-           "moe": ("num_groups", "dispatch", "gpus_per_node", "gmm", "gmm_tile", "capacity_factor", "foe_tokens",
-                   "foe_attention", "foe_sum_dtype", "aux_loss_weight", "z_loss_weight", "bias_update_rate")}
 # values the keys constrain one another with (hierarchical for gpus_per_node, sharded FoE tokens for local
-# attention); the others get a non-default value derived from their type
-FIXED = {"moe.dispatch": "hierarchical", "moe.gpus_per_node": 2, "moe.foe_tokens": "sharded", "moe.foe_attention": "local",
-         "moe.num_groups": 2, "moe.capacity_factor": 1.5, "model.micro_batches": 2}
+# attention); every other runtime key gets a non-default value derived from its type
+FIXED = {"dispatch": "hierarchical", "gpus_per_node": 2, "foe_tokens": "sharded", "foe_attention": "local",
+         "num_groups": 2, "capacity_factor": 1.5, "micro_batches": 2}
 
 
-def non_default(cls, name):
-    f = next(f for f in dataclasses.fields(cls) if f.name == name)
-    tp, default = typing.get_type_hints(cls)[name], f.default
+def non_default(name):
+    f = next(f for f in dataclasses.fields(RuntimeConfig) if f.name == name)
+    tp, default = typing.get_type_hints(RuntimeConfig)[name], f.default
     choices = [a for a in typing.get_args(tp) if a != default and a is not type(None)]
     if typing.get_origin(tp) is typing.Literal:
         return choices[0]
@@ -36,22 +32,17 @@ def non_default(cls, name):
         return default * 2 if default else 3
     if tp is float:
         return default * 2 + 0.125
-    raise AssertionError(f"no non-default value for {cls.__name__}.{name} ({tp})")
+    raise AssertionError(f"no non-default value for runtime.{name} ({tp})")
 
 
 def runtime_values() -> dict:
-    out = {}
-    for section, cls in (("model", ModelConfig), ("moe", MoEConfig)):
-        names = {f.name for f in dataclasses.fields(cls)}
-        for k in RUNTIME[section]:
-            assert k in names, f"{section}.{k} is not a key"
-            key = f"{section}.{k}"
-            out[key] = FIXED[key] if key in FIXED else non_default(cls, k)
-    return out
+    """{runtime.<key>: a non-default value} for EVERY field of RuntimeConfig."""
+    return {f"runtime.{f.name}": FIXED[f.name] if f.name in FIXED else non_default(f.name)
+            for f in dataclasses.fields(RuntimeConfig)}
 
 
 def runtime_of(cfg) -> dict:
-    return {key: to_dict(cfg)[key.split(".")[0]][key.split(".")[1]] for key in runtime_values()}
+    return {f"runtime.{k}": v for k, v in to_dict(cfg.runtime).items()}
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +93,9 @@ def test_saved_run_configs_keep_the_runtime_keys(hf_dir, tmp_path):
     from farskip_jax.fcsd.distill import distill
     from farskip_jax.train.trainer import train
 
-    e2e = {"model.attention_impl": "blockwise", "model.attention_block": 8, "model.scan_layers": True,
-           "model.remat": "dots", "moe.gmm": "einsum", "moe.capacity_factor": 2.0, "moe.z_loss_weight": 0.002}
+    e2e = {"runtime.attention_impl": "blockwise", "runtime.attention_block": 8, "runtime.scan_layers": True,
+           "runtime.remat": "dots", "runtime.gmm": "einsum", "runtime.capacity_factor": 2.0,
+           "runtime.z_loss_weight": 0.002}
     short = ["train.steps=1", "train.warmup_steps=0", "train.batch_size=8", "train.seq_len=16", "train.eval_every=0",
              "train.eval_batches=1", "train.tensorboard=false", "train.peak_flops=1e9", "data.max_docs=40"]
     run = str(tmp_path / "from_hf")
@@ -122,3 +114,35 @@ def test_saved_run_configs_keep_the_runtime_keys(hf_dir, tmp_path):
     default = to_dict(load_config("configs/distill_tiny.yaml"))
     assert {k: saved[k.split(".")[0]][k.split(".")[1]] for k in e2e} == {k: default[k.split(".")[0]][k.split(".")[1]]
                                                                          for k in e2e}
+
+
+def test_an_old_layout_config_and_run_folder_load_at_the_new_places(tmp_path, capsys):
+    """A YAML file, a run folder's config.yaml and an override in the layout before the runtime section
+    (runtime keys under model: / moe:) load to the same Config as the new layout, with one note; the
+    same key set at both places to different values is one ConfigError naming the new key."""
+    import farskip_jax.config as config
+    from farskip_jax.eval.loading import read_run_config
+
+    config._NOTED.clear()
+    want = runtime_values()
+    new = load_config("configs/tiny.yaml", _ov(want))
+    old_tree = to_dict(new)
+    for old, moved in MOVED_KEYS.items():  # back to the old layout
+        sec, key = old.split(".")
+        old_tree[sec][key] = old_tree["runtime"].pop(key)
+    assert not old_tree.pop("runtime")
+    (tmp_path / "old.yaml").write_text(yaml.safe_dump(old_tree))
+    assert load_config(str(tmp_path / "old.yaml")) == new
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump(old_tree))
+    assert read_run_config(str(run)) == new
+    assert load_config("configs/tiny.yaml", [f"{old}={'null' if want[n] is None else want[n]}"
+                                             for old, n in MOVED_KEYS.items()]) == new
+    err = capsys.readouterr().err
+    assert err.count("note:") == 1 and "model.scan_layers -> runtime.scan_layers" in err
+    (tmp_path / "both.yaml").write_text("model: {scan_layers: true}\nruntime: {scan_layers: false}\n")
+    with pytest.raises(ConfigError, match="keep only runtime.scan_layers"):
+        load_config(str(tmp_path / "both.yaml"))
+    with pytest.raises(ConfigError, match="model.remat' is runtime.remat now"):
+        config.from_dict(config.ModelConfig, {"remat": "full"}, "model")

@@ -179,7 +179,7 @@ def load_params(ckpt: HFCheckpoint, cfg: Config, *, mesh=None, routed_compute=No
     specs = fam.specs(cfg)
     scanned = cfg.runtime.scan_layers
     layer_params = params if not scanned else dict(nnx.to_flat_state(nnx.state(abstract_model(
-        replace(cfg, model=replace(cfg.model, scan_layers=False))))))
+        replace(cfg, runtime=replace(cfg.runtime, scan_layers=False))))))
     validate(ckpt, specs, layer_params, ckpt.config, cfg.model.tie_embeddings, getattr(fam, "ignored", None))
     sharding_of = target_shardings(state, mesh)
     groups = stacked_specs(specs, plan_segments(cfg)) if scanned else {s.path: [s] for s in specs}
