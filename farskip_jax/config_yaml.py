@@ -1,18 +1,54 @@
-"""YAML config files -> Config: `base:` inheritance, dotted command-line overrides, the kernels'
-environment overrides, and the checks of what a new run asks (config.py holds the sections).
+"""YAML config files -> config trees (plain dicts): `base:` inheritance, dotted `section.key=value`
+overrides, and old key names moved to their place (MOVED_KEYS). config.load_config builds the Config.
 
-    cfg = load_config("configs/tiny.yaml", ["train.steps=50", "runtime.remat=full"])
+    tree = apply_overrides(load_yaml_tree("configs/tiny.yaml"), ["runtime.remat=full"])
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Optional
 
 import yaml
 
-from farskip_jax.config import MOVED_KEYS, Config, from_dict, kernels_env_overrides, migrate_tree, note_moved
 from farskip_jax.errors import ConfigError
+
+# runtime keys that lived in model: / moe: before the split -> where they live now
+MOVED_KEYS = {f"{sec}.{k}": f"runtime.{k}" for sec, keys in (
+    ("model", ("param_dtype", "compute_dtype", "remat", "scan_layers", "micro_batches", "attention_impl",
+               "attention_block")),
+    ("moe", ("num_groups", "dispatch", "gpus_per_node", "gmm", "gmm_tile", "capacity_factor", "foe_tokens",
+             "foe_attention", "foe_sum_dtype", "aux_loss_weight", "z_loss_weight", "bias_update_rate"))) for k in keys}
+_NOTED: set = set()
+
+
+def migrate_tree(tree: dict, origin: str = "config") -> dict:
+    """`tree` (a config mapping) with each MOVED_KEYS key at its new place (note_moved); ConfigError when
+    the old and the new key hold different values."""
+    if not isinstance(tree, dict):
+        return tree
+    tree, moved = dict(tree), []
+    for old, new in MOVED_KEYS.items():
+        sec, key = old.split(".")
+        if isinstance(tree.get(sec), dict) and key in tree[sec]:
+            tree[sec] = dict(tree[sec])
+            value, rt = tree[sec].pop(key), dict(tree.get("runtime") or {})
+            if rt.get(key, value) != value:
+                raise ConfigError(f"{origin}: {old}={value!r} and {new}={rt.get(key)!r} both set {new} ({old} is its "
+                                  f"old name); keep only {new}")
+            tree["runtime"] = {**rt, key: value}
+            moved.append(f"{old} -> {new}")
+    note_moved(moved, origin)
+    return tree
+
+
+def note_moved(moved: list[str], origin: str) -> None:
+    """One note on stderr naming the old keys `origin` used (["old -> new", ...]); once per process."""
+    if moved and not _NOTED:
+        _NOTED.update(moved)
+        print(f"note: {origin} uses old key names, read at their new place ({', '.join(moved)}); "
+              "docs/config.md lists every key's section", file=sys.stderr)
 
 
 def _deep_merge(base: dict, over: dict) -> dict:
@@ -131,24 +167,3 @@ def apply_overrides(tree: dict, overrides: list[str]) -> dict:
             node = child
         node[parts[-1]] = value
     return tree
-
-
-def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> Config:
-    """Load `path` (or the defaults when None), apply the kernels' environment overrides
-    (kernels_env_overrides), then the dotted overrides, validate (check_request included)."""
-    tree = load_yaml_tree(path) if path else {}
-    tree = apply_overrides(tree, kernels_env_overrides() + list(overrides or []))
-    return check_request(from_dict(Config, tree))
-
-
-def check_request(cfg: Config) -> Config:
-    """`cfg` when what it asks a new run to do is possible as asked, else ConfigError: the warmup of
-    train.warmup_steps must fit in train.steps (the schedule would otherwise never reach train.lr).
-    Checked where a config is requested (load_config), not where a saved run's config is read back."""
-    t = cfg.train
-    if t.warmup_steps > t.steps:
-        raise ConfigError(
-           f"train.warmup_steps={t.warmup_steps} is longer than the run (train.steps={t.steps}): the learning rate "
-           f"would never reach train.lr on the schedule asked for; set train.warmup_steps <= {t.steps} "
-           f"(e.g. train.warmup_steps={t.steps // 10} for a short run)")
-    return cfg

@@ -9,12 +9,9 @@ turns a layer's (attn_input, moe_input) into its stream reads in model/connectiv
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from farskip_jax.errors import ConfigError
-
-if TYPE_CHECKING:  # the section type, for the annotation only (config.py imports this module)
-    from farskip_jax.config import FarSkipConfig
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -31,9 +28,9 @@ PRESETS: dict[str, tuple[str, str]] = {
 }
 
 
-def check_converted_layers(fs: FarSkipConfig, num_layers: int) -> frozenset[int]:
-    """The converted layers of `fs` on a num_layers model; ConfigError when a spec or list leaves the
-    model's layers, or when the set is empty while the preset (or attn_input / moe_input) converts:
+def check_converted_layers(fs, num_layers: int) -> frozenset[int]:
+    """The converted layers of the farskip section `fs` (config.FarSkipConfig) on a num_layers model;
+    ConfigError when a spec or list leaves the model's layers, or when the set is empty while the preset (or attn_input / moe_input) converts:
     such a run would be the standard model under a FarSkip banner. An empty set ('none', []) is
     meaningful only with farskip.preset: standard, which converts nothing anyway."""
     if isinstance(fs.layers, str):

@@ -128,9 +128,9 @@ def test_chunks_and_dispatch_dtype_options():
 # whole model
 # --------------------------------------------------------------------------------------------------
 
-def _cfg(dispatch, ep, data=-1, group_limited=False, **moe):
+def _cfg(dispatch, ep, data=-1, group_limited=False, **runtime):
     cfg = mw.tiny_config(ep=ep, dispatch=dispatch, data=data)
-    ov = {f"moe.{k}": v for k, v in moe.items()}
+    ov = {f"runtime.{k}": v for k, v in runtime.items()}
     if group_limited:  # 8 experts in 4 groups of 2, tokens pick from the best 2 groups
         ov.update({"moe.n_group": 4, "moe.topk_group": 2, "moe.scoring": "sigmoid", "moe.group_score": "top2_sum"})
     return replace(cfg, **ov) if ov else cfg

@@ -116,14 +116,15 @@ def test_saved_run_configs_keep_the_runtime_keys(hf_dir, tmp_path):
                                                                          for k in e2e}
 
 
-def test_an_old_layout_config_and_run_folder_load_at_the_new_places(tmp_path, capsys):
+def test_an_old_layout_config_and_run_folder_load_at_the_new_places(tmp_path, capsys, monkeypatch):
     """A YAML file, a run folder's config.yaml and an override in the layout before the runtime section
     (runtime keys under model: / moe:) load to the same Config as the new layout, with one note; the
     same key set at both places to different values is one ConfigError naming the new key."""
     import farskip_jax.config as config
+    import farskip_jax.config_yaml as config_yaml
     from farskip_jax.eval.loading import read_run_config
 
-    config._NOTED.clear()
+    monkeypatch.setattr(config_yaml, "_NOTED", set())  # this process may have printed the note already
     want = runtime_values()
     new = load_config("configs/tiny.yaml", _ov(want))
     old_tree = to_dict(new)
