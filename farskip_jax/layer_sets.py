@@ -30,8 +30,8 @@ PRESETS: dict[str, tuple[str, str]] = {
 
 def check_converted_layers(fs, num_layers: int) -> frozenset[int]:
     """The converted layers of the farskip section `fs` (config.FarSkipConfig) on a num_layers model;
-    ConfigError when a spec or list leaves the model's layers, or when the set is empty while the preset (or attn_input / moe_input) converts:
-    such a run would be the standard model under a FarSkip banner. An empty set ('none', []) is
+    ConfigError when a spec or list leaves the model's layers, or when the set is empty while the preset
+    (or attn_input / moe_input) converts: such a run would be the standard model under a FarSkip banner. An empty set ('none', []) is
     meaningful only with farskip.preset: standard, which converts nothing anyway."""
     if isinstance(fs.layers, str):
         conv = parse_layer_spec(fs.layers, num_layers)
