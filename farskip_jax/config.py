@@ -551,10 +551,12 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
             return int(value)
         _check(_is_int(value), f"{path}={value!r} must be an integer")
     elif tp is float:
-        try:  # YAML reads "1e-3" as a string
-            return float(value) if isinstance(value, (int, float, str)) and not isinstance(value, bool) else float("x")
-        except ValueError:
-            raise ConfigError(f"{path}={value!r} must be a number") from None
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            try:
+                return float(value)  # YAML reads "1e-3" as a string
+            except ValueError:
+                pass
+        raise ConfigError(f"{path}={value!r} must be a number")
     elif tp is str:
         _check(isinstance(value, str), f"{path}={value!r} must be a string")
     return value
