@@ -91,16 +91,17 @@ def check_args(a) -> None:
 
 def check_teacher_shape(cfg, teacher_run: str) -> None:
     """ConfigError when the run of --teacher-run holds another architecture than the model evaluated (the
-    weights could not be compared token by token); runtime keys (dtype, remat, dispatch, ...) may differ."""
-    from farskip_jax.config import RUNTIME_MODEL_KEYS, RUNTIME_MOE_KEYS, to_dict
+    weights could not be compared token by token); the architecture is the model and moe sections, the
+    runtime section (dtype, remat, dispatch, ...) may differ."""
+    from farskip_jax.config import to_dict
     from farskip_jax.errors import ConfigError
     from farskip_jax.loading.load import read_run_config
 
     teacher = read_run_config(os.path.abspath(teacher_run))
     diff = []
-    for section, runtime in (("model", RUNTIME_MODEL_KEYS), ("moe", RUNTIME_MOE_KEYS)):
+    for section in ("model", "moe"):
         mine, theirs = to_dict(getattr(cfg, section)), to_dict(getattr(teacher, section))
-        diff += [f"{section}.{k} {mine[k]!r} vs {theirs[k]!r}" for k in mine if k not in runtime and mine[k] != theirs[k]]
+        diff += [f"{section}.{k} {mine[k]!r} vs {theirs[k]!r}" for k in mine if mine[k] != theirs[k]]
     if diff:
         raise ConfigError(f"--teacher-run {teacher_run} holds another architecture than the model evaluated (evaluated "
                           f"vs teacher: {'; '.join(diff[:6])}{' ...' if len(diff) > 6 else ''}); compare weights of "
@@ -144,7 +145,7 @@ def run(a) -> dict:
                                           val_batches)
 
     check_args(a)
-    ov = _overrides(a.overrides)  # generate honours model.scan_layers (stacked layers decode as a scan)
+    ov = _overrides(a.overrides)  # generate honours runtime.scan_layers (stacked layers decode as a scan)
     if a.run and a.teacher_run:  # both configs, before any weights are read
         from farskip_jax.config import replace
         from farskip_jax.loading.load import read_run_config

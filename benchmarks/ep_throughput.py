@@ -5,9 +5,9 @@ bytes each all-to-all moves compared with the analytic minimum. Side by side in 
                                        [--experts 8] [--top-k 2] [--capacity-factor 1.25]
 
 Variants (same weights, same batch, train step = jax.value_and_grad of the next-token loss + SGD):
-  dp8        mesh data=8, moe.dispatch=local: experts replicated, each device routes its own tokens
-  ep8        mesh expert=8, moe.dispatch=all_to_all, dropless (capacity = worst case)
-  ep8@cfX    the same with moe.capacity_factor=X (fixed buffers ~X times the useful rows)
+  dp8        mesh data=8, runtime.dispatch=local: experts replicated, each device routes its own tokens
+  ep8        mesh expert=8, runtime.dispatch=all_to_all, dropless (capacity = worst case)
+  ep8@cfX    the same with runtime.capacity_factor=X (fixed buffers ~X times the useful rows)
 Timing: steps interleaved (one of each variant per round), median per variant; the ratios are
 against dp8. On a CPU the 8 "devices" share the host's cores and an all-to-all is a memory copy, so
 the ratio measures the overhead of the exchange code (packing, buffers, extra collectives), not
@@ -83,15 +83,15 @@ def main(argv=None) -> int:
     import numpy as np
     from flax import nnx
 
-    from farskip_jax.config import Config, MeshConfig, ModelConfig, MoEConfig, TrainConfig
+    from farskip_jax.config import Config, MeshConfig, ModelConfig, MoEConfig, RuntimeConfig, TrainConfig
     from farskip_jax.parallel import create_model, make_mesh, shard_batch
 
     def config(dispatch, expert, cf=None):
         return Config(
             model=ModelConfig(d_model=a.d_model, num_layers=a.layers, num_heads=4, num_kv_heads=2, vocab_size=256,
                               mlp_hidden=4 * a.d_model, max_seq_len=a.seq),
-            moe=MoEConfig(num_experts=a.experts, top_k=a.top_k, expert_hidden=a.expert_hidden, dispatch=dispatch,
-                          capacity_factor=cf, gmm=a.gmm),
+            moe=MoEConfig(num_experts=a.experts, top_k=a.top_k, expert_hidden=a.expert_hidden),
+            runtime=RuntimeConfig(dispatch=dispatch, capacity_factor=cf, gmm=a.gmm),
             mesh=MeshConfig(data=DEVICES // expert, expert=expert), train=TrainConfig(seq_len=a.seq, batch_size=a.batch))
 
     variants = {"dp8": config("local", 1), "ep8": config("all_to_all", DEVICES)}

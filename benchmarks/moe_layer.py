@@ -43,7 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from farskip_jax import kernels  # noqa: E402
-from farskip_jax.config import MoEConfig, kernels_from_env  # noqa: E402
+from farskip_jax.config import RuntimeConfig, kernels_from_env  # noqa: E402
 from farskip_jax.kernels.host_memory import keep_freed_memory  # noqa: E402
 from farskip_jax.model.experts import ExpertWeights, expert_swiglu, local_routed_compute  # noqa: E402
 from farskip_jax.model.layers import matmul_2d  # noqa: E402
@@ -57,14 +57,14 @@ SHAPES = {
 
 FRESH_PAGES = 16384  # minor page faults (64 MiB of 4 KiB pages) that mark a call as having grown the heap
 
-def make_moe_step(cfg: MoEConfig):
+def make_moe_step(cfg: RuntimeConfig, top_k: int, num_experts: int):
     def loss(params, x, ct):
         logits = matmul_2d(x, params["router"])
         probs = jax.nn.softmax(logits, -1)
-        w, idx = jax.lax.top_k(probs, cfg.top_k)
+        w, idx = jax.lax.top_k(probs, top_k)
         w = w / w.sum(-1, keepdims=True)
         route = RouteResult(indices=idx.astype(jnp.int32), weights=w, aux_loss=jnp.zeros(()),
-                            z_loss=jnp.zeros(()), load=jnp.zeros((cfg.num_experts,)))
+                            z_loss=jnp.zeros(()), load=jnp.zeros((num_experts,)))
         ew = ExpertWeights(params["w_gate"], params["w_up"], params["w_down"])
         out = local_routed_compute(x, route, ew, cfg)
         return jnp.sum(out.y * ct), out.dropped
@@ -72,7 +72,7 @@ def make_moe_step(cfg: MoEConfig):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
 
 
-def make_experts_only_step(group_sizes: jax.Array, cfg: MoEConfig):
+def make_experts_only_step(group_sizes: jax.Array, cfg: RuntimeConfig):
     """The backend's expert SwiGLU alone (experts.expert_swiglu) on rows already sorted by expert:
     no router, sort or un-sort. x here is the [N, d] sorted rows; same output format."""
     def loss(params, xs, ct):
@@ -126,7 +126,7 @@ def run_shape(name: str, backends: list[str], repeats: int, tile: int,
     moe_params = {"router": f32(d, e, std=0.5), "w_gate": f32(e, d, h), "w_up": f32(e, d, h), "w_down": f32(e, h, d)}
     dense_params = {"w_gate": f32(d, k * h), "w_up": f32(d, k * h), "w_down": f32(k * h, d)}
     variants = {"dense": (make_dense_step(), dense_params)}
-    if dtype != "float32":  # activations in dtype, weights float32 (master weights), as model.compute_dtype does
+    if dtype != "float32":  # activations in dtype, weights float32 (master weights), as runtime.compute_dtype does
         variants["dense[float32]"] = (make_dense_step(), dense_params, x, ct)
         x, ct = x.astype(dtype), ct.astype(dtype)
     for be in backends:
@@ -134,8 +134,8 @@ def run_shape(name: str, backends: list[str], repeats: int, tile: int,
         label = be
         if "@cf" in be:
             be, cf = be.split("@cf")[0], float(be.split("@cf")[1])
-        cfg = MoEConfig(num_experts=e, top_k=k, expert_hidden=h, gmm=be, gmm_tile=tile, capacity_factor=cf)
-        variants[label] = (make_moe_step(cfg), moe_params)
+        cfg = RuntimeConfig(gmm=be, gmm_tile=tile, capacity_factor=cf)
+        variants[label] = (make_moe_step(cfg, k, e), moe_params)
         if be in ("tiled", "blas") and cf is None:  # the same routing's group sizes, rows pre-sorted
             idx = np.argsort(-np.asarray(matmul_2d(x, moe_params["router"])), -1)[..., :k]
             sizes = jnp.asarray(np.bincount(idx.reshape(-1), minlength=e).astype(np.int32))
@@ -186,10 +186,10 @@ def main(argv=None) -> int:
     ap.add_argument("--backends", default=None,
                     help="comma list; default a: blas,tiled,einsum,ragged_dot,tiled@cf1.25  b: blas,tiled,einsum")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--tile", type=int, default=MoEConfig.gmm_tile)
+    ap.add_argument("--tile", type=int, default=RuntimeConfig.gmm_tile)
     ap.add_argument("--batch-b", type=int, default=SHAPES["b"]["batch"], help="batch of shape b")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                    help="activations' dtype (weights stay float32 master weights, as with model.compute_dtype); "
+                    help="activations' dtype (weights stay float32 master weights, as with runtime.compute_dtype); "
                          "bfloat16 adds a dense[float32] row to compare against")
     ap.add_argument("--malloc", choices=["default", "resident"], default="resident",
                     help="resident: glibc keeps freed memory (no fresh-page faults for either side); see above")

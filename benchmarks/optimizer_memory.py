@@ -29,7 +29,7 @@ def compile_temp(cfg, mode: str, layers: int, seq: int, guard: str) -> dict:
     from farskip_jax.analysis import memory as mp
     from farskip_jax.parallel.mesh import make_mesh
 
-    c = mp.cut_depth(mp.mode_config(cfg, mode, cfg.model.remat, cfg.mesh.fsdp), layers)
+    c = mp.cut_depth(mp.mode_config(cfg, mode, cfg.runtime.remat, cfg.mesh.fsdp), layers)
     mesh = make_mesh(c.mesh, mp.plan_devices(c))
     original = step.apply_if_finite
     step.apply_if_finite = functools.partial(original, guard=guard)

@@ -253,20 +253,20 @@ def cpu1_programs():
     c = _cfg
     return [
         ("train_tiny", _train(c(TINY))),
-        ("train_tiny_scan_farskip_remat", _train(c(TINY, ["model.scan_layers=true", "farskip.preset=farskip",
-                                                          "model.remat=full"]))),
-        ("train_tiny_scan_minimal_d2", _train(c(TINY, ["model.scan_layers=true", "farskip.preset=farskip",
-                                                       "farskip.skip_distance=2", "model.remat=minimal"]))),
-        ("train_tiny_tbo_farskip", _train(c(TINY, ["model.micro_batches=2", "farskip.preset=farskip"]))),
-        ("train_foe_tiny_farskip_remat", _train(c(FOE_TINY, ["farskip.preset=farskip", "model.remat=minimal"]))),
+        ("train_tiny_scan_farskip_remat", _train(c(TINY, ["runtime.scan_layers=true", "farskip.preset=farskip",
+                                                          "runtime.remat=full"]))),
+        ("train_tiny_scan_minimal_d2", _train(c(TINY, ["runtime.scan_layers=true", "farskip.preset=farskip",
+                                                       "farskip.skip_distance=2", "runtime.remat=minimal"]))),
+        ("train_tiny_tbo_farskip", _train(c(TINY, ["runtime.micro_batches=2", "farskip.preset=farskip"]))),
+        ("train_foe_tiny_farskip_remat", _train(c(FOE_TINY, ["farskip.preset=farskip", "runtime.remat=minimal"]))),
         ("train_foe_tiny_standard", _train(c(FOE_TINY))),
         ("prefill_tiny", _decode(c(TINY), 12)),
         ("decode_tiny_farskip", _decode(c(TINY, ["farskip.preset=farskip"]), 1)),
-        ("prefill_tiny_scan_farskip", _decode(c(TINY, ["model.scan_layers=true", "farskip.preset=farskip"]), 12)),
-        ("decode_tiny_scan_last2", _decode(c(TINY, ["model.scan_layers=true", "farskip.preset=farskip",
+        ("prefill_tiny_scan_farskip", _decode(c(TINY, ["runtime.scan_layers=true", "farskip.preset=farskip"]), 12)),
+        ("decode_tiny_scan_last2", _decode(c(TINY, ["runtime.scan_layers=true", "farskip.preset=farskip",
                                                     "farskip.layers=last:2"]), 1)),
-        ("decode_tiny_scan_unrolled", _decode(c(TINY, ["model.scan_layers=true"]), 1, scan=False)),
-        ("decode_tiny_tbo_farskip", _decode(c(TINY, ["model.micro_batches=2", "farskip.preset=farskip"]), 1)),
+        ("decode_tiny_scan_unrolled", _decode(c(TINY, ["runtime.scan_layers=true"]), 1, scan=False)),
+        ("decode_tiny_tbo_farskip", _decode(c(TINY, ["runtime.micro_batches=2", "farskip.preset=farskip"]), 1)),
         ("prefill_foe_tiny_farskip", _decode(c(FOE_TINY, ["farskip.preset=farskip"]), 12)),
         ("decode_foe_tiny", _decode(c(FOE_TINY), 1)),
     ]
@@ -317,8 +317,8 @@ def _tp_ep_forward(cfg):
     return build
 
 
-TP = ["inference.layout=tp_ep", "mesh.data=2", "mesh.tensor=4", "mesh.expert=1", "moe.capacity_factor=null"]
-FOE_SERVE = ["inference.layout=foe", "mesh.data=4", "mesh.expert=2", "moe.dispatch=local"]
+TP = ["inference.layout=tp_ep", "mesh.data=2", "mesh.tensor=4", "mesh.expert=1", "runtime.capacity_factor=null"]
+FOE_SERVE = ["inference.layout=foe", "mesh.data=4", "mesh.expert=2", "runtime.dispatch=local"]
 
 
 def cpu8_programs():
@@ -326,15 +326,15 @@ def cpu8_programs():
     return [
         ("tp_ep_forward_farskip", _tp_ep_forward(c(TINY, TP + ["farskip.preset=farskip"]))),
         ("tp_ep_forward_standard_replicated", _tp_ep_forward(c(TINY, TP + ["inference.shared_experts=replicated"]))),
-        ("tp_ep_forward_tbo_farskip", _tp_ep_forward(c(TINY, TP + ["farskip.preset=farskip", "model.micro_batches=2"]))),
+        ("tp_ep_forward_tbo_farskip", _tp_ep_forward(c(TINY, TP + ["farskip.preset=farskip", "runtime.micro_batches=2"]))),
         ("tp_ep_prefill_farskip", _decode(c(TINY, TP + ["farskip.preset=farskip"]), 12, layout_of=_tp_ep)),
         ("tp_ep_decode_standard", _decode(c(TINY, TP), 1, layout_of=_tp_ep)),
-        ("tp_ep_decode_scan_farskip", _decode(c(TINY, TP + ["farskip.preset=farskip", "model.scan_layers=true"]), 1,
+        ("tp_ep_decode_scan_farskip", _decode(c(TINY, TP + ["farskip.preset=farskip", "runtime.scan_layers=true"]), 1,
                                               layout_of=_tp_ep)),
-        ("tp_ep_decode_scan_replicated", _decode(c(TINY, TP + ["model.scan_layers=true",
+        ("tp_ep_decode_scan_replicated", _decode(c(TINY, TP + ["runtime.scan_layers=true",
                                                                "inference.shared_experts=replicated"]), 1,
                                                  layout_of=_tp_ep)),
-        ("tp_ep_decode_tbo_farskip", _decode(c(TINY, TP + ["farskip.preset=farskip", "model.micro_batches=2"]), 1,
+        ("tp_ep_decode_tbo_farskip", _decode(c(TINY, TP + ["farskip.preset=farskip", "runtime.micro_batches=2"]), 1,
                                              layout_of=_tp_ep)),
         ("foe_serve_prefill_farskip", _decode(c(FOE_TINY, FOE_SERVE + ["farskip.preset=farskip"]), 12,
                                               layout_of=_foe_layout)),
@@ -345,8 +345,8 @@ def cpu8_programs():
 DSV2 = "configs/deepseek_v2_lite.yaml"
 DSV3 = "configs/deepseek_v3_6l.yaml"
 GQA = ["model.attention=gqa", "model.num_kv_heads=16", "model.head_dim=128", "moe.n_group=1", "moe.topk_group=1"]
-HEADLINE = ["moe.dispatch=all_to_all", "moe.capacity_factor=1.0", "mesh.data=1", "mesh.expert=8",
-            "moe.gmm=auto", "model.attention_impl=auto"]
+HEADLINE = ["runtime.dispatch=all_to_all", "runtime.capacity_factor=1.0", "mesh.data=1", "mesh.expert=8",
+            "runtime.gmm=auto", "runtime.attention_impl=auto"]
 
 
 def _overlap(path, over, program: str, num_devices: int, gpn: int, batch: int, seq: int, proxy: bool):
@@ -390,10 +390,10 @@ def gpu_programs():
         for prog in ("train", "forward"):
             out.append((f"overlap_dsv2lite_{prog}_{preset}",
                         _overlap(DSV2, HEADLINE + [f"farskip.preset={preset}"], prog, 8, 8, 8, 1024, False)))
-    a2a = ["moe.dispatch=all_to_all", "moe.capacity_factor=1.0", "mesh.data=1", "mesh.expert=16"]
-    for name, over in (("standard", []), ("standard_tbo", ["model.micro_batches=2"]),
-                       ("farskip", []), ("farskip_tbo", ["model.micro_batches=2"]),
-                       ("foe", ["moe.num_groups=2"]), ("foe_farskip", ["moe.num_groups=2"])):
+    a2a = ["runtime.dispatch=all_to_all", "runtime.capacity_factor=1.0", "mesh.data=1", "mesh.expert=16"]
+    for name, over in (("standard", []), ("standard_tbo", ["runtime.micro_batches=2"]),
+                       ("farskip", []), ("farskip_tbo", ["runtime.micro_batches=2"]),
+                       ("foe", ["runtime.num_groups=2"]), ("foe_farskip", ["runtime.num_groups=2"])):
         preset = "farskip" if "farskip" in name else "standard"
         over = a2a + over + [f"farskip.preset={preset}"]
         path_over = GQA + over if name.startswith("foe") else over

@@ -1,5 +1,5 @@
 """Compile time and program size of a train step, layers unrolled (a Python loop) vs scanned
-(model.scan_layers), side by side, deviceless for 8 compile-only H100s (no GPU needed).
+(runtime.scan_layers), side by side, deviceless for 8 compile-only H100s (no GPU needed).
 
     JAX_PLATFORMS=cpu python -m benchmarks.scan_compile [--config configs/deepseek_v2_lite.yaml]
         [--layers 4,27,61] [--modes loop,scan] [--batch 8] [--seq 2048] [--timeout 1200]
@@ -44,8 +44,8 @@ def measure(config: str, layers: int, mode: str, batch: int, seq: int, overrides
     from farskip_jax.analysis.programs import analysis_mesh, grouped_gemm_proxy, train_program
     from farskip_jax.config import load_config
 
-    cfg = load_config(config, ["moe.dispatch=all_to_all", "moe.capacity_factor=1.0", *overrides,
-                               f"model.num_layers={layers}", f"model.scan_layers={str(mode == 'scan').lower()}"])
+    cfg = load_config(config, ["runtime.dispatch=all_to_all", "runtime.capacity_factor=1.0", *overrides,
+                               f"model.num_layers={layers}", f"runtime.scan_layers={str(mode == 'scan').lower()}"])
     mesh = analysis_mesh(cfg, gpu_devices("h100_sxm", 8))
     t0 = time.perf_counter()
     with grouped_gemm_proxy():
@@ -131,8 +131,8 @@ def overlap_facts(config: str, batch: int, seq: int, overrides: list[str]) -> di
 
     res = {}
     for preset in ("standard", "farskip"):
-        cfg = load_config(config, ["moe.dispatch=all_to_all", "moe.capacity_factor=1.0", *overrides,
-                                   "model.num_layers=4", "model.scan_layers=true", f"farskip.preset={preset}"])
+        cfg = load_config(config, ["runtime.dispatch=all_to_all", "runtime.capacity_factor=1.0", *overrides,
+                                   "model.num_layers=4", "runtime.scan_layers=true", f"farskip.preset={preset}"])
         mesh = analysis_mesh(cfg, gpu_devices("h100_sxm", 8))
         with grouped_gemm_proxy():
             fn, args = train_program(cfg, mesh, batch, seq)
@@ -155,8 +155,8 @@ def report_child(config: str, layers: int, layout: str, overrides: list[str], pa
     from farskip_jax.analysis.overlap import main as overlap_main
 
     out = path + ".dir"
-    argv = ["--config", config, *REPORT_FLAGS, "--out", out, "moe.dispatch=all_to_all", "moe.capacity_factor=1.0",
-            *overrides, f"model.num_layers={layers}", f"model.scan_layers={str(layout == 'scan').lower()}"]
+    argv = ["--config", config, *REPORT_FLAGS, "--out", out, "runtime.dispatch=all_to_all", "runtime.capacity_factor=1.0",
+            *overrides, f"model.num_layers={layers}", f"runtime.scan_layers={str(layout == 'scan').lower()}"]
     import contextlib
     import io
 

@@ -7,7 +7,7 @@ same run (so the ratio means something on a shared CPU).
     python -m benchmarks.train_throughput --presets standard --dense-matmul xla,auto     # BLAS projections
     python -m benchmarks.train_throughput --loss-chunks 0,64                             # chunked cross entropy
 
-Each variant (connectivity preset x model.compute_dtype [x kernels.dense_matmul, installed while the
+Each variant (connectivity preset x runtime.compute_dtype [x kernels.dense_matmul, installed while the
 variant's step is traced: `xla` = XLA's dot for the float32 projections, `auto` = the BLAS kernel])
 gets its own model and optimizer state from the same seed and the same batches of the embedded
 corpus; the variants' steps are timed interleaved (one step of each in turn), so ratios between
@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=20, help="timed steps per variant (after 2 warm-up steps)")
     p.add_argument("--presets", nargs="*", default=["standard", "farskip"])
     p.add_argument("--dtypes", default=None,
-                   help="comma list of model.compute_dtype values to compare (default: the config's)")
+                   help="comma list of runtime.compute_dtype values to compare (default: the config's)")
     p.add_argument("--malloc", choices=["resident", "default"], default="resident",
                    help="resident (as train.py on CPU): glibc keeps freed memory (farskip_jax/kernels/host_memory.py)")
     p.add_argument("--dense-matmul", default=None,
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     cfg = load_config(a.config, a.overrides)
     kernels.install(cfg.kernels)  # the CPU kernels of cfg (parallel/build.config_on does this in train.py)
     t = cfg.train
-    dtypes = a.dtypes.split(",") if a.dtypes else [cfg.model.compute_dtype]
+    dtypes = a.dtypes.split(",") if a.dtypes else [cfg.runtime.compute_dtype]
     flops_tok = train_flops_per_token(cfg, t.seq_len)
     print(f"{a.config}: {total_params(cfg) / 1e6:.2f}M params, {flops_tok / 1e6:.1f} MFLOP/token, "
           f"batch {t.batch_size} x {t.seq_len}, device {jax.devices()[0].device_kind}, "
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
         for dtype in dtypes:
             for dm in dense:
                 for lc in chunks:
-                    ch = {"farskip.preset": preset, "model.compute_dtype": dtype}
+                    ch = {"farskip.preset": preset, "runtime.compute_dtype": dtype}
                     if lc is not None:
                         ch["train.loss_chunk"] = lc
                     c = replace(cfg, **ch)

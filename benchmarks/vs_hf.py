@@ -9,7 +9,7 @@ agreement on the benchmark batch. Then one train step each (forward, cross entro
 loss, backward, global-norm clip 1.0, AdamW) is timed alternately on the same CPU and batch
 (ours: the project's jitted `make_train_step`; HF: model forward with router logits, backward,
 torch AdamW), median of `repeats`. --dtype bfloat16: both sides compute in bf16 with float32 weights
-(ours model.compute_dtype: bfloat16, which runs the AMX kernels on CPUs that have them; HF under
+(ours runtime.compute_dtype: bfloat16, which runs the AMX kernels on CPUs that have them; HF under
 torch.autocast). Prints tokens/s and the ratio ours / HF for each HF experts
 implementation asked for (`eager` is transformers' per-expert loop, `grouped_mm` its grouped GEMM).
 """
@@ -65,13 +65,13 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--hf-impl", default="eager,grouped_mm", help="transformers experts implementations to time")
     ap.add_argument("--attention-impl", default="auto",
-                    help="comma list of our model.attention_impl values to time side by side "
+                    help="comma list of our runtime.attention_impl values to time side by side "
                          "(auto = the model default: fused_cpu on CPU; naive, blockwise, causal_blocks, fused_cpu)")
     ap.add_argument("--attention-block", type=int, default=128,
-                    help="model.attention_block for the blockwise / causal_blocks cores (they fall back to "
+                    help="runtime.attention_block for the blockwise / causal_blocks cores (they fall back to "
                          "naive when the sequence is not longer than one block)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                    help="compute dtype of both sides: ours model.compute_dtype (float32 master weights), HF "
+                    help="compute dtype of both sides: ours runtime.compute_dtype (float32 master weights), HF "
                          "under torch.autocast(cpu, bfloat16) (float32 weights too)")
     ap.add_argument("--qwen3-30b-proportions", action="store_true",
                     help="Qwen3-30B-A3B's expert proportions at d_model 256: 128 experts, top-8, expert hidden 96")
@@ -100,17 +100,17 @@ def main(argv=None) -> int:
                 tmp, dtype=torch.float32, experts_implementation=impl).train()
         impls = args.attention_impl.split(",")
         # one import per attention core: the core is model config, held by the modules themselves
-        ours_models = {impl: import_hf(tmp, overrides={"moe.aux_loss_weight": hcfg.router_aux_loss_coef,
-                                                       "model.compute_dtype": args.dtype,
-                                                       "model.attention_impl": impl,
-                                                       "model.attention_block": args.attention_block})
+        ours_models = {impl: import_hf(tmp, overrides={"runtime.aux_loss_weight": hcfg.router_aux_loss_coef,
+                                                       "runtime.compute_dtype": args.dtype,
+                                                       "runtime.attention_impl": impl,
+                                                       "runtime.attention_block": args.attention_block})
                        for impl in impls}
     cfg, model = ours_models[impls[0]]
     cfg = replace(cfg, **{"train.lr": 1e-4, "train.warmup_steps": 1, "train.weight_decay": 0.1,
                           "train.grad_clip": 1.0, "train.batch_size": args.batch, "train.seq_len": args.seq})
     print(f"model: {args.layers} layers, d_model {args.d_model}, {args.experts} experts top-{args.top_k}, expert "
           f"hidden {args.expert_hidden}, vocab {args.vocab}; batch {args.batch} x seq {args.seq}; {args.dtype}; "
-          f"our gmm backend: {cfg.moe.gmm} (resolves per platform)", flush=True)
+          f"our gmm backend: {cfg.runtime.gmm} (resolves per platform)", flush=True)
 
     rng = np.random.default_rng(0)
     seq = rng.integers(0, args.vocab, (args.batch, args.seq + 1)).astype(np.int32)
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     tx, schedule = make_optimizer(cfg.train)
     ours_steps = {}
     for impl in impls:  # one state each (the step donates it)
-        vcfg = replace(cfg, **{"model.attention_impl": impl})
+        vcfg = replace(cfg, **{"runtime.attention_impl": impl})
         graphdef, state = init_state(ours_models[impl][1], tx, 0)
         state = jax.tree.map(jnp.copy, state)  # own buffers: the step donates them
         step = jax.jit(make_train_step(graphdef, vcfg, tx, schedule), donate_argnums=0)

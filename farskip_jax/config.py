@@ -1,11 +1,13 @@
 """Typed, frozen experiment configuration.
 
-A config is a tree of frozen dataclasses (`Config` with sections model, moe, farskip, mesh, train,
-data, distill, eval, inference, kernels). It is read from YAML files that may inherit from another file with
-`base: other.yaml` (path relative to the file), then patched by dotted command-line overrides
-(`model.num_layers=4 farskip.preset=attn_only`). Every key and value is checked: an unknown key fails
-with the nearest valid names, a wrong type names the key and the expected type, and impossible
-combinations (kv heads not dividing heads, top_k > experts, ...) fail with one `ConfigError`.
+A config is a tree of frozen dataclasses (`Config`, sections below). `model` and `moe` are the
+architecture, what a checkpoint fixes: loading weights replaces them whole (`Config.with_architecture`).
+`runtime` is how this run computes it (dtypes, scan, micro-batches, remat, kernels, dispatch, capacity,
+FoE layouts, MoE loss weights): no load touches it (docs/config.md gives every key its side). Keys that
+lived in model/moe before that split load at their new place (`MOVED_KEYS`, one note). Every key and
+value is checked: an unknown key fails with the nearest valid names, a wrong type names the key and the
+expected type, impossible combinations fail with one `ConfigError`. YAML files and overrides:
+config_yaml.py.
 
     cfg = load_config("configs/tiny.yaml", ["train.steps=50"])
     print(dump_config(cfg))
@@ -23,7 +25,9 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from farskip_jax.config_yaml import MOVED_KEYS, apply_overrides, load_yaml_tree, migrate_tree, note_moved  # noqa: F401
 from farskip_jax.errors import ConfigError
+from farskip_jax.layer_sets import PRESETS, check_converted_layers, parse_layer_spec
 
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -37,9 +41,15 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-# --------------------------------------------------------------------------------------------------
-# Sections
-# --------------------------------------------------------------------------------------------------
+def _ranges(obj, section: str, why: Optional[dict] = None, **bounds) -> None:
+    """ConfigError `section.key must be >= lo, got v` (`> 0` for bound "gt0") for the first key of `bounds`
+    out of range; None passes for a key whose default is None (the message then adds `or null`)."""
+    nullable = {f.name for f in dataclasses.fields(obj) if f.default is None}
+    for key, lo in bounds.items():
+        v, null = getattr(obj, key), key in nullable
+        op, lo = (">", 0) if lo == "gt0" else (">=", lo)
+        _check((v is None and null) or (v > lo if op == ">" else v >= lo),
+               f"{section}.{key} must be {op} {lo}{' or null' if null else ''}{(why or {}).get(key, '')}, got {v}")
 
 
 @dataclass(frozen=True)
@@ -61,8 +71,8 @@ class RopeScalingConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Transformer shape and numerics. Layer i is an MoE layer when i >= first_k_dense and
-    (i + 1) % moe_every == 0, unless `moe_layers` lists the MoE layers explicitly."""
+    """Transformer architecture. Layer i is an MoE layer when i >= first_k_dense and
+    (i + 1) % moe_every == 0, unless `moe_layers` lists the MoE layers."""
 
     vocab_size: int = 512
     d_model: int = 128
@@ -80,27 +90,9 @@ class ModelConfig:
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
-    max_seq_len: int = 2048
+    max_seq_len: int = 2048  # positions the checkpoint serves (HF max_position_embeddings)
     tie_embeddings: bool = False
     init_std: float = 0.02
-    param_dtype: DType = "float32"
-    compute_dtype: DType = "float32"
-    remat: Literal["none", "full", "dots", "minimal"] = "none"
-    # run the repeated layers as one jax.lax.scan per stack of identical layers (parameters stacked
-    # on a leading "layers" axis; model/stacking.py): compile time and program size stop growing
-    # with depth. A runtime key: checkpoints and HF folders convert at load (docs/scan.md)
-    scan_layers: bool = False
-    # two-batch overlap (TBO) when 2: each layer runs the batch as this many interleaved micro-batches
-    # whose sub-blocks do not depend on each other, so one's compute can run under another's
-    # collectives (model/layer_loop.py); the same values (dropless MoE), a runtime key
-    micro_batches: int = 1
-    # attention core: naive = one [t, s] score matrix; blockwise = flash-style online softmax over
-    # `attention_block`-token query/key blocks with the blocks above the causal diagonal skipped;
-    # causal_blocks = each query block against its key prefix (exact softmax, plain autodiff);
-    # fused_cpu = the C++ CPU kernel (kernels/attention.py: any mask, no [t, s] buffers in memory);
-    # auto = fused_cpu on CPU when the kernel builds here, naive elsewhere
-    attention_impl: Literal["auto", "naive", "blockwise", "causal_blocks", "fused_cpu"] = "auto"
-    attention_block: int = 512
     # --- pieces of imported families (convert/); the defaults keep the plain GQA model ---
     qk_norm_scope: Literal["head", "all_heads"] = "head"  # q/k RMSNorm per head or over all heads (OLMoE)
     qk_l2_norm: bool = False  # weightless L2 (RMS) norm of q/k after rope, rope layers only (Llama-4)
@@ -119,39 +111,23 @@ class ModelConfig:
     v_head_dim: int = 128  # MLA: per-head value dim
 
     def __post_init__(self):
-        for k in ("vocab_size", "d_model", "mlp_hidden", "max_seq_len"):
-            _check(getattr(self, k) >= 1, f"model.{k} must be >= 1, got {getattr(self, k)}")
-        _check(self.head_dim is None or self.head_dim >= 1, f"model.head_dim must be >= 1 or null (d_model / num_heads), "
-                                                            f"got {self.head_dim}")
-        _check(self.init_std >= 0 and self.norm_eps > 0 and self.rope_theta > 0,
-               f"model.init_std must be >= 0, model.norm_eps and model.rope_theta > 0 (got {self.init_std}, "
-               f"{self.norm_eps}, {self.rope_theta})")
-        _check(self.num_layers >= 1, f"model.num_layers must be >= 1, got {self.num_layers}")
-        _check(self.num_heads >= 1 and self.num_kv_heads >= 1, "model.num_heads and model.num_kv_heads must be >= 1")
-        _check(
-            self.num_heads % self.num_kv_heads == 0,
-            f"model.num_kv_heads={self.num_kv_heads} must divide model.num_heads={self.num_heads} "
-            f"(grouped-query attention shares each kv head among num_heads/num_kv_heads query heads)",
-        )
-        _check(
-            self.head_dim is not None or self.d_model % self.num_heads == 0,
-            f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}; "
-            "set model.head_dim explicitly",
-        )
-        _check(0 <= self.first_k_dense <= self.num_layers, "model.first_k_dense must be in [0, num_layers]")
-        _check(self.moe_every >= 1, "model.moe_every must be >= 1")
-        if self.moe_layers is not None:
-            bad = [i for i in self.moe_layers if not 0 <= i < self.num_layers]
-            _check(not bad, f"model.moe_layers has layer indices outside [0, {self.num_layers}): {bad}")
-        bad = [i for i in self.nope_layers + (self.chunked_layers or ()) if not 0 <= i < self.num_layers]
-        _check(not bad, f"model.nope_layers/chunked_layers have layer indices outside [0, {self.num_layers}): {bad}")
-        _check(self.attention_chunk_size is None or self.attention_chunk_size >= 1, "model.attention_chunk_size must be >= 1")
-        _check(self.attention_block >= 1, f"model.attention_block must be >= 1, got {self.attention_block}")
-        _check(self.micro_batches >= 1, f"model.micro_batches must be >= 1 (2 = two-batch overlap), got {self.micro_batches}")
+        n = self.num_layers
+        _ranges(self, "model", dict(head_dim=" (d_model / num_heads)"), vocab_size=1, d_model=1, mlp_hidden=1,
+                max_seq_len=1, head_dim=1, num_layers=1, num_heads=1, num_kv_heads=1, moe_every=1,
+                attention_chunk_size=1, init_std=0, norm_eps="gt0", rope_theta="gt0")
+        _check(self.num_heads % self.num_kv_heads == 0,
+               f"model.num_kv_heads={self.num_kv_heads} must divide model.num_heads={self.num_heads} "
+               f"(grouped-query attention shares each kv head among num_heads/num_kv_heads query heads)")
+        _check(self.head_dim is not None or self.d_model % self.num_heads == 0,
+               f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}; "
+               "set model.head_dim explicitly")
+        _check(0 <= self.first_k_dense <= n, "model.first_k_dense must be in [0, num_layers]")
+        for key in ("moe_layers", "nope_layers", "chunked_layers"):
+            bad = [i for i in getattr(self, key) or () if not 0 <= i < n]
+            _check(not bad, f"model.{key} has layer indices outside [0, {n}): {bad}")
         if self.attention == "mla":
             _check(self.qk_rope_head_dim % 2 == 0, f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even")
-            _check(self.kv_lora_rank >= 1 and (self.q_lora_rank is None or self.q_lora_rank >= 1),
-                   "model.kv_lora_rank and model.q_lora_rank must be >= 1")
+            _ranges(self, "model", kv_lora_rank=1, q_lora_rank=1)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -165,7 +141,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Routed + shared experts. `num_experts: 0` makes every layer dense."""
+    """Routed + shared experts and their router (architecture). `num_experts: 0` makes every layer dense."""
 
     num_experts: int = 8
     top_k: int = 2
@@ -179,93 +155,77 @@ class MoEConfig:
     topk_group: int = 1  # ... and tokens pick experts only from the best topk_group groups
     group_score: Literal["max", "top2_sum"] = "max"  # how a group is scored (V2: max, V3: top2_sum)
     selection_bias: bool = False  # aux-loss-free balancing: bias added for selection only
-    bias_update_rate: float = 1e-3
-    aux_loss_weight: float = 0.01  # load-balance loss weight
-    z_loss_weight: float = 0.0  # router z-loss weight
-    capacity_factor: Optional[float] = None  # None = dropless
-    dispatch: Literal["local", "all_to_all", "hierarchical", "ragged"] = "local"
-    # hierarchical dispatch: GPUs per node (a device's node = device.id // gpus_per_node); null = process_index
-    gpus_per_node: Optional[int] = None
-    gmm: Literal["auto", "blas", "ragged_dot", "tiled", "einsum"] = "auto"
-    gmm_tile: int = 256
-    num_groups: int = 1  # Federation of Experts groups (1 = ordinary MoE)
-    # FoE under expert parallelism: tokens between the groups' sub-blocks replicated over the device
-    # groups (the paper's layout) or sharded over them (dense parts once; parallel/foe.py, docs/foe.md)
-    foe_tokens: Literal["replicated", "sharded"] = "replicated"
-    # FoE, token-sharded only: where every group reads the same attention input (FarSkip-converted
-    # layers, layer 0) run it as the ordinary all-head attention on each device's own tokens (the same
-    # values, no cross-group sum or gather for it) instead of head groups on gathered copies
-    foe_attention: Literal["groups", "local"] = "groups"
-    # payload of the FoE cross-group sums / gathers: auto = the values' dtype (the compute dtype);
-    # float8_e4m3fn = per-token scaled fp8 (a lossy choice; token-sharded only; parallel/foe.py)
-    foe_sum_dtype: Literal["auto", "float32", "bfloat16", "float8_e4m3fn"] = "auto"
     shared_gate: bool = False  # shared-expert output *= sigmoid(x @ w_gate [d, 1]) (Qwen2-MoE)
     route_on_input: bool = False  # the routing weight scales the expert INPUT (Llama-4; needs top_k 1)
 
     def __post_init__(self):
-        _check(self.num_experts >= 0, "moe.num_experts must be >= 0")
-        _check(self.num_shared_experts >= 0, f"moe.num_shared_experts must be >= 0, got {self.num_shared_experts}")
-        for k in ("aux_loss_weight", "z_loss_weight", "bias_update_rate"):
-            _check(getattr(self, k) >= 0, f"moe.{k} must be >= 0, got {getattr(self, k)}")
-        if self.num_experts:
-            _check(self.expert_hidden >= 1, f"moe.expert_hidden must be >= 1, got {self.expert_hidden}")
-            _check(self.shared_hidden is None or self.shared_hidden >= 1,
-                   f"moe.shared_hidden must be >= 1 or null (expert_hidden x num_shared_experts), got {self.shared_hidden}")
-            _check(
-                1 <= self.top_k <= self.num_experts,
-                f"moe.top_k={self.top_k} must be between 1 and moe.num_experts={self.num_experts}",
-            )
-            _check(self.num_experts % self.n_group == 0, f"moe.n_group={self.n_group} must divide moe.num_experts={self.num_experts}")
+        e, k = self.num_experts, self.top_k
+        _ranges(self, "moe", num_experts=0, num_shared_experts=0)
+        if e:
+            _ranges(self, "moe", dict(shared_hidden=" (expert_hidden x num_shared_experts)"), expert_hidden=1,
+                    shared_hidden=1)
+            _check(1 <= k <= e, f"moe.top_k={k} must be between 1 and moe.num_experts={e}")
+            _check(e % self.n_group == 0, f"moe.n_group={self.n_group} must divide moe.num_experts={e}")
             _check(1 <= self.topk_group <= self.n_group, f"moe.topk_group={self.topk_group} must be in [1, moe.n_group={self.n_group}]")
-            _check(
-                self.n_group == 1 or self.top_k <= self.topk_group * (self.num_experts // self.n_group),
-                "moe.top_k exceeds the experts available in the selected groups (topk_group * num_experts / n_group)",
-            )
-        _check(self.capacity_factor is None or self.capacity_factor > 0, "moe.capacity_factor must be > 0 or null (dropless)")
-        _check(self.gmm_tile >= 1, "moe.gmm_tile must be >= 1")
-        _check(self.gpus_per_node is None or self.gpus_per_node >= 1, "moe.gpus_per_node must be >= 1 or null")
-        _check(self.gpus_per_node is None or self.dispatch == "hierarchical",
-               f"moe.gpus_per_node is read by moe.dispatch=hierarchical only (got dispatch={self.dispatch!r})")
-        _check(self.num_groups >= 1, "moe.num_groups must be >= 1")
-        _check(self.foe_attention == "groups" or self.foe_tokens == "sharded",
-               "moe.foe_attention=local needs moe.foe_tokens=sharded (with replicated tokens every device "
-               "group would run the whole attention on all tokens)")
-        _check(self.foe_sum_dtype != "float8_e4m3fn" or self.foe_tokens == "sharded",
-               "moe.foe_sum_dtype=float8_e4m3fn needs moe.foe_tokens=sharded (the fp8 sum is an all-to-all "
-               "of scaled shards plus a local sum, i.e. a reduce-scatter)")
-        _check(not self.route_on_input or self.top_k == 1,
-               f"moe.route_on_input scales each expert's input by its weight and needs moe.top_k=1, got {self.top_k}")
+            _check(self.n_group == 1 or k <= self.topk_group * (e // self.n_group),
+                   "moe.top_k exceeds the experts available in the selected groups (topk_group * num_experts / n_group)")
+        _check(not self.route_on_input or k == 1,
+               f"moe.route_on_input scales each expert's input by its weight and needs moe.top_k=1, got {k}")
 
     @property
     def resolved_shared_hidden(self) -> int:
         return self.shared_hidden if self.shared_hidden is not None else self.expert_hidden * self.num_shared_experts
 
 
-PRESETS: dict[str, tuple[str, str]] = {
-    # preset -> (attn_input, moe_input) on converted layers (docs/design.md section 1)
-    "standard": ("full", "full"),
-    "farskip": ("partial", "outdated"),
-    "attn_only": ("partial", "full"),
-    "mlp_only": ("full", "outdated"),
-}
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How this run computes the architecture; no checkpoint fixes any of it, so loading weights keeps
+    every key as the user set it (docs/config.md: each key's side and why)."""
+
+    param_dtype: DType = "float32"
+    compute_dtype: DType = "float32"
+    remat: Literal["none", "full", "dots", "minimal"] = "none"
+    scan_layers: bool = False  # one lax.scan per stack of identical layers (model/stacking.py, docs/scan.md)
+    micro_batches: int = 1  # 2: two-batch overlap, interleaved independent micro-batches (model/layer_loop.py)
+    # attention core (kernels/attention.py): naive [t, s] scores; blockwise = flash-style over attention_block
+    # tokens; causal_blocks = each query block against its key prefix; fused_cpu = the C++ CPU kernel; auto
+    attention_impl: Literal["auto", "naive", "blockwise", "causal_blocks", "fused_cpu"] = "auto"
+    attention_block: int = 512
+    num_groups: int = 1  # Federation of Experts groups (1 = ordinary MoE); the same weights for any H
+    dispatch: Literal["local", "all_to_all", "hierarchical", "ragged"] = "local"
+    gpus_per_node: Optional[int] = None  # hierarchical dispatch: node = device.id // this (null: process_index)
+    gmm: Literal["auto", "blas", "ragged_dot", "tiled", "einsum"] = "auto"
+    gmm_tile: int = 256
+    capacity_factor: Optional[float] = None  # None = dropless
+    foe_tokens: Literal["replicated", "sharded"] = "replicated"  # FoE under EP: tokens over device groups
+    foe_attention: Literal["groups", "local"] = "groups"  # local: shared-input attention on own tokens
+    foe_sum_dtype: Literal["auto", "float32", "bfloat16", "float8_e4m3fn"] = "auto"  # FoE sum payload
+    aux_loss_weight: float = 0.01  # load-balance loss weight
+    z_loss_weight: float = 0.0  # router z-loss weight
+    bias_update_rate: float = 1e-3  # moe.selection_bias: the bias step per update
+
+    def __post_init__(self):
+        _ranges(self, "runtime", dict(micro_batches=" (2 = two-batch overlap)", capacity_factor=" (dropless)"), aux_loss_weight=0, z_loss_weight=0,
+                bias_update_rate=0, attention_block=1, micro_batches=1, capacity_factor="gt0", gmm_tile=1,
+                gpus_per_node=1, num_groups=1)
+        _check(self.gpus_per_node is None or self.dispatch == "hierarchical",
+               f"runtime.gpus_per_node is read by runtime.dispatch=hierarchical only (got dispatch={self.dispatch!r})")
+        _check(self.foe_attention == "groups" or self.foe_tokens == "sharded",
+               "runtime.foe_attention=local needs runtime.foe_tokens=sharded (with replicated tokens every device "
+               "group would run the whole attention on all tokens)")
+        _check(self.foe_sum_dtype != "float8_e4m3fn" or self.foe_tokens == "sharded",
+               "runtime.foe_sum_dtype=float8_e4m3fn needs runtime.foe_tokens=sharded (the fp8 sum is an all-to-all "
+               "of scaled shards plus a local sum, i.e. a reduce-scatter)")
 
 
 @dataclass(frozen=True)
 class FarSkipConfig:
-    """Which stream each sub-block reads (docs/design.md section 1).
-
-    preset: standard | farskip | attn_only | mlp_only; `attn_input` / `moe_input` override the
-    preset's choice on converted layers. `layers` selects the converted layers: "all", "none",
-    "first:N", "last:N", "range:A:B" (A inclusive, B exclusive) or a list of layer indices, within
-    the model's layers (Config refuses a set outside them, and an empty one unless preset is standard).
-    `skip_distance: d` makes partial/outdated attention inputs lack the MoE outputs of the last d
-    layers (d = 1 is the paper's FarSkip).
-
-    `layers: auto` (budgeted conversion, FCSD only): the set is chosen at the start of the
-    distillation from an untrained sweep on the teacher so that the predicted val-loss gap after FCSD
-    stays within `distill.auto_budget` (fcsd/planner.py, docs/fcsd.md "Budgeted conversion"); the run folder
-    keeps the chosen set and the resolved config. An unresolved `auto` never reaches a model:
-    `converted_layers` refuses it."""
+    """Which stream each sub-block reads (docs/design.md section 1); the run's choice, defaulted by an
+    exported folder's "farskip_jax" section on import (convert/connectivity.py). preset: standard |
+    farskip | attn_only | mlp_only; attn_input / moe_input override the preset on converted layers;
+    `layers`: the converted layers (layer_sets.py forms; `auto`: chosen by FCSD within
+    distill.auto_budget, fcsd/planner.py); `skip_distance: d`: partial/outdated inputs lack the MoE
+    outputs of the last d layers (1 = the paper's FarSkip)."""
 
     preset: str = "standard"
     attn_input: Optional[Literal["full", "partial", "outdated"]] = None
@@ -274,24 +234,17 @@ class FarSkipConfig:
     skip_distance: int = 1
 
     def __post_init__(self):
-        _check(
-            self.preset in PRESETS,
-            f"farskip.preset={self.preset!r} is unknown; choose one of {sorted(PRESETS)}"
-            + _suggest(self.preset, list(PRESETS)),
-        )
-        _check(self.skip_distance >= 1, f"farskip.skip_distance must be >= 1, got {self.skip_distance}")
-        auto = self.layers == "auto"
-        if isinstance(self.layers, str) and not auto:
+        _check(self.preset in PRESETS, f"farskip.preset={self.preset!r} is unknown; choose one of {sorted(PRESETS)}"
+               + _suggest(self.preset, list(PRESETS)))
+        _ranges(self, "farskip", skip_distance=1)
+        if isinstance(self.layers, str) and self.layers != "auto":
             parse_layer_spec(self.layers, None)  # syntax check; range checked against num_layers by Config
-        if auto:
-            _check(self.preset != "standard",
-                   "farskip.layers: auto chooses which layers to convert, but farskip.preset is standard (nothing to "
-                   "convert); set farskip.preset: farskip (or attn_only / mlp_only)")
+        _check(self.layers != "auto" or self.preset != "standard",
+               "farskip.layers: auto chooses which layers to convert, but farskip.preset is standard (nothing to "
+               "convert); set farskip.preset: farskip (or attn_only / mlp_only)")
 
     def converted_layers(self, num_layers: int) -> frozenset[int]:
-        if isinstance(self.layers, str):
-            return parse_layer_spec(self.layers, num_layers)
-        return frozenset(self.layers)
+        return parse_layer_spec(self.layers, num_layers) if isinstance(self.layers, str) else frozenset(self.layers)
 
     def layer_inputs(self, i: int, num_layers: int) -> tuple[str, str]:
         """(attn_input, moe_input) of layer i."""
@@ -299,80 +252,6 @@ class FarSkipConfig:
             return ("full", "full")
         attn, moe = PRESETS[self.preset]
         return (self.attn_input or attn, self.moe_input or moe)
-
-
-def check_converted_layers(fs: FarSkipConfig, num_layers: int) -> frozenset[int]:
-    """The converted layers of `fs` on a num_layers model; ConfigError when a spec or list leaves the
-    model's layers, or when the set is empty while the preset (or attn_input / moe_input) converts:
-    such a run would be the standard model under a FarSkip banner. An empty set ('none', []) is
-    meaningful only with farskip.preset: standard, which converts nothing anyway."""
-    if isinstance(fs.layers, str):
-        conv = parse_layer_spec(fs.layers, num_layers)
-    else:
-        conv = frozenset(fs.layers)
-        bad = sorted(i for i in conv if not 0 <= i < num_layers)
-        _check(not bad, f"farskip.layers lists layers outside [0, {num_layers}): {bad} (model.num_layers={num_layers}); "
-                        "valid forms: " + layer_spec_forms(num_layers))
-    converting = fs.preset != "standard" or fs.attn_input not in (None, "full") or fs.moe_input not in (None, "full")
-    _check(conv or not converting,
-           f"farskip.layers={fs.layers if isinstance(fs.layers, str) else list(fs.layers)!r} converts none of the "
-           f"{num_layers} layers, so farskip.preset={fs.preset!r} would run the standard model; set farskip.layers to "
-           f"the layers to convert (valid forms: {layer_spec_forms(num_layers)}) or farskip.preset: standard")
-    return conv
-
-
-def layer_spec_forms(num_layers: Optional[int] = None) -> str:
-    """The valid forms of farskip.layers (for error messages), with the bounds of a num_layers model."""
-    n = "L" if num_layers is None else str(num_layers)
-    return (f"'all', 'first:N' or 'last:N' with 1 <= N <= {n}, 'range:A:B' with 0 <= A < B <= {n} (B exclusive), "
-            f"a list of layer indices in [0, {n}), or 'none' (no converted layer: only with farskip.preset: standard)")
-
-
-def parse_layer_spec(spec: str, num_layers: Optional[int]) -> frozenset[int]:
-    """'all' | 'none' | 'first:N' | 'last:N' | 'range:A:B' -> set of layer indices ('auto' is not a
-    set: it is resolved to one before any model sees it, fcsd/distill.resolve_auto_layers).
-
-    Nothing is clamped: N must be in [0, num_layers], A <= B within [0, num_layers], else ConfigError
-    naming the spec, the layer count and the valid forms. first:0, last:0 and range:A:A are exact
-    empty sets (a sweep's zero point); Config refuses an empty set under a converting preset.
-    num_layers=None checks the syntax only (FarSkipConfig; Config checks the bounds against the model)."""
-    s = spec.strip()
-    if s == "auto":
-        raise ConfigError(
-            "farskip.layers=auto has not been resolved to a layer set: FCSD (train.mode: distill) chooses it at the "
-            "start of the run, and `python -m farskip_jax.analysis.conversion_plan` plans it without training; elsewhere set an "
-            "explicit set (a run's choice is in <run_dir>/farskip_auto.json and its config.yaml)")
-    bounds = None
-    try:
-        if s == "all":
-            return frozenset(range(num_layers or 0))
-        if s == "none":
-            return frozenset()
-        kind, _, rest = s.partition(":")
-        if kind in ("first", "last"):
-            n = int(rest)
-            if num_layers is None:
-                return frozenset()  # syntax only: bounds need the model
-            if not 0 <= n <= num_layers:
-                bounds = f"N={n} is outside [0, {num_layers}]"
-            else:
-                return frozenset(range(n)) if kind == "first" else frozenset(range(num_layers - n, num_layers))
-        elif kind == "range":
-            a, b = (int(v) for v in rest.split(":"))
-            if num_layers is None:
-                return frozenset()
-            if not 0 <= a <= b <= num_layers:
-                bounds = f"A={a}, B={b} do not satisfy 0 <= A <= B <= {num_layers}"
-            else:
-                return frozenset(range(a, b))
-    except ValueError:
-        pass
-    if bounds is not None:
-        raise ConfigError(f"farskip.layers={spec!r} does not fit the model's {num_layers} layers (model.num_layers="
-                          f"{num_layers}): {bounds}; valid forms: "
-                          + layer_spec_forms(num_layers))
-    raise ConfigError(f"farskip.layers={spec!r} is not a layer set; use 'all', 'none', 'first:N', 'last:N', "
-                      "'range:A:B' or a list of layer indices like [1, 2, 5]")
 
 
 @dataclass(frozen=True)
@@ -425,14 +304,14 @@ class TrainConfig:
     peak_flops: Optional[float] = None  # per device, for MFU
     tensorboard: bool = True
     time_limit_s: Optional[float] = None  # stop (with a checkpoint) after this many seconds of training
-    # cross entropy from the final stream `loss_chunk` sequence positions at a time (losses/chunked.py):
-    # the f32 logits of [batch, loss_chunk] tokens live at once instead of [batch, seq_len]; 0 / null = full logits
-    loss_chunk: Optional[int] = None
+    loss_chunk: Optional[int] = None  # cross entropy loss_chunk positions at a time (losses/chunked.py); 0/null: all
 
     def __post_init__(self):
-        for k in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_batches"):
-            _check(getattr(self, k) >= 1, f"train.{k} must be >= 1, got {getattr(self, k)}")
-        _check(self.lr > 0, "train.lr must be > 0")
+        off = " (0 turns it off)"
+        _ranges(self, "train", dict(weight_decay=off, grad_clip=off, eval_every=off, time_limit_s=" (seconds; null: no limit)",
+                                    peak_flops=" (FLOP/s per device; null: measured on CPU)"),
+                steps=1, batch_size=1, seq_len=1, grad_accum=1, log_every=1, eval_batches=1, lr="gt0", warmup_steps=0,
+                weight_decay=0, grad_clip=0, eval_every=0, peak_flops="gt0", time_limit_s="gt0")
         _check(_is_int(self.keep_checkpoints) and self.keep_checkpoints >= 1,
                f"train.keep_checkpoints={self.keep_checkpoints!r}: keep at least 1 checkpoint (the run's final one); "
                "set it to 1 or more")
@@ -442,22 +321,14 @@ class TrainConfig:
         _check(self.resume_step is None or (_is_int(self.resume_step) and self.resume_step >= 0),
                f"train.resume_step={self.resume_step!r}: give a checkpoint step of the run (an int >= 0), or null for "
                "the newest")
-        _check(self.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
         _check(0.0 <= self.min_lr_ratio <= 1.0, f"train.min_lr_ratio must be in [0, 1] (final lr / train.lr), "
                                                 f"got {self.min_lr_ratio}")
         _check(0.0 <= self.b1 < 1.0 and 0.0 <= self.b2 < 1.0,
                f"train.b1 and train.b2 (AdamW moment decays) must be in [0, 1), got {self.b1}, {self.b2}")
-        for k in ("weight_decay", "grad_clip", "eval_every"):
-            _check(getattr(self, k) >= 0, f"train.{k} must be >= 0 (0 turns it off), got {getattr(self, k)}")
         _check(0 <= self.seed < 2**32, f"train.seed must be in [0, 2**32) (it seeds the weights and the data order), "
                                        f"got {self.seed}")
-        _check(self.peak_flops is None or self.peak_flops > 0,
-               f"train.peak_flops must be > 0 (FLOP/s per device) or null (measured on CPU), got {self.peak_flops}")
-        _check(self.time_limit_s is None or self.time_limit_s > 0,
-               f"train.time_limit_s must be > 0 seconds or null (no limit), got {self.time_limit_s}")
         _check(self.batch_size % self.grad_accum == 0, "train.grad_accum must divide train.batch_size")
-        _check(self.loss_chunk is None or (isinstance(self.loss_chunk, int) and not isinstance(self.loss_chunk, bool)
-                                           and self.loss_chunk >= 0),
+        _check(self.loss_chunk is None or (_is_int(self.loss_chunk) and self.loss_chunk >= 0),
                f"train.loss_chunk={self.loss_chunk!r}: give sequence positions per loss chunk (an int >= 1, e.g. 512), "
                "or 0 / null for the full logits")
 
@@ -476,15 +347,12 @@ class DataConfig:
     shuffle: bool = True  # shuffle training documents (deterministic from train.seed)
     shard_by: Literal["rows", "docs"] = "rows"  # multi-process split: rows of each global batch, or documents
     prefetch: int = 2  # training batches a background thread prepares ahead of the step (0: none)
-    # jsonl / arrayrecord records that do not read (bad JSON, no text field, bad token ids): false = one error
-    # naming the first (file, line / record, what is wrong) before the run starts; true = drop them, with a count
-    skip_bad_records: bool = False
+    skip_bad_records: bool = False  # unreadable jsonl/arrayrecord records: false = one error naming the first; true = drop, counted
 
     def __post_init__(self):
         _check(0.0 < self.val_fraction < 1.0, "data.val_fraction must be in (0, 1)")
-        _check(self.max_docs is None or self.max_docs >= 1,
-               f"data.max_docs must be >= 1 or null (every document), got {self.max_docs}")
-        _check(self.prefetch >= 0, "data.prefetch must be >= 0 (batches prepared ahead; 0 turns it off)")
+        _ranges(self, "data", dict(max_docs=" (every document)", prefetch=" (batches prepared ahead; 0 turns it off)"),
+                max_docs=1, prefetch=0)
         _check(self.source == "stdlib" or len(self.paths) > 0, f"data.source={self.source!r} needs data.paths")
 
 
@@ -503,7 +371,6 @@ class DistillConfig:
     patience: int = 20
     max_drop: float = 0.02  # stop when the metric is this much (relative) worse than the best; <= 0: off
     eval_every: int = 1000
-    # --- added for fcsd/distill.py; defaults keep the behaviour above ---
     init_from_run: Optional[str] = None  # run folder (pretrain or distill) whose newest checkpoint = teacher + student
     export_hf: Optional[str] = None  # folder to write the best student to in HF format (convert/export.py)
     export_family: Optional[str] = None  # HF model_type for export when the weights did not come from an HF folder
@@ -514,12 +381,8 @@ class DistillConfig:
     auto_search: Literal["ends", "greedy"] = "ends"  # candidate sets: first/last N; greedy: + one layer at a time
 
     def __post_init__(self):
-        _check(self.temperature > 0, f"distill.temperature must be > 0, got {self.temperature}")
-        _check(self.top_k_logits >= 0, f"distill.top_k_logits must be >= 0 (0 = full distribution), got {self.top_k_logits}")
-        _check(self.patience >= 1 and self.eval_every >= 1, "distill.patience and distill.eval_every must be >= 1")
-        _check(min(self.kl_weight, self.ce_weight, self.hidden_weight) >= 0,
-               "distill weights (kl_weight, ce_weight, hidden_weight) must be >= 0")
-        _check(self.max_tokens is None or self.max_tokens >= 1, "distill.max_tokens must be >= 1 or null")
+        _ranges(self, "distill", dict(top_k_logits=" (0 = full distribution)"), temperature="gt0", top_k_logits=0,
+                patience=1, eval_every=1, kl_weight=0, ce_weight=0, hidden_weight=0, max_tokens=1)
         _check(self.auto_budget is None or 0 < self.auto_budget <= 1,
                f"distill.auto_budget must be a relative val-loss gap in (0, 1] (0.01 = 1%), got {self.auto_budget}")
         _check(self.auto_retention is None or 0 < self.auto_retention <= 1,
@@ -538,30 +401,22 @@ class EvalConfig:
     temperature: float = 0.0
 
     def __post_init__(self):
-        _check(self.batches >= 1, f"eval.batches must be >= 1 (validation batches), got {self.batches}")
-        _check(self.max_new_tokens >= 1, f"eval.max_new_tokens must be >= 1 (tokens to generate), got {self.max_new_tokens}")
-        _check(0.0 < self.top_p <= 1.0,
-               f"eval.top_p={self.top_p} must be in (0, 1]: the probability mass sampling keeps (1 = all tokens; "
-               "0 would keep none)")
+        _ranges(self, "eval", dict(batches=" (validation batches)", max_new_tokens=" (tokens to generate)"),
+                batches=1, max_new_tokens=1)
+        _check(0.0 < self.top_p <= 1.0, f"eval.top_p={self.top_p} must be in (0, 1]: the probability mass sampling "
+                                        "keeps (1 = all tokens; 0 would keep none)")
         _check(self.temperature >= 0.0,
                f"eval.temperature={self.temperature} must be >= 0 (0 = greedy decoding, > 0 = sampling)")
 
 
 @dataclass(frozen=True)
 class InferenceConfig:
-    """Mesh layout of generation / inference (serving/tp_ep.py, docs/inference.md).
-    `training`: the training layout (batch over data x fsdp x expert, EP all-to-alls); `tp_ep`: the
-    paper's serving layout, attention heads over mesh.tensor and the experts over
-    mesh.expert x mesh.tensor with replicated activations, each sub-block ending in an all-reduce.
-    `dp_ep`: SGLang's large-scale EP layout, attention data parallel (each device its own requests and
-    KV cache) and the experts over mesh.expert by the training's all-to-all dispatch (serving/dp_ep.py).
-    `foe`: Federation of Experts with each group on its own GPUs (mesh.expert = a multiple of
-    moe.num_groups), tokens replicated over the groups, one cross-group all-reduce per layer
-    (serving/foe.py).
-    `shared_experts` (tp_ep): `tensor` = the shared experts split over mesh.tensor like a dense MLP,
-    their partial sum joining the attention all-reduce where the MoE reads R_{k-1} (FarSkip) or the
-    routed all-reduce where every attention reads the full stream (the authors' SGLang layout; 1/tensor
-    of their weights per GPU); `replicated` = whole shared experts on every GPU, no collective of their own."""
+    """Mesh layout of generation (serving/, docs/inference.md). training: the training layout; tp_ep: heads
+    over mesh.tensor, experts over mesh.expert x mesh.tensor, replicated activations, an all-reduce per
+    sub-block; dp_ep: SGLang's large-scale EP layout, attention data parallel (each device its own
+    requests and KV cache), experts over mesh.expert by the training's all-to-all (serving/dp_ep.py);
+    foe: each Federation of Experts group on its own GPUs (serving/foe.py). shared_experts
+    (tp_ep): `tensor` splits them over mesh.tensor, `replicated` keeps them whole on every GPU."""
 
     layout: Literal["training", "tp_ep", "dp_ep", "foe"] = "training"
     shared_experts: Literal["tensor", "replicated"] = "tensor"
@@ -569,14 +424,11 @@ class InferenceConfig:
 
 @dataclass(frozen=True)
 class KernelsConfig:
-    """The optional CPU fast paths (farskip_jax/kernels/, docs/cpu_speed.md): C++ XLA FFI kernels for
-    the grouped matmul (moe.gmm: blas), the attention core (model.attention_impl: fused_cpu) and the
-    dense matmuls of Linear layers. Only programs lowered for the CPU ever contain them. Installed into
-    the model's backend seam (kernels/ops.py) where a model is built from a config
-    (parallel/build.config_on; scripts that build a Transformer by hand call kernels.install).
-    Each key has an environment override that load_config reads and validates (KERNELS_ENV)."""
+    """The optional CPU fast paths (farskip_jax/kernels/, docs/cpu_speed.md): C++ XLA FFI kernels for the
+    grouped matmul (runtime.gmm: blas), the attention core (runtime.attention_impl: fused_cpu) and the
+    float32 Linear matmuls, in CPU programs only. Each key has an environment override (KERNELS_ENV)."""
 
-    enabled: bool = True  # false: plain JAX everywhere (moe.gmm auto -> tiled, attention auto -> naive)
+    enabled: bool = True  # false: plain JAX everywhere (runtime.gmm auto -> tiled, attention auto -> naive)
     dense_matmul: Literal["auto", "xla"] = "auto"  # auto: float32 Linear dots through BLAS in one-device CPU programs
     amx: Literal["auto", "off"] = "auto"  # auto: bf16 matmuls on Intel AMX tiles where the CPU has them
     blas: Literal["auto", "mkl", "openblas"] = "auto"  # auto: MKL on Intel CPUs with the `mkl` extra, else OpenBLAS
@@ -592,6 +444,175 @@ class KernelsConfig:
                f"kernels.blas_lib={self.blas_lib!r} and kernels.blas={self.blas!r} both choose the BLAS library; set one")
 
 
+@dataclass(frozen=True)
+class Config:
+    """Everything a run needs. `init_from_hf`: an HF checkpoint folder to start from."""
+
+    name: str = "run"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    farskip: FarSkipConfig = field(default_factory=FarSkipConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    init_from_hf: Optional[str] = None
+
+    def with_architecture(self, src: "Config") -> "Config":
+        """This config with the architecture (model and moe sections, whole) of a checkpoint's config
+        `src`; runtime, farskip and every other section stay this config's."""
+        return dataclasses.replace(self, model=src.model, moe=src.moe)
+
+    def __post_init__(self):
+        m, e, r, mesh, d, fs = self.model, self.moe, self.runtime, self.mesh, self.distill, self.farskip
+        g = r.num_groups
+        if e.num_experts and g > 1:
+            for what, n in (("model.num_kv_heads", m.num_kv_heads), ("moe.num_experts", e.num_experts),
+                            ("moe.top_k", e.top_k)):
+                _check(n % g == 0, f"runtime.num_groups={g} must divide {what}={n}")
+            _check(mesh.expert % g == 0 or g % mesh.expert == 0,
+                   f"runtime.num_groups={g} and mesh.expert={mesh.expert} must divide one another")
+        _check(not e.num_experts or mesh.expert <= 1 or e.num_experts % mesh.expert == 0,
+               f"moe.num_experts={e.num_experts} is not divisible by the expert-parallel size mesh.expert={mesh.expert}; "
+               "pick an expert-parallel size that divides the experts")
+        _check(self.inference.layout != "foe" or g > 1,
+               "inference.layout=foe runs a Federation of Experts: set runtime.num_groups to the number of groups "
+               "(the paper: one per GPU, = mesh.expert)")
+        # tp_ep has its own MoE exchange; foe with one group per device needs none (serving/foe.py checks)
+        _check(mesh.expert <= 1 or self.inference.layout in ("tp_ep", "foe") or r.dispatch != "local",
+               f"mesh.expert={mesh.expert} needs runtime.dispatch: all_to_all or ragged (got 'local')")
+        for key in ("auto_budget", "auto_retention") + (("auto_search",) if d.auto_search != "ends" else ()):
+            _check(fs.layers == "auto" or getattr(d, key) in (None, "ends"),
+                   f"distill.{key} only applies to farskip.layers: auto (got farskip.layers={fs.layers!r}); "
+                   f"set farskip.layers: auto or drop distill.{key}")
+        if fs.layers == "auto":  # resolved by FCSD before any model is built (fcsd/planner.py)
+            _check(d.auto_budget is not None, "farskip.layers: auto needs distill.auto_budget: the allowed relative "
+                                              "val-loss gap to the teacher after FCSD, e.g. 0.01 for 1%")
+            _check(self.train.mode == "distill",
+                   f"farskip.layers: auto is chosen at the start of FCSD (train.mode: distill), not in train.mode="
+                   f"{self.train.mode}; set an explicit farskip.layers (plan one with python -m farskip_jax.analysis.conversion_plan)")
+        else:
+            check_converted_layers(fs, m.num_layers)
+        _check(self.train.seq_len <= m.max_seq_len, f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+        rows = self.train.batch_size // self.train.grad_accum
+        _check(rows % r.micro_batches == 0,
+               f"runtime.micro_batches={r.micro_batches} (two-batch overlap) splits each step's batch of {rows} rows "
+               f"(train.batch_size / train.grad_accum) into equal micro-batches; make it a multiple of {r.micro_batches}")
+
+
+# keys that existed once -> why they are gone (the error names it; results stay in the docs)
+_NO_GAIN = "measured no gain over plain FCSD (docs/fcsd.md, 'Conversion methods'); drop the key"
+REMOVED_KEYS = {
+    **{f"distill.{k}": f"connectivity annealing {_NO_GAIN}" for k in ("anneal", "anneal_tokens")},
+    **{f"distill.{k}": f"progressive conversion {_NO_GAIN}" for k in ("progressive", "settle_rel", "stage_tokens")},
+    "distill.local_weight": f"the teacher-forced local term {_NO_GAIN}",
+    "train.inject_nan_at": "fault injection is a test fixture now (tests/conftest.py nan_at_steps); drop the key",
+    **{f"farskip.{k}": f"it is distill.{k} now (with the other FCSD keys)" for k in ("auto_budget", "auto_retention",
+                                                                                    "auto_search")},
+}
+
+
+def _suggest(name: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(name, options, n=3, cutoff=0.5)
+    return f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for a in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, a, path)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{path}={value!r} has the wrong type; expected "
+                          f"{getattr(tp, '__name__', None) or str(tp).replace('typing.', '')}")
+    if origin is Literal:
+        if isinstance(value, bool) and ("on" if value else "off") in args:
+            value = "on" if value else "off"  # YAML 1.1 reads bare on/off as booleans
+        if value in args and type(value) is type(next(a for a in args if a == value)):
+            return value
+        raise ConfigError(f"{path}={value!r} is not allowed; choose one of {list(args)}"
+                          + _suggest(str(value), [str(a) for a in args]))
+    if dataclasses.is_dataclass(tp):
+        _check(isinstance(value, dict), f"{path} must be a mapping of {tp.__name__} fields, got {value!r}")
+        return from_dict(tp, value, path)
+    if origin is tuple:
+        _check(isinstance(value, (list, tuple)), f"{path}={value!r} must be a list")
+        return tuple(_coerce(v, args[0] if args else Any, f"{path}[{i}]") for i, v in enumerate(value))
+    if tp is bool:
+        _check(isinstance(value, bool), f"{path}={value!r} must be true or false")
+    elif tp is int:
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        _check(_is_int(value), f"{path}={value!r} must be an integer")
+    elif tp is float:
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            try:
+                return float(value)  # YAML reads "1e-3" as a string
+            except ValueError:
+                pass
+        raise ConfigError(f"{path}={value!r} must be a number")
+    elif tp is str:
+        _check(isinstance(value, str), f"{path}={value!r} must be a string")
+    return value
+
+
+def from_dict(cls: type, data: dict, path: str = "") -> Any:
+    """Build dataclass `cls` from a (nested) dict, rejecting unknown keys with suggestions (a whole
+    Config's dict is migrated first: migrate_tree)."""
+    if cls is Config and not path:
+        data = migrate_tree(data)
+    hints, names, kwargs = typing.get_type_hints(cls), [f.name for f in dataclasses.fields(cls)], {}
+    for key, value in data.items():
+        full = f"{path}.{key}" if path else key
+        _check(full not in REMOVED_KEYS, f"config key {full!r} was removed: {REMOVED_KEYS.get(full)}")
+        _check(full not in MOVED_KEYS, f"config key {full!r} is {MOVED_KEYS.get(full)} now (the run's choices "
+                                       f"live in runtime:, docs/config.md); set {MOVED_KEYS.get(full)}")
+        _check(key in names, f"unknown config key {full!r}" + (_suggest(key, names) or f"; valid keys: {names}"))
+        kwargs[key] = _coerce(value, hints[key], full)
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{path or cls.__name__}: {e}") from None
+
+
+def to_dict(cfg: Any) -> dict:
+    """Plain nested dict (tuples as lists) of a config dataclass."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    return [to_dict(x) for x in cfg] if isinstance(cfg, tuple) else cfg
+
+
+def dump_config(cfg: Config) -> str:
+    """The resolved config as YAML text (loads back to the same Config)."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def config_from_dict(tree: dict) -> Config:
+    return from_dict(Config, tree)
+
+
+def replace(cfg: Any, **changes: Any) -> Any:
+    """`dataclasses.replace` that accepts dotted keys: replace(cfg, **{"model.num_layers": 2})."""
+    tree = to_dict(cfg)
+    for k, v in changes.items():
+        if k in MOVED_KEYS:
+            note_moved([f"{k} -> {MOVED_KEYS[k]}"], f"replace({k}=...)")
+        *parents, last = MOVED_KEYS.get(k, k).split(".")
+        node = tree
+        for p in parents:
+            node = node[p]
+        node[last] = to_dict(v)
+    return from_dict(type(cfg), tree)
+
+
 # environment variable -> kernels key it overrides (load_config: file < environment < command line)
 KERNELS_ENV = {"FARSKIP_KERNELS": "enabled", "FARSKIP_DENSE_MATMUL": "dense_matmul", "FARSKIP_NO_AMX": "amx",
                "FARSKIP_BLAS": "blas", "FARSKIP_BLAS_LIB": "blas_lib", "FARSKIP_KERNEL_CACHE": "cache_dir",
@@ -603,27 +624,22 @@ def kernels_env_overrides(environ: Optional[dict] = None) -> list[str]:
     """The `kernels.<key>=<value>` overrides of the FARSKIP_* variables set in `environ` (default
     os.environ). FARSKIP_NO_AMX=1 means kernels.amx=off (0 leaves it), FARSKIP_KERNELS=0 kernels.enabled=false.
     A value that is not a choice raises ConfigError naming the variable and the choices."""
-    env = os.environ if environ is None else environ
-    out = []
+    env, out = os.environ if environ is None else environ, []
     for name, key in KERNELS_ENV.items():
         value = env.get(name, "").strip()
         if not value:
             continue
         if name in ("FARSKIP_NO_AMX", "FARSKIP_KERNELS"):
             v = value.lower()
-            if v not in _TRUE + _FALSE:
-                raise ConfigError(f"{name}={value!r} is not a choice; expected one of {list(_TRUE + _FALSE)}")
+            _check(v in _TRUE + _FALSE, f"{name}={value!r} is not a choice; expected one of {list(_TRUE + _FALSE)}")
             if name == "FARSKIP_NO_AMX":
-                if v in _TRUE:
-                    out.append("kernels.amx=off")
+                out += ["kernels.amx=off"] if v in _TRUE else []
                 continue
             value = "true" if v in _TRUE else "false"
         elif key not in ("blas_lib", "cache_dir"):
-            value = value.lower()
-            choices = typing.get_args(typing.get_type_hints(KernelsConfig)[key])
-            if value not in choices:
-                raise ConfigError(f"{name}={env[name]!r} is not a choice (it sets kernels.{key}); "
-                                  f"expected one of {list(choices)}")
+            value, choices = value.lower(), typing.get_args(typing.get_type_hints(KernelsConfig)[key])
+            _check(value in choices, f"{name}={env[name]!r} is not a choice (it sets kernels.{key}); "
+                                     f"expected one of {list(choices)}")
         out.append(f"kernels.{key}={value}")
     return out
 
@@ -631,316 +647,8 @@ def kernels_env_overrides(environ: Optional[dict] = None) -> list[str]:
 def kernels_from_env(environ: Optional[dict] = None) -> KernelsConfig:
     """The default kernels section with the environment overrides applied (for code that runs before
     a config is loaded, e.g. eval.py's host-memory setup)."""
-    return from_dict(KernelsConfig, apply_overrides({}, [o.removeprefix("kernels.") for o in kernels_env_overrides(environ)]))
-
-
-@dataclass(frozen=True)
-class Config:
-    """Everything a run needs. `init_from_hf`: an HF checkpoint folder to start from."""
-
-    name: str = "run"
-    model: ModelConfig = field(default_factory=ModelConfig)
-    moe: MoEConfig = field(default_factory=MoEConfig)
-    farskip: FarSkipConfig = field(default_factory=FarSkipConfig)
-    mesh: MeshConfig = field(default_factory=MeshConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    distill: DistillConfig = field(default_factory=DistillConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    inference: InferenceConfig = field(default_factory=InferenceConfig)
-    kernels: KernelsConfig = field(default_factory=KernelsConfig)
-    init_from_hf: Optional[str] = None
-
-    def __post_init__(self):
-        m, e = self.model, self.moe
-        if e.num_experts and e.num_groups > 1:
-            g = e.num_groups
-            _check(m.num_kv_heads % g == 0, f"moe.num_groups={g} must divide model.num_kv_heads={m.num_kv_heads}")
-            _check(e.num_experts % g == 0, f"moe.num_groups={g} must divide moe.num_experts={e.num_experts}")
-            _check(e.top_k % g == 0, f"moe.num_groups={g} must divide moe.top_k={e.top_k}")
-            _check(
-                self.mesh.expert % g == 0 or g % self.mesh.expert == 0,
-                f"moe.num_groups={g} and mesh.expert={self.mesh.expert} must divide one another",
-            )
-        if e.num_experts and self.mesh.expert > 1:
-            _check(
-                e.num_experts % self.mesh.expert == 0,
-                f"moe.num_experts={e.num_experts} is not divisible by the expert-parallel size "
-                f"mesh.expert={self.mesh.expert}; pick an expert-parallel size that divides the experts",
-            )
-        _check(self.inference.layout != "foe" or e.num_groups > 1,
-               "inference.layout=foe runs a Federation of Experts: set moe.num_groups to the number of groups "
-               "(the paper: one per GPU, = mesh.expert)")
-        # tp_ep has its own MoE exchange; foe with one group per device needs none (serving/foe.py checks)
-        if self.mesh.expert > 1 and self.inference.layout not in ("tp_ep", "foe"):
-            _check(
-                e.dispatch != "local",
-                f"mesh.expert={self.mesh.expert} needs moe.dispatch: all_to_all or ragged (got 'local')",
-            )
-        d = self.distill
-        for key in ("auto_budget", "auto_retention") + (("auto_search",) if d.auto_search != "ends" else ()):
-            _check(self.farskip.layers == "auto" or getattr(d, key) in (None, "ends"),
-                   f"distill.{key} only applies to farskip.layers: auto (got farskip.layers={self.farskip.layers!r}); "
-                   f"set farskip.layers: auto or drop distill.{key}")
-        if self.farskip.layers == "auto":  # resolved by FCSD before any model is built (fcsd/planner.py)
-            _check(d.auto_budget is not None,
-                   "farskip.layers: auto needs distill.auto_budget: the allowed relative val-loss gap to the teacher "
-                   "after FCSD, e.g. 0.01 for 1%")
-            _check(self.train.mode == "distill",
-                   f"farskip.layers: auto is chosen at the start of FCSD (train.mode: distill), not in train.mode="
-                   f"{self.train.mode}; set an explicit farskip.layers (plan one with python -m farskip_jax.analysis.conversion_plan)")
-        else:
-            check_converted_layers(self.farskip, m.num_layers)
-        _check(self.train.seq_len <= m.max_seq_len, f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-        rows = self.train.batch_size // self.train.grad_accum
-        _check(rows % m.micro_batches == 0,
-               f"model.micro_batches={m.micro_batches} (two-batch overlap) splits each step's batch of {rows} rows "
-               f"(train.batch_size / train.grad_accum) into equal micro-batches; make it a multiple of {m.micro_batches}")
-
-
-# --------------------------------------------------------------------------------------------------
-# Dict <-> dataclass with type checks
-# --------------------------------------------------------------------------------------------------
-
-
-def _suggest(name: str, options: list[str]) -> str:
-    close = difflib.get_close_matches(name, options, n=3, cutoff=0.5)
-    return f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
-
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def _coerce(value: Any, tp: Any, path: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if tp is Any:
-        return value
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(value, a, path)
-            except ConfigError as e:
-                errors.append(e)
-        raise ConfigError(f"{path}={value!r} has the wrong type; expected {_type_name(tp)}")
-    if origin is Literal:
-        if isinstance(value, bool) and ("on" if value else "off") in args:
-            value = "on" if value else "off"  # YAML 1.1 reads bare on/off as booleans
-        if value in args and type(value) is type(next(a for a in args if a == value)):
-            return value
-        raise ConfigError(
-            f"{path}={value!r} is not allowed; choose one of {list(args)}" + _suggest(str(value), [str(a) for a in args])
-        )
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path} must be a mapping of {tp.__name__} fields, got {value!r}")
-        return from_dict(tp, value, path)
-    if origin is tuple:
-        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{path}={value!r} must be a list")
-        elem = args[0] if args else Any
-        return tuple(_coerce(v, elem, f"{path}[{i}]") for i, v in enumerate(value))
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{path}={value!r} must be true or false")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ConfigError(f"{path}={value!r} must be an integer")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)  # YAML reads "1e-3" as a string
-            except ValueError:
-                pass
-        raise ConfigError(f"{path}={value!r} must be a number")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{path}={value!r} must be a string")
-    return value
-
-
-# keys that existed once -> why they are gone (the error names it; results stay in the docs)
-_NO_GAIN = "measured no gain over plain FCSD (docs/fcsd.md, 'Conversion methods'); drop the key"
-REMOVED_KEYS = {
-    "distill.anneal": f"connectivity annealing {_NO_GAIN}", "distill.anneal_tokens": f"connectivity annealing {_NO_GAIN}",
-    "distill.progressive": f"progressive conversion {_NO_GAIN}", "distill.settle_rel": f"progressive conversion {_NO_GAIN}",
-    "distill.stage_tokens": f"progressive conversion {_NO_GAIN}",
-    "distill.local_weight": f"the teacher-forced local term {_NO_GAIN}",
-    "train.inject_nan_at": "fault injection is a test fixture now (tests/conftest.py nan_at_steps); drop the key",
-    **{f"farskip.{k}": f"it is distill.{k} now (with the other FCSD keys)" for k in ("auto_budget", "auto_retention",
-                                                                                    "auto_search")},
-}
-
-
-def from_dict(cls: type, data: dict, path: str = "") -> Any:
-    """Build dataclass `cls` from a (nested) dict, rejecting unknown keys with suggestions."""
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in data.items():
-        full = f"{path}.{key}" if path else key
-        if full in REMOVED_KEYS:
-            raise ConfigError(f"config key {full!r} was removed: {REMOVED_KEYS[full]}")
-        if key not in hints or key not in names:
-            raise ConfigError(f"unknown config key {full!r}" + (_suggest(key, names) or f"; valid keys: {names}"))
-        kwargs[key] = _coerce(value, hints[key], full)
-    try:
-        return cls(**kwargs)
-    except ConfigError:
-        raise
-    except TypeError as e:
-        raise ConfigError(f"{path or cls.__name__}: {e}") from None
-
-
-def to_dict(cfg: Any) -> dict:
-    """Plain nested dict (tuples as lists) of a config dataclass."""
-
-    def conv(v):
-        if dataclasses.is_dataclass(v):
-            return {f.name: conv(getattr(v, f.name)) for f in dataclasses.fields(v)}
-        if isinstance(v, tuple):
-            return [conv(x) for x in v]
-        return v
-
-    return conv(cfg)
-
-
-def dump_config(cfg: Config) -> str:
-    """The resolved config as YAML text (loads back to the same Config)."""
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
-
-
-# --------------------------------------------------------------------------------------------------
-# YAML loading, inheritance, overrides
-# --------------------------------------------------------------------------------------------------
-
-
-def _deep_merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _deep_merge(out[k], v)
-        else:
-            out[k] = v
-    return out
-
-
-def _duplicate_keys(node, path: str = "") -> Optional[tuple[str, int, int]]:
-    """(dotted key, first line, second line) of the first key that a mapping of the composed YAML
-    `node` holds twice (1-based lines), else None. YAML merge keys (`<<`) are left to the loader."""
-    if isinstance(node, yaml.MappingNode):
-        seen: dict = {}
-        for key_node, value_node in node.value:
-            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
-            full = f"{path}.{key}" if path else str(key)
-            if key is not None and key != "<<":
-                if key in seen:
-                    return full, seen[key], key_node.start_mark.line + 1
-                seen[key] = key_node.start_mark.line + 1
-            found = _duplicate_keys(value_node, full)
-            if found:
-                return found
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            found = _duplicate_keys(item, f"{path}[{i}]")
-            if found:
-                return found
-    return None
-
-
-def read_yaml_mapping(path: str) -> dict:
-    """The mapping one YAML config file holds. ConfigError (naming the file and the fix) when the path
-    is a folder or missing, the text is not YAML, holds no settings, is not a mapping, or sets one key
-    twice (YAML would keep the last silently; `base:` files and command-line overrides are the ways
-    to change a value)."""
-    if os.path.isdir(path):
-        raise ConfigError(f"config {path} is a folder; pass a YAML file such as configs/tiny.yaml")
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        with open(path, "rb") as f:
-            text = f.read().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path} is not a YAML text file (invalid UTF-8 at byte {e.start})") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read config {path}: {e.strerror or e}") from None
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path} is not valid YAML: {e}") from None
-    if data is None:
-        raise ConfigError(f"{path} holds no settings (empty or only comments); a config needs at least "
-                          "`base: tiny.yaml` or one section, e.g. `train: {steps: 100}`")
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a mapping at the top level (section: {{key: value}}), "
-                          f"got a {type(data).__name__}")
-    dup = _duplicate_keys(node)
-    if dup:
-        key, first, second = dup
-        raise ConfigError(f"{path}: key {key!r} is set twice (lines {first} and {second}); YAML would keep only the "
-                          f"second silently. Keep one (merge the two into one entry); a `base:` file or a "
-                          "command-line override (section.key=value) is the way to change a value")
-    return data
-
-
-def load_yaml_tree(path: str, _seen: tuple[str, ...] = ()) -> dict:
-    """Read a YAML config and merge it over its `base:` chain (paths relative to each file)."""
-    path = os.path.abspath(path)
-    if path in _seen:
-        raise ConfigError(f"config inheritance cycle: {' -> '.join(_seen + (path,))}")
-    data = read_yaml_mapping(path)
-    base = data.pop("base", None)
-    if base is not None:
-        bases = base if isinstance(base, list) else [base]
-        if not bases or not all(isinstance(b, str) and b.strip() for b in bases):
-            raise ConfigError(f"{path}: base={base!r} must name a YAML file (a path relative to this file) or a list "
-                              "of them, e.g. `base: tiny.yaml`")
-        merged: dict = {}
-        for b in bases:
-            b = os.path.expanduser(b)
-            bpath = b if os.path.isabs(b) else os.path.join(os.path.dirname(path), b)
-            if not os.path.isfile(bpath):  # name the file whose `base:` points nowhere
-                what = "is a folder" if os.path.isdir(bpath) else "does not exist"
-                raise ConfigError(f"{path}: base: {b} {what} ({bpath}); name a YAML file, relative to this file")
-            merged = _deep_merge(merged, load_yaml_tree(bpath, _seen + (path,)))
-        data = _deep_merge(merged, data)
-    return data
-
-
-def apply_overrides(tree: dict, overrides: list[str]) -> dict:
-    """Apply `a.b.c=value` overrides (value parsed as YAML) to a nested dict."""
-    tree = dict(tree)
-    for ov in overrides:
-        if "=" not in ov:
-            raise ConfigError(f"override {ov!r} must look like section.key=value (e.g. model.num_layers=4)")
-        key, _, raw = ov.partition("=")
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
-        parts = key.strip().split(".")
-        node = tree
-        for p in parts[:-1]:
-            child = node.get(p)
-            child = dict(child) if isinstance(child, dict) else {}
-            node[p] = child
-            node = child
-        node[parts[-1]] = value
-    return tree
+    return from_dict(KernelsConfig, {o.split("=")[0][len("kernels."):]: yaml.safe_load(o.split("=", 1)[1])
+                                     for o in kernels_env_overrides(environ)})
 
 
 def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> Config:
@@ -961,41 +669,3 @@ def check_request(cfg: Config) -> Config:
            f"would never reach train.lr on the schedule asked for; set train.warmup_steps <= {t.steps} "
            f"(e.g. train.warmup_steps={t.steps // 10} for a short run)")
     return cfg
-
-
-def config_from_dict(tree: dict) -> Config:
-    return from_dict(Config, tree)
-
-
-def replace(cfg: Any, **changes: Any) -> Any:
-    """`dataclasses.replace` that accepts dotted keys: replace(cfg, **{"model.num_layers": 2})."""
-    tree = to_dict(cfg)
-    tree = apply_overrides(tree, [])
-    for k, v in changes.items():
-        node = tree
-        parts = k.split(".")
-        for p in parts[:-1]:
-            node = node[p]
-        node[parts[-1]] = to_dict(v) if dataclasses.is_dataclass(v) else v
-    return from_dict(type(cfg), tree)
-
-
-# Which keys of a checkpoint's config are the checkpoint's (the model/moe shape) and which stay the
-# user's when weights are loaded from an HF folder or another run (train.init_from_hf, distill.init_from_run).
-RUNTIME_MODEL_KEYS = ("compute_dtype", "remat", "max_seq_len", "scan_layers", "micro_batches")
-RUNTIME_MOE_KEYS = ("dispatch", "gpus_per_node", "gmm", "gmm_tile", "capacity_factor", "aux_loss_weight", "z_loss_weight",
-                    "bias_update_rate", "num_groups")  # FoE keeps the parameter layout: the user's H
-
-
-def runtime_overrides(cfg: "Config") -> dict:
-    """{dotted key: the user's value} of RUNTIME_MODEL_KEYS / RUNTIME_MOE_KEYS, to pass to a loader."""
-    ov = {f"model.{k}": getattr(cfg.model, k) for k in RUNTIME_MODEL_KEYS}
-    ov.update({f"moe.{k}": getattr(cfg.moe, k) for k in RUNTIME_MOE_KEYS})
-    return ov
-
-
-def merge_checkpoint_shape(cfg: "Config", src: "Config") -> "Config":
-    """cfg with the model/moe shape of a checkpoint's config `src` (runtime keys stay the user's)."""
-    model = replace(src.model, **{k: getattr(cfg.model, k) for k in RUNTIME_MODEL_KEYS})
-    moe = replace(src.moe, **{k: getattr(cfg.moe, k) for k in RUNTIME_MOE_KEYS})
-    return replace(cfg, model=model, moe=moe)

@@ -22,7 +22,7 @@ BATCH, SEQ = 8, 16
 def tiny_config(ep: int = 1, dispatch: str = "all_to_all", preset: str = "standard", data: int = -1, fsdp: int = 1,
                 capacity_factor=None, gmm: str = "einsum", num_layers: int = 2, num_processes=None, process_id=None,
                 port=None):
-    from farskip_jax.config import Config, FarSkipConfig, MeshConfig, ModelConfig, MoEConfig, TrainConfig
+    from farskip_jax.config import Config, FarSkipConfig, MeshConfig, ModelConfig, MoEConfig, RuntimeConfig, TrainConfig
 
     mesh = MeshConfig(data=data, fsdp=fsdp, expert=ep)
     if num_processes:
@@ -31,8 +31,8 @@ def tiny_config(ep: int = 1, dispatch: str = "all_to_all", preset: str = "standa
     return Config(
         model=ModelConfig(d_model=32, num_layers=num_layers, num_heads=4, num_kv_heads=2, vocab_size=64, mlp_hidden=64,
                           max_seq_len=SEQ),
-        moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=32, num_shared_experts=1, dispatch=dispatch,
-                      capacity_factor=capacity_factor, gmm=gmm),
+        moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=32, num_shared_experts=1),
+        runtime=RuntimeConfig(dispatch=dispatch, capacity_factor=capacity_factor, gmm=gmm),
         farskip=FarSkipConfig(preset=preset), mesh=mesh, train=TrainConfig(seq_len=SEQ, batch_size=BATCH),
     )
 

@@ -1,4 +1,4 @@
-"""model.attention_impl=blockwise (flash-style core, causal blocks skipped, recomputing VJP),
+"""runtime.attention_impl=blockwise (flash-style core, causal blocks skipped, recomputing VJP),
 causal_blocks (query blocks against their key prefix) and fused_cpu (the C++ CPU kernel) against the naive core: values and gradients in fp32 at 1e-5, document masks, GQA and MLA head dims, ragged
 last block; the whole model with either core; config validation."""
 
@@ -144,8 +144,8 @@ def test_model_with_blockwise_core_matches_naive(impl, attention="mla"):  # MLA:
     if attention == "mla":
         base += ["model.num_kv_heads=4", "model.kv_lora_rank=16", "model.qk_nope_head_dim=8",
                  "model.qk_rope_head_dim=4", "model.v_head_dim=8"]
-    cfg_n = load_config(None, base + ["model.attention_impl=naive"])
-    cfg_b = load_config(None, base + [f"model.attention_impl={impl}", "model.attention_block=16"])
+    cfg_n = load_config(None, base + ["runtime.attention_impl=naive"])
+    cfg_b = load_config(None, base + [f"runtime.attention_impl={impl}", "runtime.attention_block=16"])
     m_n = Transformer(cfg_n, rngs=nnx.Rngs(0))
     m_b = Transformer(cfg_b, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 48), 0, 97)
@@ -167,6 +167,6 @@ def test_model_with_blockwise_core_matches_naive(impl, attention="mla"):  # MLA:
 
 def test_config_validates_attention_impl():
     with pytest.raises(ConfigError, match="attention_block"):
-        load_config(None, ["model.attention_block=0"])
+        load_config(None, ["runtime.attention_block=0"])
     with pytest.raises(ConfigError, match="attention_impl"):
-        load_config(None, ["model.attention_impl=flash"])
+        load_config(None, ["runtime.attention_impl=flash"])

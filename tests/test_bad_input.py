@@ -114,7 +114,7 @@ def test_tokenizer_larger_than_the_model(tmp_path, capsys):
 
 def test_expert_axis_larger_than_the_devices(tmp_path, capsys):
     run = str(tmp_path / "run")
-    _fails_cleanly(capsys, train_entry, _train(run, "mesh.expert=16", "moe.num_experts=16", "moe.dispatch=all_to_all"),
+    _fails_cleanly(capsys, train_entry, _train(run, "mesh.expert=16", "moe.num_experts=16", "runtime.dispatch=all_to_all"),
                    run, r"mesh.*16.*8 devices")
 
 

@@ -104,13 +104,14 @@ def test_chunked_fcsd_equals_full_logits(kind, temperature, top_k, tied, chunk):
 
 
 def _step_cfg(tied: bool, **train_kw):
-    from farskip_jax.config import Config, ModelConfig, MoEConfig, TrainConfig
+    from farskip_jax.config import Config, ModelConfig, MoEConfig, RuntimeConfig, TrainConfig
 
     t = dict(steps=2, batch_size=4, seq_len=16, warmup_steps=1, lr=1e-2)
     t.update(train_kw)
     return Config(model=ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                                     mlp_hidden=64, max_seq_len=16, tie_embeddings=tied),
-                  moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32, gmm="einsum", z_loss_weight=1e-3),
+                  moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32),
+                  runtime=RuntimeConfig(gmm="einsum", z_loss_weight=1e-3),
                   train=TrainConfig(**t))
 
 

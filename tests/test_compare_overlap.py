@@ -1,5 +1,5 @@
 """farskip_jax/studies/compare_overlap.py: the comparison table's rows come from one cost model, and the TBO
-rows' programs really are two-batch-overlap programs (model.micro_batches = 2, two all-to-alls where
+rows' programs really are two-batch-overlap programs (runtime.micro_batches = 2, two all-to-alls where
 the plain program has one), so the table cannot compare identical programs. A 2-layer tiny MoE
 compiled deviceless for 8 GPUs (forward program; skipped without the compile-only CUDA plugin); the verdict lines on
 hand-made rows."""
@@ -20,10 +20,10 @@ def _tiny():
 
     return load_config(None, ["model.num_layers=2", "model.first_k_dense=0", "model.d_model=128",
                               "model.num_heads=4", "model.num_kv_heads=4", "model.vocab_size=256",
-                              "model.compute_dtype=bfloat16", "model.max_seq_len=128", "model.scan_layers=true",
+                              "runtime.compute_dtype=bfloat16", "model.max_seq_len=128", "runtime.scan_layers=true",
                               "moe.num_experts=8", "moe.top_k=2", "moe.expert_hidden=128",
-                              "moe.num_shared_experts=1", "moe.dispatch=all_to_all", "moe.capacity_factor=1.0",
-                              "mesh.data=1", "mesh.expert=8", "model.remat=none"])
+                              "moe.num_shared_experts=1", "runtime.dispatch=all_to_all", "runtime.capacity_factor=1.0",
+                              "mesh.data=1", "mesh.expert=8", "runtime.remat=none"])
 
 
 def test_tokens_parse_and_refuse():
@@ -40,9 +40,9 @@ def test_not_applicable_reasons():
     assert "TBO needs a multiple of 2" in m.not_applicable("farskip_tbo", cfg, 1, 1)
     assert m.not_applicable("farskip_tbo", cfg, 2, 1) is None
     assert "H = nodes = 1" in m.not_applicable("foe", cfg, 2, 1)
-    assert m.variant_config("farskip_tbo", cfg, 1).model.micro_batches == 2
+    assert m.variant_config("farskip_tbo", cfg, 1).runtime.micro_batches == 2
     assert m.variant_config("farskip_tbo", cfg, 1).farskip.preset == "farskip"
-    assert m.variant_config("foe_farskip", cfg, 2).moe.num_groups == 2
+    assert m.variant_config("foe_farskip", cfg, 2).runtime.num_groups == 2
 
 
 @gpu

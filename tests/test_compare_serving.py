@@ -94,18 +94,18 @@ def test_rows_are_the_programs_they_claim(tmp_path):
 
 
 def test_serving_programs_compile_a_servers_kernels():
-    """A training config's memory choices (moe.gmm=tiled, blockwise attention) do not reach the serving
+    """A training config's memory choices (runtime.gmm=tiled, blockwise attention) do not reach the serving
     analysis: it prices the grouped GEMM (balanced proxy) and the platform's attention core."""
     from farskip_jax.analysis.inference_report import serving_config
     from farskip_jax.config import load_config
 
     base = load_config(os.path.join(REPO, "configs", "deepseek_v2_lite.yaml"),
-                       ["moe.gmm=tiled", "model.attention_impl=blockwise"])  # what the shipped config picks
+                       ["runtime.gmm=tiled", "runtime.attention_impl=blockwise"])  # what the shipped config picks
     for kw in ({}, {"micro_batches": 2}):
         cfg = serving_config(base, "farskip", 8, **kw)
-        assert cfg.moe.gmm == "auto" and cfg.model.attention_impl == "auto" and cfg.inference.layout == "tp_ep"
+        assert cfg.runtime.gmm == "auto" and cfg.runtime.attention_impl == "auto" and cfg.inference.layout == "tp_ep"
     foe = serving_config(_tiny(), "standard", 8, foe_groups=8)
-    assert foe.inference.layout == "foe" and foe.moe.gmm == "auto" and foe.moe.dispatch == "local"
+    assert foe.inference.layout == "foe" and foe.runtime.gmm == "auto" and foe.runtime.dispatch == "local"
 
 
 def test_speedup_ranges_over_the_constants_spread_by_hand():

@@ -53,11 +53,11 @@ def test_wrong_type_names_key():
 @pytest.mark.parametrize("overrides, message", [
     (["model.num_heads=6", "model.num_kv_heads=4"], r"num_kv_heads=4 must divide model.num_heads=6"),
     (["moe.num_experts=4", "moe.top_k=5"], r"top_k=5 must be between 1 and moe.num_experts=4"),
-    (["moe.num_experts=6", "mesh.expert=4", "moe.dispatch=all_to_all"], r"num_experts=6 is not divisible by the expert-parallel size mesh.expert=4"),
+    (["moe.num_experts=6", "mesh.expert=4", "runtime.dispatch=all_to_all"], r"num_experts=6 is not divisible by the expert-parallel size mesh.expert=4"),
     (["farskip.preset=farskipp"], r"preset='farskipp' is unknown.*did you mean 'farskip'"),
     (["farskip.layers=middle:3"], r"farskip.layers='middle:3' is not a layer set"),
     (["farskip.layers=[0, 9]", "model.num_layers=4"], r"farskip.layers lists layers outside \[0, 4\): \[9\]"),
-    (["moe.dispatch=sideways"], r"moe.dispatch='sideways' is not allowed"),
+    (["runtime.dispatch=sideways"], r"runtime.dispatch='sideways' is not allowed"),
 ])
 def test_invalid_combinations(overrides, message):
     with pytest.raises(ConfigError, match=message):

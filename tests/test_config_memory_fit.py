@@ -22,9 +22,9 @@ NODES = {  # config -> the device its header names
 def test_real_configs_name_their_node_and_the_memory_settings():
     for name, device in NODES.items():
         cfg = load_config(os.path.join(ROOT, "configs", f"{name}.yaml"))
-        assert cfg.moe.capacity_factor is not None, name  # dropless all_to_all sizes buffers for the worst case
+        assert cfg.runtime.capacity_factor is not None, name  # dropless all_to_all sizes buffers for the worst case
         assert cfg.train.loss_chunk, name  # no [b, s, V] f32 logits
-        assert cfg.model.scan_layers, name  # the plan compiles the full depth
+        assert cfg.runtime.scan_layers, name  # the plan compiles the full depth
         with open(os.path.join(ROOT, "configs", f"{name}.yaml")) as f:
             header = "".join(line for line in f if line.startswith("#"))
         assert "MI300X" in header and device == "mi300x"
@@ -37,7 +37,7 @@ def test_real_configs_name_their_node_and_the_memory_settings():
 @pytest.mark.parametrize("name", sorted(NODES))
 def test_real_config_fits_its_node(name):
     cfg = load_config(os.path.join(ROOT, "configs", f"{name}.yaml"))
-    (row,) = mp.build_rows(cfg, ["pretrain"], [cfg.model.remat], [cfg.mesh.fsdp], mp.default_depths(cfg), [1, 2],
+    (row,) = mp.build_rows(cfg, ["pretrain"], [cfg.runtime.remat], [cfg.mesh.fsdp], mp.default_depths(cfg), [1, 2],
                            cfg.train.seq_len)
     per_gpu = cfg.train.batch_size // cfg.train.grad_accum // row.gpus
     capacity = mp.USABLE_FRACTION * mp.DEVICE_MEMORY[NODES[name]]

@@ -163,7 +163,7 @@ def test_bf16_checkpoint_and_bf16_params(mixtral, tmp_path):
     w = ref_model.model.layers[0].self_attn.q_proj.weight.detach().numpy().T
     assert np.array_equal(np.asarray(m32.layers[0].attn.q_proj.w[...]), w)  # bf16 -> fp32 is exact
     cfg16, m16 = import_hf(p, dtype="bfloat16")
-    assert cfg16.model.param_dtype == "bfloat16" and m16.layers[0].attn.q_proj.w[...].dtype == jnp.bfloat16
+    assert cfg16.runtime.param_dtype == "bfloat16" and m16.layers[0].attn.q_proj.w[...].dtype == jnp.bfloat16
     for m in (m32, m16):  # fp32 compute on bf16-representable weights == HF fp32 forward
         assert np.abs(np.asarray(m(jnp.asarray(tokens)).logits) - ref).max() <= 1e-4
     out = export_hf(m16, cfg16, str(tmp_path / "exp16"), dtype="bfloat16")
@@ -177,7 +177,7 @@ def test_import_onto_mesh_shards_experts(mixtral):
 
     root, _, tokens, ref = mixtral
     mesh = make_mesh(MeshConfig(data=2, expert=4))
-    cfg, m = import_hf(str(root / "single"), mesh=mesh, overrides={"moe.dispatch": "all_to_all", "mesh.data": 2,
+    cfg, m = import_hf(str(root / "single"), mesh=mesh, overrides={"runtime.dispatch": "all_to_all", "mesh.data": 2,
                                                                     "mesh.expert": 4})
     w = m.layers[0].moe.experts.w_gate[...]
     assert w.sharding.spec[0] == "expert" and len(w.addressable_shards) == 8

@@ -182,7 +182,7 @@ def test_packed_attention_never_crosses_documents(text_dir):
     b = _rows(cfg, 1, batch_size=2, seq_len=96, seed=0)[0]
     mcfg = Config(model=ModelConfig(vocab_size=259, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                                     mlp_hidden=64, max_seq_len=512),
-                  moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32, capacity_factor=None))
+                  moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32))
     model = Transformer(mcfg, rngs=nnx.Rngs(0))
     fwd = nnx.jit(lambda m, t, p, s: m(t, p, s).logits)
     fwd_noseg = nnx.jit(lambda m, t, p: m(t, p).logits)

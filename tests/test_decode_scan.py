@@ -1,4 +1,4 @@
-"""Scanned KV-cache decoding under model.scan_layers (serving/generate.py, the layer loop's indexed scans).
+"""Scanned KV-cache decoding under runtime.scan_layers (serving/generate.py, the layer loop's indexed scans).
 
 Oracles: the unrolled decode of the same weights in per-layer form (scan_layers=false, serving/generate.py)
 and the one-device full forward of each row's own tokens (tests/test_generate_mesh.py row_oracle).
@@ -33,7 +33,7 @@ MLA = dict(attention="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_di
 
 def cfg_of(scan: bool, mesh=None, **model_kw):
     """4 layers: stacks [layer 0 (dense)] + [layers 1-3 (MoE)] under scan_layers."""
-    return replace(tiny_cfg(mesh, num_layers=4, **model_kw), **{"model.scan_layers": scan})
+    return replace(tiny_cfg(mesh, num_layers=4, **model_kw), **{"runtime.scan_layers": scan})
 
 
 def stacked_model(loop, cfg):

@@ -104,7 +104,7 @@ def test_distill_step_under_remat_equals_no_remat(remat):
 
     out = {}
     for r in ("none", remat):
-        cfg = replace(tiny_cfg(), **{"model.remat": r})
+        cfg = replace(tiny_cfg(), **{"runtime.remat": r})
         graphdef, state, teacher, tx, schedule = student_and_teacher(cfg)
         loss_fn = make_distill_loss_fn(graphdef, cfg)
         (loss, _), g = jax.jit(jax.value_and_grad(
@@ -163,7 +163,7 @@ def test_grad_accum_equals_the_full_batch_step():
     from farskip_jax.config import replace
 
     base = tiny_cfg(ce_weight=0.3)
-    base = replace(base, **{"moe.aux_loss_weight": 0.0})  # the balance loss is a per-batch statistic
+    base = replace(base, **{"runtime.aux_loss_weight": 0.0})  # the balance loss is a per-batch statistic
     model = Transformer(base, rngs=nnx.Rngs(0))
     tx, schedule = make_optimizer(base.train)
     graphdef, state0 = init_state(model, tx, 0)

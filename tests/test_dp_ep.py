@@ -2,7 +2,7 @@
 
 Values: KV-cache generation (ragged prompts; prefill and decode) on 4 and 8 CPU devices equals the
 one-device model's generation (fp32 logits within 1e-5 of their scale, the same tokens), under
-standard, FarSkip, two-batch overlap (model.micro_batches=2) and FarSkip + TBO; GQA and MLA; unrolled
+standard, FarSkip, two-batch overlap (runtime.micro_batches=2) and FarSkip + TBO; GQA and MLA; unrolled
 and stacked layers.
 
 Program: the compiled decode step (8 devices) has each MoE layer's dispatch and combine all-to-alls,
@@ -121,7 +121,7 @@ def test_bad_layouts_are_refused_with_one_clear_error():
     with pytest.raises(ConfigError, match="mesh.tensor=1"):
         check_dp_ep(replace(dp_ep_cfg(4), **{"mesh.tensor": 2, "mesh.expert": 2}))
     with pytest.raises(ConfigError, match="inference.layout=foe"):
-        check_dp_ep(replace(dp_ep_cfg(4), **{"moe.num_groups": 2}))
+        check_dp_ep(replace(dp_ep_cfg(4), **{"runtime.num_groups": 2}))
     cfg = dp_ep_cfg(4)
     mesh = make_mesh(cfg.mesh, jax.devices()[:4])
     model = dp_ep_model(cfg, mesh, nnx.state(reference(cfg)))
@@ -169,11 +169,11 @@ def test_eval_generate_on_dp_ep_from_an_hf_folder(tmp_path, capsys):
     prompts = ["def main(", "import os", "x = 1", "class A:", "for i in", "while True", "print(", "y"]
     argv = (["--hf", out, "--tokenizer", "byte", "--mode", "generate"] + sum((["--prompt", p] for p in prompts), [])
             + ["eval.max_new_tokens=3", "inference.layout=dp_ep", "mesh.data=4", "mesh.tensor=1", "mesh.expert=2",
-               "moe.dispatch=all_to_all", "model.scan_layers=true"])
+               "runtime.dispatch=all_to_all", "runtime.scan_layers=true"])
     assert eval_entry.main(argv) == 0
     res = json.loads(capsys.readouterr().out)
     tok = ByteTokenizer()
-    icfg, imported = import_hf(out, overrides=["model.scan_layers=false"])
+    icfg, imported = import_hf(out, overrides=["runtime.scan_layers=false"])
     g = generate(imported, [[tok.bos_id] + list(tok.encode(p)) for p in prompts], 3, farskip=icfg.farskip,
                  eos_id=tok.eos_id)
     assert res["layout"] == "dp_ep"

@@ -78,7 +78,7 @@ def test_cached_foe_equals_full_recompute(fs):
 
     model = tiny_model()
     cfg = model.cfg
-    foe_cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, num_groups=2))
+    foe_cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, num_groups=2))
     foe = Transformer(foe_cfg, rngs=nnx.Rngs(3))
     nnx.update(foe, nnx.state(model, nnx.Param))  # the parameter tree does not depend on num_groups
     prompt = np.random.default_rng(1).integers(0, 64, size=(2, 4)).astype(np.int32)

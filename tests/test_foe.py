@@ -1,4 +1,4 @@
-"""Federation of Experts (moe.num_groups = H): model/foe.py.
+"""Federation of Experts (runtime.num_groups = H): model/foe.py.
 
 - H = 1 through the FoE code path equals the ordinary model (same params, same logits, same routing);
   the parameter tree does not depend on num_groups (any checkpoint loads with any H).
@@ -69,7 +69,7 @@ def test_one_group_equals_ordinary(preset):
 
 def test_params_independent_of_num_groups():
     a = nnx.state(Transformer(_cfg(), rngs=nnx.Rngs(0)), nnx.Param)
-    b = nnx.state(Transformer(_cfg("moe.num_groups=2"), rngs=nnx.Rngs(0)), nnx.Param)
+    b = nnx.state(Transformer(_cfg("runtime.num_groups=2"), rngs=nnx.Rngs(0)), nnx.Param)
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     assert jax.tree.structure(a) == jax.tree.structure(b) and len(la) == len(lb)
     for x, y in zip(la, lb):
@@ -83,7 +83,7 @@ def test_params_independent_of_num_groups():
 
 @pytest.mark.parametrize("groups,bias", [(2, False), (4, False), (2, True), (4, True)])
 def test_routing_within_group(groups, bias):
-    cfg = _cfg(f"moe.num_groups={groups}", f"moe.selection_bias={str(bias).lower()}", "model.num_kv_heads=4")
+    cfg = _cfg(f"runtime.num_groups={groups}", f"moe.selection_bias={str(bias).lower()}", "model.num_kv_heads=4")
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     router = model.layers[1].moe.router
     e, k = cfg.moe.num_experts, cfg.moe.top_k
@@ -199,7 +199,7 @@ ORACLE_CASES = [
 
 @pytest.fixture(scope="module")
 def foe_model():
-    cfg = _cfg("moe.num_groups=2")
+    cfg = _cfg("runtime.num_groups=2")
     return Transformer(cfg, rngs=nnx.Rngs(0)), _tokens(cfg)
 
 
@@ -212,7 +212,7 @@ def test_matches_per_group_oracle(foe_model, case):
 
 
 def test_matches_oracle_four_groups():
-    cfg = _cfg("moe.num_groups=4", "model.num_kv_heads=4", "model.num_layers=2")
+    cfg = _cfg("runtime.num_groups=4", "model.num_kv_heads=4", "model.num_layers=2")
     model = Transformer(cfg, rngs=nnx.Rngs(2))
     tokens = _tokens(cfg)
     for preset in ("standard", "farskip"):
@@ -236,11 +236,11 @@ def test_farskip_attention_reads_the_synchronised_stream(foe_model):
 
 
 @pytest.mark.parametrize("extra,culprit", [
-    (("moe.num_groups=4",), "num_kv_heads"),
-    (("moe.num_groups=2", "moe.top_k=3"), "top_k"),
-    (("moe.num_groups=2", "model.attention=mla"), "model.attention"),
-    (("moe.num_groups=2", "moe.n_group=2"), "n_group"),
-    (("moe.num_groups=2", "model.qk_norm=true", "model.qk_norm_scope=all_heads"), "qk_norm_scope"),
+    (("runtime.num_groups=4",), "num_kv_heads"),
+    (("runtime.num_groups=2", "moe.top_k=3"), "top_k"),
+    (("runtime.num_groups=2", "model.attention=mla"), "model.attention"),
+    (("runtime.num_groups=2", "moe.n_group=2"), "n_group"),
+    (("runtime.num_groups=2", "model.qk_norm=true", "model.qk_norm_scope=all_heads"), "qk_norm_scope"),
 ])
 def test_config_errors(extra, culprit):
     with pytest.raises(ConfigError, match=culprit):
@@ -248,11 +248,11 @@ def test_config_errors(extra, culprit):
 
 
 def test_gradients_with_remat_match():
-    cfg = _cfg("moe.num_groups=2", "model.num_layers=2")
+    cfg = _cfg("runtime.num_groups=2", "model.num_layers=2")
     tokens = _tokens(cfg, s=8)
 
     def grads(remat):
-        graphdef, params, rest = nnx.split(Transformer(replace(cfg, **{"model.remat": remat}), rngs=nnx.Rngs(0)),
+        graphdef, params, rest = nnx.split(Transformer(replace(cfg, **{"runtime.remat": remat}), rngs=nnx.Rngs(0)),
                                            nnx.Param, ...)
         loss = lambda p: jnp.mean(nnx.merge(graphdef, p, rest)(tokens, farskip=FarSkipConfig(preset="farskip")).logits ** 2)
         return jax.jit(jax.grad(loss))(params)
@@ -283,7 +283,7 @@ def test_expert_parallel_matches_single_device_and_confines_all_to_all():
     from farskip_jax.parallel.build import create_foe_model
     from farskip_jax.parallel.foe import make_foe_mesh
 
-    cfg = _cfg("moe.num_groups=2", "mesh.expert=8", "moe.dispatch=all_to_all")
+    cfg = _cfg("runtime.num_groups=2", "mesh.expert=8", "runtime.dispatch=all_to_all")
     tokens = np.asarray(_tokens(cfg, b=8, s=8))
     ref = Transformer(cfg, rngs=nnx.Rngs(0))  # single device, plain local routed compute
     mesh = make_foe_mesh(cfg.mesh, 2)  # group 2 x expert 4

@@ -29,9 +29,9 @@ from test_parallel_overlap import entry_graph, reachable_from
 H = 4
 L = 3
 BASE = ["model.vocab_size=64", "model.d_model=32", f"model.num_layers={L}", "model.num_heads=8", "model.num_kv_heads=4",
-        "model.mlp_hidden=64", "model.first_k_dense=1", "model.max_seq_len=128", "model.attention_impl=naive",
+        "model.mlp_hidden=64", "model.first_k_dense=1", "model.max_seq_len=128", "runtime.attention_impl=naive",
         "moe.num_experts=8", "moe.top_k=4", "moe.expert_hidden=32", "moe.num_shared_experts=1",
-        "moe.capacity_factor=null", "moe.dispatch=local", f"moe.num_groups={H}", "inference.layout=foe",
+        "runtime.capacity_factor=null", "runtime.dispatch=local", f"runtime.num_groups={H}", "inference.layout=foe",
         f"mesh.expert={H}", "mesh.data=1"]
 FARSKIP = FarSkipConfig(preset="farskip")
 
@@ -54,7 +54,7 @@ def reference():
                          ids=["standard", "farskip", "farskip_two_devices_per_group"])
 def test_generation_on_the_foe_layout_equals_one_device(reference, fs, ep, dispatch):
     _, one, state = reference
-    cfg = _cfg(f"mesh.expert={ep}", f"moe.dispatch={dispatch}")
+    cfg = _cfg(f"mesh.expert={ep}", f"runtime.dispatch={dispatch}")
     model, layout = serving_model(cfg, None, state, make_mesh(cfg.mesh, jax.devices()[:ep]))
     assert dict(layout.mesh.shape)["group"] == H and dict(layout.mesh.shape)["expert"] == ep // H
     q = model.blocks()[1].attn.q_proj.w
@@ -71,13 +71,13 @@ def test_generation_on_the_foe_layout_equals_one_device(reference, fs, ep, dispa
 
 
 def test_foe_layout_config_errors():
-    with pytest.raises(ConfigError, match="moe.num_groups"):
-        load_config(None, [*BASE, "moe.num_groups=1"])
+    with pytest.raises(ConfigError, match="runtime.num_groups"):
+        load_config(None, [*BASE, "runtime.num_groups=1"])
     cfg = _cfg("mesh.expert=2")
     with pytest.raises(ConfigError, match="mesh.expert"):
         serving_model(cfg, None, {}, make_mesh(cfg.mesh, jax.devices()[:2]))
     cfg = _cfg(f"mesh.expert={2 * H}")  # two devices per group need an exchange
-    with pytest.raises(ConfigError, match="moe.dispatch=all_to_all"):
+    with pytest.raises(ConfigError, match="runtime.dispatch=all_to_all"):
         serving_model(cfg, None, {}, make_mesh(cfg.mesh, jax.devices()[:2 * H]))
 
 
@@ -158,9 +158,9 @@ def test_eval_generate_on_the_foe_layout_from_an_hf_folder(tmp_path, capsys):
     with pytest.warns(UserWarning, match="standard connectivity"):  # Mixtral itself has no FarSkip
         out = export_hf(random_model(cfg), cfg, str(tmp_path / "hf"), family="mixtral")
     prompts = ["def main(", "import os"]
-    foe = ["moe.num_groups=4", "model.scan_layers=false"]
+    foe = ["runtime.num_groups=4", "runtime.scan_layers=false"]
     argv = ["--hf", out, "--tokenizer", "byte", "--mode", "generate", "--prompt", prompts[0], "--prompt", prompts[1],
-            "eval.max_new_tokens=3", "inference.layout=foe", "mesh.data=2", "mesh.expert=4", "moe.dispatch=local", *foe]
+            "eval.max_new_tokens=3", "inference.layout=foe", "mesh.data=2", "mesh.expert=4", "runtime.dispatch=local", *foe]
     assert eval_entry.main(argv) == 0
     res = json.loads(capsys.readouterr().out)
     tok = ByteTokenizer()

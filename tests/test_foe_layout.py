@@ -2,7 +2,7 @@
 
 On 8 CPU devices (EP 8 = group x expert), fp32, against the one-device FoE model (same parameters,
 no mesh, no collectives; FoE is its own model, so like is compared with like):
-- moe.foe_tokens=sharded (tokens split over the device groups between the groups' sub-blocks: the
+- runtime.foe_tokens=sharded (tokens split over the device groups between the groups' sub-blocks: the
   sums are reduce-scatters, views for a group's attention / experts all-gathers) with the contiguous
   and the strided group placement, H = 2 and H = 4, standard, farskip and a mixed layer set: loss,
   logits and every gradient equal the single-device model (rtol 1e-5);
@@ -38,8 +38,8 @@ def _cfg(h, *extra):
     return load_config(None, ["model.vocab_size=64", f"model.d_model={D}", "model.num_layers=3", "model.num_heads=4",
                               "model.num_kv_heads=4", "model.mlp_hidden=64", "model.first_k_dense=1",
                               "model.init_std=0.15", "moe.num_experts=8", "moe.top_k=4", "moe.expert_hidden=16",
-                              "moe.num_shared_experts=1", "mesh.expert=8", "mesh.data=1", "moe.dispatch=all_to_all",
-                              f"moe.num_groups={h}", *extra])
+                              "moe.num_shared_experts=1", "mesh.expert=8", "mesh.data=1", "runtime.dispatch=all_to_all",
+                              f"runtime.num_groups={h}", *extra])
 
 
 def _tokens(cfg, b=8, s=8):
@@ -72,12 +72,12 @@ def _reference(cfg, toks):
 
 @pytest.mark.parametrize("h,placement,attention", [
     (2, "contiguous", "groups"),  # the layout itself in the default run; the other placements / H under -m extended
-    (2, "contiguous", "local"),  # token-local attention where the groups' inputs coincide (moe.foe_attention)
+    (2, "contiguous", "local"),  # token-local attention where the groups' inputs coincide (runtime.foe_attention)
     pytest.param(2, "strided", "groups", marks=pytest.mark.extended),
     pytest.param(4, "strided", "groups", marks=pytest.mark.extended),
     pytest.param(4, "contiguous", "local", marks=pytest.mark.extended)])
 def test_sharded_tokens_equal_single_device(h, placement, attention):
-    cfg = _cfg(h, "moe.foe_tokens=sharded", f"moe.foe_attention={attention}")
+    cfg = _cfg(h, "runtime.foe_tokens=sharded", f"runtime.foe_attention={attention}")
     toks = _tokens(cfg)
     mesh = make_foe_mesh(cfg.mesh, h, placement=placement)
     model = create_foe_model(cfg, mesh, seed=0)
@@ -107,7 +107,7 @@ def _device_groups(mesh, groups):
 @pytest.mark.parametrize("placement,attention", [("contiguous", "groups"), ("contiguous", "local"),
                                                  pytest.param("strided", "groups", marks=pytest.mark.extended)])
 def test_sharded_forward_sums_are_reduce_scatter_and_all_gather(placement, attention):
-    cfg = _cfg(2, "moe.foe_tokens=sharded", f"moe.foe_attention={attention}")
+    cfg = _cfg(2, "runtime.foe_tokens=sharded", f"runtime.foe_attention={attention}")
     mesh = make_foe_mesh(cfg.mesh, 2, placement=placement)
     model = create_foe_model(cfg, mesh, seed=0)
     graphdef, state = nnx.split(model)
@@ -138,7 +138,7 @@ def test_sharded_forward_sums_are_reduce_scatter_and_all_gather(placement, atten
 
 
 def test_unsplittable_batch_fails_clearly():
-    cfg = _cfg(2, "moe.foe_tokens=sharded")
+    cfg = _cfg(2, "runtime.foe_tokens=sharded")
     mesh = make_foe_mesh(cfg.mesh, 2)
     model = create_foe_model(cfg, mesh, seed=0)
     toks = _tokens(cfg, b=4)  # 4 rows over expert 4 x group 2

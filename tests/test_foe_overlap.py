@@ -35,8 +35,8 @@ def _cfg(h, *extra):
     return load_config(None, ["model.vocab_size=64", f"model.d_model={D}", f"model.num_layers={L}",
                               "model.num_heads=8", "model.num_kv_heads=8", "model.mlp_hidden=64",
                               f"moe.num_experts={E}", f"moe.top_k={K}", "moe.expert_hidden=32",
-                              "moe.num_shared_experts=0", "moe.dispatch=all_to_all", "moe.capacity_factor=1.0",
-                              f"mesh.expert={EP}", "mesh.data=1", f"moe.num_groups={h}", *extra])
+                              "moe.num_shared_experts=0", "runtime.dispatch=all_to_all", "runtime.capacity_factor=1.0",
+                              f"mesh.expert={EP}", "mesh.data=1", f"runtime.num_groups={h}", *extra])
 
 
 def _formula(h):
@@ -108,9 +108,9 @@ def test_overlap_tool_on_foe_gpu_compile():
     from farskip_jax.analysis.overlap import run_overlap, to_json
 
     cfg = load_config(None, ["model.num_layers=2", "model.d_model=256", "model.num_heads=4", "model.num_kv_heads=2",
-                             "model.vocab_size=512", "model.compute_dtype=bfloat16", "model.max_seq_len=512",
-                             "moe.num_experts=8", "moe.top_k=2", "moe.expert_hidden=512", "moe.dispatch=all_to_all",
-                             "moe.capacity_factor=1.0", "moe.num_groups=2", "mesh.data=1", "mesh.expert=8",
+                             "model.vocab_size=512", "runtime.compute_dtype=bfloat16", "model.max_seq_len=512",
+                             "moe.num_experts=8", "moe.top_k=2", "moe.expert_hidden=512", "runtime.dispatch=all_to_all",
+                             "runtime.capacity_factor=1.0", "runtime.num_groups=2", "mesh.data=1", "mesh.expert=8",
                              "train.seq_len=512", "train.batch_size=8"])
     res = run_overlap(cfg, ("standard", "farskip"), ("forward",), hardware="mi300x")
     for r in res:

@@ -1,4 +1,4 @@
-"""Payloads of the FoE cross-group sums / gathers (moe.foe_sum_dtype, parallel/foe.py).
+"""Payloads of the FoE cross-group sums / gathers (runtime.foe_sum_dtype, parallel/foe.py).
 
 - fp8 collectives on 8 CPU devices (an axis of 4): fp8_reduce_scatter / fp8_all_gather equal
   psum_scatter / all_gather within the per-row fp8 bound (per element and source: 2^-4 |x| +
@@ -101,9 +101,9 @@ def _cos(a, b):
 # loss 5e-3 (measured < 0.2%); cosines >= 0.996 / 0.970 measured; bf16 (2^-9 relative): 1e-2
 # (measured 0.13-0.40%)
 PAYLOADS = {
-    "fp8_local": ("float8_e4m3fn", ("moe.foe_attention=local",), 5e-2, 5e-3, 0.99),
+    "fp8_local": ("float8_e4m3fn", ("runtime.foe_attention=local",), 5e-2, 5e-3, 0.99),
     "fp8_groups": ("float8_e4m3fn", (), 1e-1, 1e-2, 0.95),
-    "bf16_local": ("bfloat16", ("moe.foe_attention=local",), 1e-2, 1e-3, 0.999),
+    "bf16_local": ("bfloat16", ("runtime.foe_attention=local",), 1e-2, 1e-3, 0.999),
 }
 
 
@@ -112,7 +112,7 @@ PAYLOADS = {
     pytest.param("fp8_groups", marks=pytest.mark.extended), pytest.param("bf16_local", marks=pytest.mark.extended)])
 def test_lossy_payloads_close_to_single_device_fp32(payload):
     dtype, extra, tol_logits, tol_loss, min_cos = PAYLOADS[payload]
-    cfg = _cfg(2, "moe.foe_tokens=sharded", f"moe.foe_sum_dtype={dtype}", *extra)
+    cfg = _cfg(2, "runtime.foe_tokens=sharded", f"runtime.foe_sum_dtype={dtype}", *extra)
     toks = _tokens(cfg)
     mesh = make_foe_mesh(cfg.mesh, 2)
     res = _all(create_foe_model(cfg, mesh, seed=0), shard_batch(toks, mesh))
@@ -130,7 +130,7 @@ def test_lossy_payloads_close_to_single_device_fp32(payload):
 
 @pytest.mark.extended
 def test_float32_payload_is_exact_in_fp32_model():
-    cfg = _cfg(2, "moe.foe_tokens=sharded", "moe.foe_sum_dtype=float32", "moe.foe_attention=local")
+    cfg = _cfg(2, "runtime.foe_tokens=sharded", "runtime.foe_sum_dtype=float32", "runtime.foe_attention=local")
     toks = _tokens(cfg)
     mesh = make_foe_mesh(cfg.mesh, 2)
     res = _all(create_foe_model(cfg, mesh, seed=0), shard_batch(toks, mesh))
@@ -139,6 +139,6 @@ def test_float32_payload_is_exact_in_fp32_model():
 
 def test_fp8_needs_sharded_tokens():
     with pytest.raises(ConfigError, match="foe_tokens=sharded"):
-        _cfg(2, "moe.foe_sum_dtype=float8_e4m3fn")
+        _cfg(2, "runtime.foe_sum_dtype=float8_e4m3fn")
     with pytest.raises(ConfigError, match="foe_tokens=sharded"):
-        _cfg(2, "moe.foe_attention=local")
+        _cfg(2, "runtime.foe_attention=local")

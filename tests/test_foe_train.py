@@ -1,5 +1,5 @@
 """Federation of Experts through the trainer (issue 9): `parallel.create_model` / `model_mesh` build the
-FoE mesh (expert axis split into group x expert) when moe.num_groups > 1 and mesh.expert > 1, and
+FoE mesh (expert axis split into group x expert) when runtime.num_groups > 1 and mesh.expert > 1, and
 `train()` on it equals a single-device loop; checkpoints written on one FoE mesh resume on another.
 
 Oracle: the same train step (train/step.py) jitted on ONE device with the ordinary single-device
@@ -24,7 +24,7 @@ STEPS = 4
 SMALL = ["model.num_layers=2", "model.d_model=64", "model.mlp_hidden=128", "moe.expert_hidden=64",
          "train.batch_size=8", "train.seq_len=32", "train.warmup_steps=2", "train.eval_every=0",
          "train.eval_batches=2", "train.log_every=1", "train.checkpoint_every=0", "train.tensorboard=false",
-         "train.peak_flops=1e11", "moe.dispatch=all_to_all", f"train.steps={STEPS}"]
+         "train.peak_flops=1e11", "runtime.dispatch=all_to_all", f"train.steps={STEPS}"]
 
 
 def _cfg(run_dir, *extra):
@@ -34,7 +34,7 @@ def _cfg(run_dir, *extra):
 def _single_device_reference(cfg):
     """(per-step losses, val loss after the last step) of the train step on one device."""
     t = cfg.train
-    model = Transformer(replace(cfg, **{"moe.dispatch": "local"}), rngs=nnx.Rngs(t.seed))
+    model = Transformer(replace(cfg, **{"runtime.dispatch": "local"}), rngs=nnx.Rngs(t.seed))
     tx, schedule = make_optimizer(t)
     graphdef, state = init_state(model, tx, t.seed)
     step = jax.jit(make_train_step(graphdef, cfg, tx, schedule))
@@ -52,10 +52,10 @@ def _single_device_reference(cfg):
 
 
 def test_model_mesh_and_create_model_build_the_foe_mesh():
-    cfg = load_config("configs/foe_tiny.yaml", ["mesh.expert=4", "moe.dispatch=all_to_all"])
+    cfg = load_config("configs/foe_tiny.yaml", ["mesh.expert=4", "runtime.dispatch=all_to_all"])
     mesh = model_mesh(cfg)
     assert dict(mesh.shape) == dict(data=2, fsdp=1, group=2, expert=2, tensor=1)
-    plain = model_mesh(replace(cfg, **{"moe.num_groups": 1}))
+    plain = model_mesh(replace(cfg, **{"runtime.num_groups": 1}))
     assert "group" not in plain.shape
     # a plain mesh is split over the same devices; experts land on their group's devices
     from farskip_jax.parallel.mesh import make_mesh

@@ -143,7 +143,7 @@ def test_serving_programs_lower_for_gpu_deviceless():
 
 def test_eval_generate_on_a_mesh_from_an_hf_folder(tmp_path, capsys):
     """eval.py --hf DIR --mode generate with two prompts on the tp_ep mesh, the layers imported stacked
-    (model.scan_layers=true: the scanned decode of serving/generate.py) = one-device generation of the
+    (runtime.scan_layers=true: the scanned decode of serving/generate.py) = one-device generation of the
     same folder imported per layer (the unrolled decode)."""
     import eval as eval_entry
     from farskip_jax.convert import export_hf, import_hf
@@ -156,12 +156,12 @@ def test_eval_generate_on_a_mesh_from_an_hf_folder(tmp_path, capsys):
     prompts = ["def main(", "import os"]
     argv = ["--hf", out, "--tokenizer", "byte", "--mode", "generate", "--prompt", prompts[0], "--prompt", prompts[1],
             "eval.max_new_tokens=3", "inference.layout=tp_ep", "mesh.data=1",
-            "mesh.tensor=8", "model.scan_layers=true"]
+            "mesh.tensor=8", "runtime.scan_layers=true"]
     assert eval_entry.main(argv) == 0
     res = json.loads(capsys.readouterr().out)
     tok = ByteTokenizer()
     ids = [[tok.bos_id] + list(tok.encode(p)) for p in prompts]
-    icfg, imported = import_hf(out, overrides=["model.scan_layers=false"])  # the folder carries FarSkip connectivity
+    icfg, imported = import_hf(out, overrides=["runtime.scan_layers=false"])  # the folder carries FarSkip connectivity
     assert hasattr(imported, "layers")
     assert icfg.farskip.converted_layers(2) == {0, 1} and res["farskip"]["preset"] == "farskip"
     g = generate(imported, ids, 3, farskip=icfg.farskip, eos_id=tok.eos_id)

@@ -8,7 +8,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from farskip_jax.config import MoEConfig
+from farskip_jax.config import RuntimeConfig
 from farskip_jax.kernels import gmm as gmm_mod
 from farskip_jax.model.experts import ExpertWeights, inverse_permutation, local_routed_compute, weighted_combine
 from farskip_jax.kernels.gmm import gmm, resolve_backend
@@ -136,7 +136,7 @@ def test_tail_buckets_and_backend_resolution():
 
 def test_blas_unavailable_falls_back_to_tiled_and_explicit_blas_fails_clearly(tmp_path):
     """No working compiler: `auto` resolves to `tiled` with one warning naming the reason, an explicit
-    moe.gmm=blas raises KernelUnavailable naming the fix (fresh process: the kernel load is cached);
+    runtime.gmm=blas raises KernelUnavailable naming the fix (fresh process: the kernel load is cached);
     the cache folder comes from the environment override of kernels.cache_dir."""
     import subprocess
     import sys
@@ -432,7 +432,7 @@ def test_local_routed_compute_matches_token_loop(backend, capacity_factor):
     x = rng.standard_normal((b, s, d)).astype(np.float32)
     ew = tuple(rng.standard_normal(shape).astype(np.float32) * 0.5 for shape in [(e, d, h), (e, d, h), (e, h, d)])
     idx, wts = _route(b, s, e, k, seed=4)
-    cfg = MoEConfig(num_experts=e, top_k=k, expert_hidden=h, gmm=backend, gmm_tile=8,
+    cfg = RuntimeConfig(gmm=backend, gmm_tile=8,
                     capacity_factor=capacity_factor)
     cap = None if capacity_factor is None else int(np.ceil(capacity_factor * b * s * k / e))
     route = RouteResult(indices=jnp.asarray(idx), weights=jnp.asarray(wts), aux_loss=jnp.zeros(()),
@@ -457,7 +457,7 @@ def test_local_routed_compute_gradients_match_dense_oracle(backend):
     ew = tuple(rng.standard_normal(shape).astype(np.float32) * 0.5 for shape in [(e, d, h), (e, d, h), (e, h, d)])
     idx, wts = _route(b, s, e, k, seed=6)
     ct = rng.standard_normal((b, s, d)).astype(np.float32)
-    cfg = MoEConfig(num_experts=e, top_k=k, expert_hidden=h, gmm=backend, gmm_tile=8)
+    cfg = RuntimeConfig(gmm=backend, gmm_tile=8)
 
     def ours(x, wg, wu, wd, wts):
         route = RouteResult(indices=jnp.asarray(idx), weights=wts, aux_loss=jnp.zeros(()),

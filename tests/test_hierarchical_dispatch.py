@@ -1,6 +1,6 @@
-"""Node-deduplicated (hierarchical) dispatch, `moe.dispatch=hierarchical` (parallel/ep.HierarchicalCompute).
+"""Node-deduplicated (hierarchical) dispatch, `runtime.dispatch=hierarchical` (parallel/ep.HierarchicalCompute).
 
-On 8 CPU devices viewed as 2 "nodes" x 4 and 4 x 2 (moe.gpus_per_node), in fp32:
+On 8 CPU devices viewed as 2 "nodes" x 4 and 4 x 2 (runtime.gpus_per_node), in fp32:
 - the exchange alone equals the all_to_all backend and the single-device path (outputs and the
   gradients of tokens, router weights and expert weights), dropless and with a capacity that drops
   (then the same assignments drop as in all_to_all, counted the same), on a data x expert mesh too;
@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import multihost_worker as mw
-from farskip_jax.config import MoEConfig, replace
+from farskip_jax.config import RuntimeConfig, replace
 from farskip_jax.errors import ConfigError
 from farskip_jax.model.experts import ExpertWeights, local_routed_compute
 from farskip_jax.model.router import RouteResult
@@ -52,7 +52,7 @@ def _inputs(seed=0):
 def _run(rc, mesh, cf, seed=0):
     """(y, dropped, grads of (x, w, w_gate, w_up, w_down)) of backend `rc` (None = single device)."""
     x, idx, w, ew = _inputs(seed)
-    cfg = MoEConfig(num_experts=E, top_k=K, expert_hidden=H, capacity_factor=cf, gmm="einsum")
+    cfg = RuntimeConfig(capacity_factor=cf, gmm="einsum")
     if mesh is not None:
         tok = NamedSharding(mesh, P(BATCH_AXES, None, None))
         wsh = NamedSharding(mesh, P("expert", None, None))
@@ -128,9 +128,9 @@ def test_chunks_and_dispatch_dtype_options():
 # whole model
 # --------------------------------------------------------------------------------------------------
 
-def _cfg(dispatch, ep, data=-1, group_limited=False, **moe):
+def _cfg(dispatch, ep, data=-1, group_limited=False, **runtime):
     cfg = mw.tiny_config(ep=ep, dispatch=dispatch, data=data)
-    ov = {f"moe.{k}": v for k, v in moe.items()}
+    ov = {f"runtime.{k}": v for k, v in runtime.items()}
     if group_limited:  # 8 experts in 4 groups of 2, tokens pick from the best 2 groups
         ov.update({"moe.n_group": 4, "moe.topk_group": 2, "moe.scoring": "sigmoid", "moe.group_score": "top2_sum"})
     return replace(cfg, **ov) if ov else cfg
@@ -166,7 +166,7 @@ def test_one_node_is_all_to_all_and_bad_layouts_fail():
     for per in (4, 8, None):  # None: process_index, one process on CPU = one node
         assert expert_node_layout(mesh, per).nodes == 1
     x, idx, w, ew = _inputs()
-    cfg = MoEConfig(num_experts=E, top_k=K, expert_hidden=H, capacity_factor=1.0, gmm="einsum")
+    cfg = RuntimeConfig(capacity_factor=1.0, gmm="einsum")
     r = RouteResult(indices=jnp.asarray(idx), weights=jnp.asarray(w), aux_loss=None, z_loss=None, load=None)
     progs = [str(jax.make_jaxpr(lambda x, ew: rc(x, r, ExpertWeights(*ew), cfg).y)(x, ew))
              for rc in (HierarchicalCompute(mesh, 8), AllToAllCompute(mesh))]
@@ -175,7 +175,7 @@ def test_one_node_is_all_to_all_and_bad_layouts_fail():
         expert_node_layout(make_mesh(MeshConfig(data=1, expert=8)), 3)  # 8 ranks over nodes of 3
     assert expert_node_layout(make_mesh(MeshConfig(data=4, expert=2)), 4).nodes == 1  # 2 expert groups per node
     with pytest.raises(ConfigError, match="gpus_per_node"):
-        MoEConfig(dispatch="all_to_all", gpus_per_node=4)
+        RuntimeConfig(dispatch="all_to_all", gpus_per_node=4)
     with pytest.raises(ConfigError, match=">= 1"):
-        MoEConfig(dispatch="hierarchical", gpus_per_node=0)
+        RuntimeConfig(dispatch="hierarchical", gpus_per_node=0)
     assert isinstance(routed_compute_for("hierarchical", mesh, 2), HierarchicalCompute)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from farskip_jax.config import Config, FarSkipConfig, InferenceConfig, MeshConfig, ModelConfig, MoEConfig, replace
+from farskip_jax.config import Config, FarSkipConfig, InferenceConfig, MeshConfig, ModelConfig, MoEConfig, RuntimeConfig, replace
 from farskip_jax.errors import ConfigError
 from farskip_jax.model.transformer import Transformer
 from farskip_jax.serving.tp_ep import TpEpLayout, abstract_inference_model, check_tp_ep, inference_model, layout_for
@@ -27,13 +27,14 @@ from test_parallel_overlap import entry_graph, reachable_from
 
 def tiny_cfg(mesh=None, **model_kw):
     m = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=8, num_kv_heads=8, mlp_hidden=64, first_k_dense=1,
-             max_seq_len=128, attention_impl="naive")  # the plain core on one device too (no CPU kernel)
+             max_seq_len=128)
     m.update(model_kw)
     mesh = mesh or MeshConfig(data=1, tensor=8)
-    # moe.dispatch is the training layout's; its check wants all_to_all when mesh.expert > 1
-    moe = MoEConfig(num_experts=8, top_k=2, expert_hidden=16, num_shared_experts=1,
-                    dispatch="all_to_all" if mesh.expert > 1 else "local")
-    return Config(model=ModelConfig(**m), moe=moe, mesh=mesh, inference=InferenceConfig(layout="tp_ep"))
+    # runtime.dispatch is the training layout's; its check wants all_to_all when mesh.expert > 1
+    moe = MoEConfig(num_experts=8, top_k=2, expert_hidden=16, num_shared_experts=1)
+    runtime = RuntimeConfig(dispatch="all_to_all" if mesh.expert > 1 else "local",
+                            attention_impl="naive")  # the plain core on one device too (no CPU kernel)
+    return Config(model=ModelConfig(**m), moe=moe, runtime=runtime, mesh=mesh, inference=InferenceConfig(layout="tp_ep"))
 
 
 def reference(cfg, seed=3):
@@ -107,7 +108,7 @@ def test_tp_ep_forward_equals_one_device(case):
     ({"model.num_heads": 4, "model.num_kv_heads": 4}, "model.num_heads=4"),
     ({"model.num_kv_heads": 4, "mesh.tensor": 8}, None),  # 4 kv heads replicated over 8 ranks: fine
     ({"model.num_heads": 24, "model.num_kv_heads": 3, "model.head_dim": 4}, "num_kv_heads=3"),
-    ({"moe.capacity_factor": 1.0}, "capacity_factor=null"),
+    ({"runtime.capacity_factor": 1.0}, "capacity_factor=null"),
     ({"moe.num_experts": 4}, "num_experts=4"),
     ({"model.qk_norm": True, "model.qk_norm_scope": "all_heads"}, "all_heads"),
     ({"moe.shared_hidden": 12}, "shared_experts=replicated"),  # 12 hidden units over 8 tensor ranks

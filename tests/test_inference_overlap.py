@@ -94,12 +94,12 @@ def test_useful_rows_and_serving_shape():
 
     with ir.balanced_grouped_gemm(0.25):  # 16 rows over 2 groups -> 2 + 2 useful rows, the rest zeros
         y = gmm(np.ones((16, 4), np.float32), np.ones((2, 4, 3), np.float32), np.array([8, 8], np.int32),
-                backend="ragged_dot")  # the seam's ragged_dot: what moe.gmm resolves to on GPU
+                backend="ragged_dot")  # the seam's ragged_dot: what runtime.gmm resolves to on GPU
     assert y.shape == (16, 3) and float(y[:4].sum()) == 4 * 3 * 4 and float(y[4:].sum()) == 0
 
 
 def test_scanned_serving_program_unrolls_to_its_layers(h100x8):
-    """A scanned prefill (model.scan_layers: the 3 MoE layers are one while loop, serving/generate.py)
+    """A scanned prefill (runtime.scan_layers: the 3 MoE layers are one while loop, serving/generate.py)
     re-timed from its loop-unrolled schedule (analysis/loop_schedule.py) has the per-layer program's
     all-reduces (roles, layers, bytes), the stacked-row copies tagged, and with them free a time near
     the per-layer program's; FarSkip still hides more inside the loop body than standard. Without the
@@ -109,7 +109,7 @@ def test_scanned_serving_program_unrolls_to_its_layers(h100x8):
     from farskip_jax.analysis.scopes import layer_of
 
     def timing(preset, scan):
-        cfg = replace(tiny_cfg(num_layers=3, first_k_dense=0), **{"farskip.preset": preset, "model.scan_layers": scan,
+        cfg = replace(tiny_cfg(num_layers=3, first_k_dense=0), **{"farskip.preset": preset, "runtime.scan_layers": scan,
                                                                    "inference.shared_experts": "replicated"})
         mesh = ir.serving_mesh(cfg, h100x8)
         prog = ir.compile_serving(cfg, mesh, "prefill", 4, 16, 16)

@@ -59,8 +59,8 @@ def test_gpu_train_step_has_no_cpu_kernels_and_the_cpu_one_has(h100x8, monkeypat
     from farskip_jax.kernels.cpu import dispatch
 
     monkeypatch.setattr(dispatch, "process_devices", lambda: 1)
-    gpu_cfg = load_config(None, TINY + ["mesh.expert=8", "moe.dispatch=all_to_all"])
-    assert gpu_cfg.kernels.enabled and gpu_cfg.moe.gmm == "auto" and gpu_cfg.model.attention_impl == "auto"
+    gpu_cfg = load_config(None, TINY + ["mesh.expert=8", "runtime.dispatch=all_to_all"])
+    assert gpu_cfg.kernels.enabled and gpu_cfg.runtime.gmm == "auto" and gpu_cfg.runtime.attention_impl == "auto"
     gpu = _train_text(gpu_cfg, h100x8)
     assert "all_to_all" in gpu and "ragged_dot" in gpu  # an expert-parallel GPU step, ragged_dot experts
     assert not _targets(gpu), _targets(gpu)
@@ -77,5 +77,5 @@ def test_kernels_disabled_in_config_give_plain_jax_on_cpu(kernels_config):
     cfg = load_config(None, TINY[:-1] + ["kernels.enabled=false"])
     assert not _targets(_train_text(cfg, jax.devices("cpu")[:1]))
     assert resolve_backend("auto", "cpu") == "tiled" and resolve_attention_impl("auto", "cpu") == "naive"
-    with pytest.raises(ValueError, match="moe.gmm='blas' is not available.*kernels.enabled: true"):
+    with pytest.raises(ValueError, match="runtime.gmm='blas' is not available.*kernels.enabled: true"):
         resolve_backend("blas", "cpu")

@@ -1,6 +1,6 @@
 """HF import onto a mesh places the model as the trainer does (parallel.build): a Federation of
 Experts with expert parallelism lands on the FoE group x expert mesh (experts over both axes, not
-replicated across groups) with the FoE exchange, and `init_from_hf` keeps the user's moe.num_groups.
+replicated across groups) with the FoE exchange, and `init_from_hf` keeps the user's runtime.num_groups.
 That the FoE mesh computes what one device computes is tests/test_foe_train.py's; no forward is
 compiled here."""
 
@@ -27,8 +27,8 @@ def test_load_hf_foe_config_lands_on_the_foe_mesh(tmp_path):
     export_hf(model, src, str(tmp_path / "hf"), family="mixtral")
     mesh = make_mesh(MeshConfig(data=2, expert=4))  # the plain mesh a caller may hold
     cfg, gd, st = load_hf(str(tmp_path / "hf"), mesh=mesh,
-                          overrides={"moe.num_groups": 2, "moe.dispatch": "all_to_all", "mesh.data": 2, "mesh.expert": 4})
-    assert cfg.moe.num_groups == 2
+                          overrides={"runtime.num_groups": 2, "runtime.dispatch": "all_to_all", "mesh.data": 2, "mesh.expert": 4})
+    assert cfg.runtime.num_groups == 2
     w = st["params"]["layers"][0]["moe"]["experts"]["w_gate"].get_value()
     assert dict(w.sharding.mesh.shape) == {"data": 2, "fsdp": 1, "group": 2, "expert": 2, "tensor": 1}
     assert w.sharding.spec[0] == ("group", "expert")
@@ -42,4 +42,4 @@ def test_load_hf_foe_config_lands_on_the_foe_mesh(tmp_path):
     from farskip_jax.train.trainer import shape_from_hf
 
     run = shape_from_hf(load_config("configs/foe_tiny.yaml", [f"init_from_hf={tmp_path / 'hf'}"]))
-    assert run.moe.num_groups == 2 and run.model.d_model == 32 and run.moe.num_experts == 4
+    assert run.runtime.num_groups == 2 and run.model.d_model == 32 and run.moe.num_experts == 4

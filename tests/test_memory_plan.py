@@ -13,8 +13,8 @@ from farskip_jax.config import load_config
 from farskip_jax.errors import ConfigError
 
 TINY = ["model.d_model=32", "model.num_heads=2", "model.num_kv_heads=1", "model.mlp_hidden=64", "moe.expert_hidden=32",
-        "model.vocab_size=128", "moe.num_experts=4", "mesh.expert=2", "mesh.data=1", "moe.dispatch=all_to_all",
-        "moe.capacity_factor=1.25", "model.first_k_dense=1"]
+        "model.vocab_size=128", "moe.num_experts=4", "mesh.expert=2", "mesh.data=1", "runtime.dispatch=all_to_all",
+        "runtime.capacity_factor=1.25", "model.first_k_dense=1"]
 SEQ = 16
 
 
@@ -96,7 +96,7 @@ def test_two_phase_model_on_known_points():
     with pytest.raises(ConfigError, match="two per-device batches"):
         mp.TempModel.fit([p(3, 1), p(5, 1)], parts)
     cfg = load_config("configs/tiny.yaml")
-    with pytest.raises(ConfigError, match="model.remat"):
+    with pytest.raises(ConfigError, match="runtime.remat"):
         mp.mode_config(cfg, "pretrain", "some", 1)
     assert mp.main(["--config", "configs/tiny.yaml", "--mode", "train"]) == 2
 
@@ -120,5 +120,5 @@ def test_in_place_update_model_fits_an_intercept_and_refuses_mixed_caches():
 
 def test_default_depth_is_the_configs_own_when_layers_are_scanned():
     assert mp.default_depths(load_config("configs/deepseek_v2_lite.yaml")) == [27]
-    assert mp.default_depths(load_config("configs/tiny.yaml", ["model.scan_layers=false", "model.num_layers=8"])) == [2, 3]
-    assert mp.default_depths(load_config("configs/tiny.yaml", ["model.scan_layers=true", "model.num_layers=8"])) == [8]
+    assert mp.default_depths(load_config("configs/tiny.yaml", ["runtime.scan_layers=false", "model.num_layers=8"])) == [2, 3]
+    assert mp.default_depths(load_config("configs/tiny.yaml", ["runtime.scan_layers=true", "model.num_layers=8"])) == [8]

@@ -28,7 +28,7 @@ def _grads(cfg, tokens):
 def test_remat_policies_give_identical_gradients(policy):
     tokens = jax.random.randint(jax.random.key(0), (2, 8), 0, 64)
     ref = _grads(load_config(None, BASE), tokens)
-    got = _grads(load_config(None, BASE + [f"model.remat={policy}"]), tokens)
+    got = _grads(load_config(None, BASE + [f"runtime.remat={policy}"]), tokens)
     for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
@@ -36,7 +36,7 @@ def test_remat_policies_give_identical_gradients(policy):
 def test_bf16_compute_keeps_fp32_params_and_tracks_fp32():
     tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, 64)
     m32 = Transformer(load_config(None, BASE), rngs=nnx.Rngs(0))
-    m16 = Transformer(load_config(None, BASE + ["model.compute_dtype=bfloat16"]), rngs=nnx.Rngs(0))
+    m16 = Transformer(load_config(None, BASE + ["runtime.compute_dtype=bfloat16"]), rngs=nnx.Rngs(0))
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(nnx.state(m16, nnx.Param)))
     l32, l16 = m32(tokens).logits, m16(tokens).logits
     assert l16.dtype == jnp.float32  # logits are returned in fp32 for the loss
@@ -78,7 +78,7 @@ def test_bf16_compute_on_amx_matches_the_float32_kernels(monkeypatch, kernels_co
     if not kernels.amx_available():
         pytest.skip("no usable AMX-BF16 on this CPU")
     monkeypatch.setattr(dispatch, "process_devices", lambda: 1)  # the suite's process has 8 CPU devices
-    cfg = load_config(None, BASE + ["model.compute_dtype=bfloat16"])
+    cfg = load_config(None, BASE + ["runtime.compute_dtype=bfloat16"])
     tokens = jax.random.randint(jax.random.key(2), (2, 8), 0, 64)
     graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
 

@@ -1,5 +1,6 @@
 """MoE block against a per-expert Python-loop oracle (fp32, 1e-5), routing variants and gradients."""
 
+import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +8,7 @@ import pytest
 from flax import nnx
 from jax.test_util import check_grads
 
-from farskip_jax.config import ModelConfig, MoEConfig
+from farskip_jax.config import ModelConfig, MoEConfig, RuntimeConfig
 from farskip_jax.model.moe import MoEBlock
 
 D, E = 16, 8
@@ -28,7 +29,8 @@ def oracle(block: MoEBlock, x, cfg: MoEConfig):
     bias = _np(block.router.bias[...]) if block.router.bias is not None else np.zeros(E)
     wg, wu, wd = (_np(getattr(block.experts, n)[...]) for n in ("w_gate", "w_up", "w_down"))
     n_assign = xs.shape[0] * cfg.top_k
-    cap = n_assign if cfg.capacity_factor is None else max(1, int(np.ceil(cfg.capacity_factor * n_assign / E)))
+    cf = block.runtime.capacity_factor
+    cap = n_assign if cf is None else max(1, int(np.ceil(cf * n_assign / E)))
     used = np.zeros(E, int)
     routed = np.zeros_like(xs)
     for t, xt in enumerate(xs):
@@ -85,9 +87,10 @@ VARIANTS = {
 
 
 def _block(**kw):
+    rt = {k: kw.pop(k) for k in list(kw) if k in {f.name for f in dataclasses.fields(RuntimeConfig)}}
     cfg = MoEConfig(**{**dict(num_experts=E, top_k=2, expert_hidden=24, num_shared_experts=1), **kw})
     mcfg = ModelConfig(d_model=D, init_std=0.3)
-    block = MoEBlock(mcfg, cfg, rngs=nnx.Rngs(0))
+    block = MoEBlock(mcfg, cfg, RuntimeConfig(**rt), rngs=nnx.Rngs(0))
     if cfg.selection_bias:  # a non-zero selection bias so biased selection is really exercised
         block.router.bias[...] = jax.random.normal(jax.random.key(9), (E,)) * 0.2
     return block, cfg

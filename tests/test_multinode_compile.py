@@ -17,9 +17,9 @@ def _small(**over):
     from farskip_jax.config import load_config
 
     args = ["model.num_layers=2", "model.d_model=256", "model.num_heads=4", "model.num_kv_heads=4",
-            "model.vocab_size=512", "model.compute_dtype=bfloat16", "model.max_seq_len=256",
-            "moe.num_experts=8", "moe.top_k=2", "moe.expert_hidden=256", "moe.dispatch=all_to_all",
-            "moe.capacity_factor=1.0", "mesh.data=1", "mesh.expert=8"]
+            "model.vocab_size=512", "runtime.compute_dtype=bfloat16", "model.max_seq_len=256",
+            "moe.num_experts=8", "moe.top_k=2", "moe.expert_hidden=256", "runtime.dispatch=all_to_all",
+            "runtime.capacity_factor=1.0", "mesh.data=1", "mesh.expert=8"]
     return load_config(None, args + [f"{k}={v}" for k, v in over.items()])
 
 
@@ -63,7 +63,7 @@ def test_data_across_nodes_experts_inside_and_foe_one_group_per_node():
     a2a = [p for p in dp.schedule.pairs if p.collective == "all-to-all"]
     assert a2a and all(sorted(p.groups) == [(0, 1, 2, 3), (4, 5, 6, 7)] for p in a2a)
     assert all(dp.topology.crossing_fraction(p.groups) == 0.0 for p in a2a)
-    (foe,) = _run(_small(**{"moe.num_groups": 2, "moe.top_k": 2}), ("farskip",), "forward")
+    (foe,) = _run(_small(**{"runtime.num_groups": 2, "moe.top_k": 2}), ("farskip",), "forward")
     from farskip_jax.analysis.groups import foe_summary
 
     summ = foe_summary(foe.hlo_text, foe.mesh)
@@ -95,7 +95,7 @@ def test_levers_token_chunks_and_fp8_dispatch_in_the_compiled_program():
 
 
 def test_hierarchical_dispatch_cross_node_groups_hold_one_gpu_per_node():
-    """moe.dispatch=hierarchical on 16 compile-only GPUs over 2 nodes (EP 16, top-4): the token
+    """runtime.dispatch=hierarchical on 16 compile-only GPUs over 2 nodes (EP 16, top-4): the token
     all-to-alls are either cross-node ones whose replica groups hold one GPU per node (the same
     local rank) or intra-node ones over a node's 8 GPUs, and the bytes through each GPU's NIC are
     half those of the all_to_all dispatch (C1 = T_l rows to each of 2 nodes instead of E*C = 2 T_l)."""
@@ -108,7 +108,7 @@ def test_hierarchical_dispatch_cross_node_groups_hold_one_gpu_per_node():
 
     out = {}
     for dispatch in ("hierarchical", "all_to_all"):
-        cfg = _small(**{"moe.dispatch": dispatch, "moe.num_experts": 16, "moe.top_k": 4, "mesh.expert": 16})
+        cfg = _small(**{"runtime.dispatch": dispatch, "moe.num_experts": 16, "moe.top_k": 4, "mesh.expert": 16})
         (r,) = run_overlap(cfg, ("farskip",), ("forward",), batch=16, seq=256, num_devices=16, gpus_per_node=8,
                            hardware="mi325x", grouped_gemm=True, probe_latency=False)
         assert r.topology.node_of == (0,) * 8 + (1,) * 8
@@ -132,7 +132,7 @@ def test_hierarchical_dispatch_cross_node_groups_hold_one_gpu_per_node():
 
 
 def test_foe_sharded_tokens_and_strided_groups_on_two_nodes():
-    """FoE H = 2 on 16 compile-only GPUs over 2 nodes with moe.foe_tokens=sharded: no activation
+    """FoE H = 2 on 16 compile-only GPUs over 2 nodes with runtime.foe_tokens=sharded: no activation
     all-reduce is left (the cross-group sums are reduce-scatters, the group views all-gathers);
     contiguous placement (a group per node): every all-to-all inside a node, every sum across the two
     (one GPU per node: {g, 8+g}). The strided placement compiles to the same schedule (only the
@@ -145,7 +145,7 @@ def test_foe_sharded_tokens_and_strided_groups_on_two_nodes():
     from farskip_jax.parallel.foe import foe_mesh_from
     from farskip_jax.parallel.mesh import make_mesh
 
-    cfg = _small(**{"moe.num_groups": 2, "moe.num_experts": 16, "mesh.expert": 16, "moe.foe_tokens": "sharded"})
+    cfg = _small(**{"runtime.num_groups": 2, "moe.num_experts": 16, "mesh.expert": 16, "runtime.foe_tokens": "sharded"})
     (r,) = run_overlap(cfg, ("farskip",), ("forward",), batch=16, seq=256, num_devices=16, gpus_per_node=8,
                        hardware="mi325x", grouped_gemm=True, probe_latency=False)
     assert r.topology.node_of == (0,) * 8 + (1,) * 8
@@ -183,15 +183,15 @@ def test_foe_sharded_tokens_and_strided_groups_on_two_nodes():
 
 def test_foe_local_attention_and_fp8_sums_on_two_nodes():
     """FoE H = 2, token-sharded, on 16 compile-only GPUs over 2 nodes, farskip forward with
-    moe.foe_attention=local and moe.foe_sum_dtype=float8_e4m3fn: the attention sums are gone (layer 0
+    runtime.foe_attention=local and runtime.foe_sum_dtype=float8_e4m3fn: the attention sums are gone (layer 0
     and the FarSkip layers run their attention on the own tokens), one fp8 sum per MoE layer is left,
     an all-to-all of uint8 [.., d + 4] over {g, 8+g} (one GPU per node) with no reduce-scatter or
     all-reduce of activations; the MoE input is gathered as uint8 too (d + 4 bytes a row, not 2 d)."""
     from farskip_jax.analysis.overlap import run_overlap
 
     d, s = 256, 256
-    cfg = _small(**{"moe.num_groups": 2, "moe.num_experts": 16, "mesh.expert": 16, "moe.foe_tokens": "sharded",
-                    "moe.foe_attention": "local", "moe.foe_sum_dtype": "float8_e4m3fn"})
+    cfg = _small(**{"runtime.num_groups": 2, "moe.num_experts": 16, "mesh.expert": 16, "runtime.foe_tokens": "sharded",
+                    "runtime.foe_attention": "local", "runtime.foe_sum_dtype": "float8_e4m3fn"})
     (r,) = run_overlap(cfg, ("farskip",), ("forward",), batch=16, seq=s, num_devices=16, gpus_per_node=8,
                        hardware="mi325x", grouped_gemm=True, probe_latency=False)
     big = [p for p in r.schedule.pairs if p.bytes >= s * d]

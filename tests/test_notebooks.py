@@ -95,7 +95,7 @@ def test_variants_map_to_the_intended_connectivity():
         a, m, d = want[v.name]
         assert [fs.layer_inputs(i, L) for i in range(L)] == [(a, m)] * L, v.name
         assert fs.skip_distance == d
-    assert variants_by_name(["foe_farskip"])[0].apply(base).moe.num_groups == 2
+    assert variants_by_name(["foe_farskip"])[0].apply(base).runtime.num_groups == 2
     with pytest.raises(ConfigError, match="farskp"):
         variants_by_name(["farskp"])
 

@@ -39,13 +39,13 @@ def test_fcsd_logs_what_a_train_step_logs_drops_included(tmp_path):
     teacher = write_scaled_teacher(str(tmp_path / "teacher"), TINY, 2.0)
     run = str(tmp_path / "fcsd")
     cfg = _distill_cfg(teacher, run, "train.steps=2", "distill.eval_every=2", "train.grad_accum=2",
-                       "moe.capacity_factor=0.5")
+                       "runtime.capacity_factor=0.5")
     res = distill(cfg, stream=io.StringIO())
     assert res.status == "done" and res.step == 2
     recs = read_metrics(run, "train")
 
     # the keys of a pretraining step's metrics, from its abstract evaluation (nothing compiles)
-    run_cfg, graphdef, st = load_run(teacher, "latest", config_overrides={"moe.capacity_factor": 0.5})
+    run_cfg, graphdef, st = load_run(teacher, "latest", config_overrides={"runtime.capacity_factor": 0.5})
     tx, schedule = make_optimizer(run_cfg.train)
     model = nnx.merge(graphdef, st["params"], st["bias"], st["rest"])
     _, state = init_state(model, tx, 0)

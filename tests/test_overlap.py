@@ -120,11 +120,11 @@ def _tiny(dispatch="all_to_all", **over):
     from farskip_jax.config import load_config
 
     args = ["model.num_layers=2", "model.d_model=256", "model.num_heads=4", "model.num_kv_heads=4",
-            "model.vocab_size=512", "model.compute_dtype=bfloat16", "model.max_seq_len=512",
-            "moe.num_experts=8", "moe.top_k=2", "moe.expert_hidden=512", f"moe.dispatch={dispatch}",
+            "model.vocab_size=512", "runtime.compute_dtype=bfloat16", "model.max_seq_len=512",
+            "moe.num_experts=8", "moe.top_k=2", "moe.expert_hidden=512", f"runtime.dispatch={dispatch}",
             "mesh.data=1", "mesh.expert=8", "train.seq_len=512", "train.batch_size=8"]
     if dispatch == "all_to_all":
-        args.append("moe.capacity_factor=1.0")
+        args.append("runtime.capacity_factor=1.0")
     return load_config(None, args + [f"{k}={v}" for k, v in over.items()])
 
 

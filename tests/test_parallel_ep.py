@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import multihost_worker as mw
-from farskip_jax.config import MoEConfig
+from farskip_jax.config import RuntimeConfig
 from farskip_jax.errors import BackendError
 from farskip_jax.model.experts import ExpertWeights, local_routed_compute
 from farskip_jax.model.router import RouteResult
@@ -124,7 +124,7 @@ def _oracle(x, idx, w, ew, shards, cap):
 
 
 def _run(backend, mesh, x, idx, w, ew, cf=None, gmm="einsum"):
-    cfg = MoEConfig(num_experts=E, top_k=K, expert_hidden=H, capacity_factor=cf, gmm=gmm)
+    cfg = RuntimeConfig(capacity_factor=cf, gmm=gmm)
     tok = NamedSharding(mesh, P(BATCH_AXES, None, None))
     wsh = NamedSharding(mesh, P("expert", None, None))
     args = (jax.device_put(x, tok), jax.device_put(idx, tok), jax.device_put(w, tok), *(jax.device_put(a, wsh) for a in ew))
@@ -187,7 +187,7 @@ def test_ragged_offsets_with_emulated_exchange():
     np.testing.assert_allclose(_np(y)[:, 0], _oracle(x, idx, w, ew, 8, T)[0], rtol=1e-4, atol=1e-5)
 
     # gradients (through both exchanges) equal the single-device local path's
-    cfg = MoEConfig(num_experts=E, top_k=K, expert_hidden=H, gmm="einsum")
+    cfg = RuntimeConfig(gmm="einsum")
 
     def loss(fn, x, w, *ew):
         out = fn(x, RouteResult(jnp.asarray(idx), w, None, None, None), ExpertWeights(*ew), cfg)
@@ -203,7 +203,7 @@ def test_ragged_on_cpu_fails_early_naming_all_to_all():
     cfg = mw.tiny_config(ep=4, dispatch="ragged")
     with pytest.raises(BackendError, match="all_to_all"):
         create_model(cfg, make_mesh(cfg.mesh))
-    with pytest.raises(BackendError, match="moe.dispatch=all_to_all"):
+    with pytest.raises(BackendError, match="runtime.dispatch=all_to_all"):
         RaggedCompute(make_mesh(cfg.mesh))
 
 

@@ -70,8 +70,8 @@ def test_auto_attention_is_the_partitionable_core_on_a_multi_device_cpu_mesh():
     cfg = load_config("configs/tiny.yaml", [])
     one = config_on(cfg, make_mesh(MeshConfig(data=1), devices=jax.devices()[:1]))
     many = config_on(cfg, make_mesh(MeshConfig(data=2, expert=2), devices=jax.devices()[:4]))
-    assert (one.model.attention_impl, one.moe.gmm) == ("fused_cpu", "blas")
-    assert (many.model.attention_impl, many.moe.gmm) == ("naive", "blas")
-    pinned = config_on(load_config("configs/tiny.yaml", ["model.attention_impl=fused_cpu"]),
+    assert (one.runtime.attention_impl, one.runtime.gmm) == ("fused_cpu", "blas")
+    assert (many.runtime.attention_impl, many.runtime.gmm) == ("naive", "blas")
+    pinned = config_on(load_config("configs/tiny.yaml", ["runtime.attention_impl=fused_cpu"]),
                        make_mesh(MeshConfig(data=2, expert=2), devices=jax.devices()[:4]))
-    assert pinned.model.attention_impl == "fused_cpu"  # asked for by name: kept
+    assert pinned.runtime.attention_impl == "fused_cpu"  # asked for by name: kept

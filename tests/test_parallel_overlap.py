@@ -114,7 +114,7 @@ def test_token_chunks_equal_one_exchange_and_split_the_collectives():
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from farskip_jax.config import MeshConfig, MoEConfig
+    from farskip_jax.config import MeshConfig, RuntimeConfig
     from farskip_jax.model.experts import ExpertWeights, local_routed_compute
     from farskip_jax.model.router import RouteResult
     from farskip_jax.parallel.ep import AllToAllCompute
@@ -127,7 +127,7 @@ def test_token_chunks_equal_one_exchange_and_split_the_collectives():
     idx = np.stack([rng.choice(e, k, replace=False) for _ in range(t)])[:, None].astype(np.int32)
     w = rng.random((t, 1, k)).astype(np.float32)
     ew = [rng.normal(size=s).astype(np.float32) * 0.1 for s in ((e, d, h), (e, d, h), (e, h, d))]
-    cfg = MoEConfig(num_experts=e, top_k=k, expert_hidden=h, capacity_factor=None, gmm="einsum")
+    cfg = RuntimeConfig(capacity_factor=None, gmm="einsum")
     tok, wsh = NamedSharding(mesh, P(BATCH_AXES, None, None)), NamedSharding(mesh, P("expert", None, None))
     args = (jax.device_put(x, tok), jax.device_put(idx, tok), jax.device_put(w, tok),
             *(jax.device_put(a, wsh) for a in ew))

@@ -1,4 +1,4 @@
-"""model.scan_layers: the stacked, scanned model computes what the unrolled loop computes.
+"""runtime.scan_layers: the stacked, scanned model computes what the unrolled loop computes.
 
 Oracle: the same config with scan_layers=false (the Python loop over layers), built from the same
 seed (scan_layers stacks the very Blocks the loop would build, so the two start from equal weights;
@@ -28,11 +28,11 @@ TOL = dict(rtol=2e-5, atol=2e-6)
 OPTS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 BASE = ["model.vocab_size=64", "model.d_model=32", "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=2",
         "model.mlp_hidden=48", "model.first_k_dense=1", "model.init_std=0.15", "moe.num_experts=4", "moe.top_k=2",
-        "moe.expert_hidden=32", "moe.num_shared_experts=1", "moe.gmm=einsum", "moe.z_loss_weight=1e-3"]
+        "moe.expert_hidden=32", "moe.num_shared_experts=1", "runtime.gmm=einsum", "runtime.z_loss_weight=1e-3"]
 
 
 def _cfg(*extra, scan: bool):
-    return load_config(None, [*BASE, *extra, f"model.scan_layers={str(scan).lower()}"])
+    return load_config(None, [*BASE, *extra, f"runtime.scan_layers={str(scan).lower()}"])
 
 
 def _tokens(b=2, s=12):
@@ -47,7 +47,7 @@ def _flat(state) -> dict:
 def _per_layer(state, cfg) -> dict:
     """{per-layer dotted key: array} of a state of either layout."""
     flat = _flat(state)
-    return stacking.unstack_flat(flat, plan_segments(cfg)) if cfg.model.scan_layers else flat
+    return stacking.unstack_flat(flat, plan_segments(cfg)) if cfg.runtime.scan_layers else flat
 
 
 def _forward(model, tokens, **kw):
@@ -95,7 +95,7 @@ CASES = {  # 4 layers: layer 0 dense, layers 1-3 MoE (one stack of 3)
     # dense / MoE interleaved: one stack of period 2 (dense, MoE) x 2
     "moe_every2": ("farskip.preset=farskip", "model.first_k_dense=0", "model.moe_every=2"),
     "no_shared": ("farskip.preset=farskip", "moe.num_shared_experts=0"),
-    "remat_minimal": ("farskip.preset=farskip", "model.remat=minimal"),
+    "remat_minimal": ("farskip.preset=farskip", "runtime.remat=minimal"),
 }
 
 
@@ -177,8 +177,8 @@ def test_plan_segments_of_the_real_shapes():
     assert segs("configs/deepseek_v3_6l.yaml") == (Segment(0, 1, 1), Segment(1, 1, 5))
     for path in ("configs/deepseek_v2_lite.yaml", "configs/qwen3_30b_a3b.yaml", "configs/llama4_scout.yaml",
                  "configs/deepseek_v3_6l.yaml"):
-        assert load_config(path).model.scan_layers, path
-    assert not load_config("configs/tiny.yaml").model.scan_layers
+        assert load_config(path).runtime.scan_layers, path
+    assert not load_config("configs/tiny.yaml").runtime.scan_layers
 
 
 def test_stacked_shardings_fsdp_ep():
@@ -186,7 +186,7 @@ def test_stacked_shardings_fsdp_ep():
     (the shardings create_model and the HF loader place parameters with)."""
     from farskip_jax.parallel.build import model_mesh, state_shardings_on
 
-    over = ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=4", "moe.dispatch=all_to_all", "moe.num_experts=8",
+    over = ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=4", "runtime.dispatch=all_to_all", "moe.num_experts=8",
             "model.d_model=64"]
 
     def shardings(scan):
@@ -212,7 +212,7 @@ def test_hf_roundtrip_scan_equals_loop(tmp_path):
 
     from farskip_jax.convert import export_hf, import_hf
 
-    extra = ["moe.num_shared_experts=0", "model.first_k_dense=1", "model.qk_norm=true", "moe.gmm=einsum"]
+    extra = ["moe.num_shared_experts=0", "model.first_k_dense=1", "model.qk_norm=true", "runtime.gmm=einsum"]
     loop = Transformer(_cfg(*extra, scan=False), rngs=nnx.Rngs(0))
     scan_cfg = _cfg(*extra, scan=True)
     scan = Transformer(scan_cfg, rngs=nnx.Rngs(0))
@@ -224,15 +224,15 @@ def test_hf_roundtrip_scan_equals_loop(tmp_path):
         np.testing.assert_array_equal(ta[k], tb[k], err_msg=k)
     tokens = _tokens()
     ref = np.asarray(_forward(loop, tokens).logits)
-    cfg_on, m_on = import_hf(pb, overrides=["model.scan_layers=true", "moe.gmm=einsum"])
-    cfg_off, m_off = import_hf(pb, overrides=["model.scan_layers=false", "moe.gmm=einsum"])
-    assert cfg_on.model.scan_layers and hasattr(m_on, "stacks") and hasattr(m_off, "layers")
+    cfg_on, m_on = import_hf(pb, overrides=["runtime.scan_layers=true", "runtime.gmm=einsum"])
+    cfg_off, m_off = import_hf(pb, overrides=["runtime.scan_layers=false", "runtime.gmm=einsum"])
+    assert cfg_on.runtime.scan_layers and hasattr(m_on, "stacks") and hasattr(m_off, "layers")
     np.testing.assert_allclose(np.asarray(_forward(m_on, tokens).logits), ref, **TOL)
     np.testing.assert_allclose(np.asarray(_forward(m_off, tokens).logits), ref, **TOL)
 
 
 def _train_cfg(scan: bool):
-    return _cfg("moe.selection_bias=true", "moe.bias_update_rate=0.01", "farskip.preset=farskip",
+    return _cfg("moe.selection_bias=true", "runtime.bias_update_rate=0.01", "farskip.preset=farskip",
                 "train.batch_size=2", "train.seq_len=12", "train.warmup_steps=1", "train.lr=1e-2", scan=scan)
 
 
@@ -302,5 +302,5 @@ def test_checkpoint_restores_across_the_switch(tmp_path, first):
     # the run folder written with one layout resumes with the other
     rcfg = replace(cfg_a, **{"train.run_dir": str(tmp_path / "run")})
     claim_run_dir(rcfg, check_run_dir(rcfg))
-    folder = check_run_dir(replace(rcfg, **{"model.scan_layers": not first}))
+    folder = check_run_dir(replace(rcfg, **{"runtime.scan_layers": not first}))
     assert folder.resume and not folder.wipe

@@ -1,4 +1,4 @@
-"""The overlap report on scanned programs (model.scan_layers): analysis/loop_schedule.py unrolls the
+"""The overlap report on scanned programs (runtime.scan_layers): analysis/loop_schedule.py unrolls the
 layers' while loops as executed, analysis/overlap.py reads them (docs/scan.md "Overlap inside the
 scan body").
 
@@ -197,10 +197,10 @@ def _tiny(scan: bool):
 
     return load_config(None, [
         "model.num_layers=4", "model.first_k_dense=1", "model.d_model=256", "model.num_heads=4",
-        "model.num_kv_heads=4", "model.vocab_size=512", "model.compute_dtype=bfloat16", "model.max_seq_len=256",
+        "model.num_kv_heads=4", "model.vocab_size=512", "runtime.compute_dtype=bfloat16", "model.max_seq_len=256",
         "model.mlp_hidden=512", "moe.num_experts=8", "moe.top_k=2", "moe.expert_hidden=256",
-        "moe.dispatch=all_to_all", "moe.capacity_factor=1.0", "mesh.data=1", "mesh.expert=8", "train.seq_len=256",
-        "train.batch_size=8", "farskip.preset=farskip", f"model.scan_layers={str(scan).lower()}"])
+        "runtime.dispatch=all_to_all", "runtime.capacity_factor=1.0", "mesh.data=1", "mesh.expert=8", "train.seq_len=256",
+        "train.batch_size=8", "farskip.preset=farskip", f"runtime.scan_layers={str(scan).lower()}"])
 
 
 @gpu

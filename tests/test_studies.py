@@ -24,7 +24,7 @@ def test_compile_cache_keeps_each_key_once(tmp_path):
         calls.append(1)
         return {"schedule": [1, 2, 3]}
 
-    key = "dsv3_6l|ep8|b1|train|standard|moe.gmm=tiled"
+    key = "dsv3_6l|ep8|b1|train|standard|runtime.gmm=tiled"
     assert cache.get(key) is None
     assert cache.get_or_compile(key, compile_fn) == {"schedule": [1, 2, 3]}
     assert cache.get_or_compile(key, compile_fn) == {"schedule": [1, 2, 3]} and len(calls) == 1

@@ -47,14 +47,14 @@ def test_real_shape_train_step_lowers(name):
     one_node = ["mesh.fsdp=1"]  # the lowering needs only one node's 8 host devices (llama4_scout names 4 nodes)
     cut = cut + one_node
     cfg = load_config(os.path.join(ROOT, "configs", f"{name}.yaml"), one_node)
-    assert cfg.mesh.expert == 8 and cfg.model.compute_dtype == "bfloat16" and cfg.model.param_dtype == "float32"
+    assert cfg.mesh.expert == 8 and cfg.runtime.compute_dtype == "bfloat16" and cfg.runtime.param_dtype == "float32"
     mesh = make_mesh(cfg.mesh)
     tx, schedule = make_optimizer(cfg.train)
     _, full = abstract_train_state(cfg, mesh, tx)  # every layer, nothing allocated
     n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(full["params"]))
     assert abs(n / 1e9 - billions) / billions < 0.02, n
     assert abs(n - total_params(cfg)) / n < 0.01  # the MFU/size formula agrees with the model
-    experts = [x for x in jax.tree.leaves(full["params"])  # [E, a, b], or [layers, E, a, b] under model.scan_layers
+    experts = [x for x in jax.tree.leaves(full["params"])  # [E, a, b], or [layers, E, a, b] under runtime.scan_layers
                if x.ndim in (3, 4) and x.shape[-3] == cfg.moe.num_experts]
     assert experts and all("expert" in str(x.sharding.spec) for x in experts)
 

@@ -21,9 +21,9 @@ def test_run_folder_ownership(tmp_path):
     run_dir, existed = prepare_run_dir(cfg)
     assert not existed and os.path.isfile(os.path.join(run_dir, "config.yaml"))
     # the same run (longer, other logging cadence, other mesh) resumes in place
-    # and other implementations of the same math (a run from before model.attention_impl=auto)
+    # and other implementations of the same math (a run from before runtime.attention_impl=auto)
     again = replace(cfg, **{"train.steps": 900, "train.log_every": 3, "mesh.data": 2,
-                            "model.attention_impl": "naive", "moe.gmm": "tiled", "model.remat": "full"})
+                            "runtime.attention_impl": "naive", "runtime.gmm": "tiled", "runtime.remat": "full"})
     assert prepare_run_dir(again) == (run_dir, True)
     # a different experiment is refused with the differing keys named, once the folder holds a step
     other = replace(cfg, **{"model.num_layers": 2, "farskip.preset": "farskip"})

@@ -8,7 +8,7 @@ import optax
 from flax import nnx
 from run_helpers import nan_at
 
-from farskip_jax.config import Config, DataConfig, ModelConfig, MoEConfig, TrainConfig, replace
+from farskip_jax.config import Config, DataConfig, ModelConfig, MoEConfig, RuntimeConfig, TrainConfig, replace
 from farskip_jax.model.transformer import Transformer
 from farskip_jax.loading.optimizer import make_optimizer
 from farskip_jax.losses.ce import token_ce
@@ -22,8 +22,8 @@ def _cfg(**train_kw):
     t.update(train_kw)
     return Config(model=ModelConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2,
                                     mlp_hidden=64, max_seq_len=16),
-                  moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32, selection_bias=True, bias_update_rate=0.01, gmm="einsum",
-                                z_loss_weight=1e-3),
+                  moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32, selection_bias=True),
+                  runtime=RuntimeConfig(bias_update_rate=0.01, gmm="einsum", z_loss_weight=1e-3),
                   train=TrainConfig(**t))
 
 

@@ -1,4 +1,4 @@
-"""Two-batch overlap (model.micro_batches = 2): the same values, and micro-batches that do not wait for
+"""Two-batch overlap (runtime.micro_batches = 2): the same values, and micro-batches that do not wait for
 each other, read off the compiled HLO.
 
 Values: the forward, the loss (CE + aux + z) and every gradient equal the plain model's (fp32, rtol
@@ -30,7 +30,7 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 OPTS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 BASE = ["model.vocab_size=64", "model.d_model=32", "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=2",
         "model.mlp_hidden=48", "model.first_k_dense=1", "model.init_std=0.15", "moe.num_experts=4", "moe.top_k=2",
-        "moe.expert_hidden=32", "moe.num_shared_experts=1", "moe.gmm=einsum", "moe.z_loss_weight=1e-3"]
+        "moe.expert_hidden=32", "moe.num_shared_experts=1", "runtime.gmm=einsum", "runtime.z_loss_weight=1e-3"]
 
 
 def _loss_and_grads(cfg, tokens):
@@ -50,9 +50,9 @@ def _loss_and_grads(cfg, tokens):
 @pytest.mark.parametrize("preset,scan", [("standard", False), ("farskip", False), ("farskip", True)])
 def test_values_and_gradients_equal_the_plain_model(preset, scan):
     tokens = jax.random.randint(jax.random.key(1), (4, 12), 0, 64)
-    extra = [f"farskip.preset={preset}", f"model.scan_layers={str(scan).lower()}"]
+    extra = [f"farskip.preset={preset}", f"runtime.scan_layers={str(scan).lower()}"]
     v1, o1, g1 = _loss_and_grads(load_config(None, [*BASE, *extra]), tokens)
-    v2, o2, g2 = _loss_and_grads(load_config(None, [*BASE, *extra, "model.micro_batches=2"]), tokens)
+    v2, o2, g2 = _loss_and_grads(load_config(None, [*BASE, *extra, "runtime.micro_batches=2"]), tokens)
     np.testing.assert_allclose(np.asarray(o2.logits), np.asarray(o1.logits), **TOL)
     for k in ("aux_loss", "z_loss", "load", "dropped"):
         np.testing.assert_allclose(np.asarray(getattr(o2, k)), np.asarray(getattr(o1, k)), err_msg=k, **TOL)
@@ -68,7 +68,7 @@ def test_generation_with_micro_batches_equals_plain():
     prompts = [[1, 2, 3, 4], [5, 6, 7], [9], [3, 3, 3]]
     outs = []
     for mb in (1, 2):
-        cfg = load_config(None, [*BASE, "farskip.preset=farskip", "model.scan_layers=true", f"model.micro_batches={mb}"])
+        cfg = load_config(None, [*BASE, "farskip.preset=farskip", "runtime.scan_layers=true", f"runtime.micro_batches={mb}"])
         model = Transformer(cfg, rngs=nnx.Rngs(0))
         outs.append(generate(model, prompts, max_new_tokens=3))
     np.testing.assert_array_equal(outs[1].tokens, outs[0].tokens)
@@ -81,7 +81,7 @@ def test_generation_with_micro_batches_equals_plain():
 
 def test_odd_batch_is_refused_before_anything_runs():
     with pytest.raises(ConfigError, match="micro_batches=2"):
-        load_config(None, [*BASE, "model.micro_batches=2", "train.batch_size=3"])
+        load_config(None, [*BASE, "runtime.micro_batches=2", "train.batch_size=3"])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -92,7 +92,7 @@ def test_odd_batch_is_refused_before_anything_runs():
 @pytest.fixture(scope="module")
 def ep_programs():
     """{preset: (logits of the EP model with 2 micro-batches, entry graph)} and the one-device reference."""
-    cfg = replace(mw.tiny_config(ep=4, num_layers=3), **{"model.micro_batches": 2})
+    cfg = replace(mw.tiny_config(ep=4, num_layers=3), **{"runtime.micro_batches": 2})
     mesh = make_mesh(cfg.mesh)
     model = create_model(cfg, mesh)
     graphdef, state = nnx.split(model)
@@ -149,7 +149,7 @@ def test_tp_ep_micro_batch_b_never_waits_for_a_allreduce():
     from farskip_jax.serving.tp_ep import TpEpLayout, abstract_inference_model
     from test_inference_layout import tiny_cfg
 
-    cfg = replace(tiny_cfg(num_layers=2, first_k_dense=0), **{"model.micro_batches": 2})
+    cfg = replace(tiny_cfg(num_layers=2, first_k_dense=0), **{"runtime.micro_batches": 2})
     mesh = make_mesh(cfg.mesh)
     layout = TpEpLayout(mesh)
     graphdef, state = abstract_inference_model(cfg, mesh)

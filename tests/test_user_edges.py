@@ -205,7 +205,7 @@ def test_eval_loss_is_the_val_loss_training_printed_without_orbax_warnings(run_f
     assert res["val_batches"] == 2 and "train.eval_batches" in res["val_batches_from"]
     np.testing.assert_allclose(res["val_loss"], logged["val_loss"], rtol=1e-6)
     # a fresh process reads the step's metadata too: the per-layer checkpoint restores into stacked layers
-    r = cli("eval.py", "--run", run_folder, "--mode", "loss", "model.scan_layers=true")
+    r = cli("eval.py", "--run", run_folder, "--mode", "loss", "runtime.scan_layers=true")
     assert r.returncode == 0, r.stderr[-3000:]
     np.testing.assert_allclose(json.loads(r.stdout)["val_loss"], logged["val_loss"], rtol=1e-5)
 

@@ -7,7 +7,7 @@ compiled deviceless once and kept as a schedule file (analysis/schedule_store.py
 
 Every program: the train step of analysis/programs.py, compiled for H200 compile-only GPUs (8 per
 host; EP 16 / 32 span 2 / 4 hosts) with the cuda_hopper preset and the latency-hiding scheduler,
-the target's memory set to MI325X's 256 GB, moe.dispatch=all_to_all at capacity factor 1.0 (the
+the target's memory set to MI325X's 256 GB, runtime.dispatch=all_to_all at capacity factor 1.0 (the
 useful bytes at balance), no remat, the routed experts traced as a grouped GEMM's cost proxy
 (programs.grouped_gemm_proxy, the one expert-compute proxy of every calibrated row) and the
 attention as the model's plain core (priced by the cost model as the kernel the setting ran).
@@ -65,9 +65,9 @@ PROGRAMS = {
 
 
 def overrides_of(spec: ProgramSpec, layers: int, variant: str) -> list[str]:
-    return [f"mesh.data=1", f"mesh.expert={spec.ep}", "moe.dispatch=all_to_all", "moe.capacity_factor=1.0",
-            f"model.max_seq_len={max(spec.seq, 4096)}", "model.remat=none", "moe.gmm=auto",
-            "model.attention_impl=auto", f"model.scan_layers={'true' if spec.scan else 'false'}",
+    return [f"mesh.data=1", f"mesh.expert={spec.ep}", "runtime.dispatch=all_to_all", "runtime.capacity_factor=1.0",
+            f"model.max_seq_len={max(spec.seq, 4096)}", "runtime.remat=none", "runtime.gmm=auto",
+            "runtime.attention_impl=auto", f"runtime.scan_layers={'true' if spec.scan else 'false'}",
             f"model.num_layers={layers}", f"farskip.preset={variant}", *spec.overrides]
 
 

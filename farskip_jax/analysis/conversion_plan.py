@@ -1,7 +1,7 @@
 """Plan `farskip.layers: auto` without training, and the compiled overlap the choice buys.
 
     python -m farskip_jax.analysis.conversion_plan --config configs/distill_tiny.yaml --budget 0.01
-    python -m farskip_jax.analysis.conversion_plan ... --overlap-report moe.gmm=tiled   # + the compiled report
+    python -m farskip_jax.analysis.conversion_plan ... --overlap-report runtime.gmm=tiled   # + the compiled report
     out = compiled_overlap(cfg, layers)     # {standard | chosen | all: hidden_frac, bound_frac, ...}
 
 The plan is fcsd/planner.py's (the untrained sweep on the teacher, the choice for a val-loss budget),
@@ -35,7 +35,7 @@ def compiled_overlap(cfg: Config, layers, *, preset: str = "farskip", batch: Opt
     jax-cuda12 plugin) of the forward program for standard, the chosen `layers` and every layer
     converted: {label: dict(hidden_frac, bound_frac, exposed_us, duration_us, step_us)} from the
     two-stream `hardware` model (the report's headline). cfg's mesh must hold an expert axis (e.g.
-    mesh.expert=8 mesh.data=1 moe.dispatch=all_to_all)."""
+    mesh.expert=8 mesh.data=1 runtime.dispatch=all_to_all)."""
     chosen = sorted(int(i) for i in layers)
 
     def cfg_for(label: str, c: Config) -> Config:
@@ -69,7 +69,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--overlap-report", metavar="OVERRIDES", nargs="?", const="",
                    help="also compile the forward program deviceless for 8 GPUs (analysis/overlap.py, jax-cuda12 "
                         "plugin) for standard, the choice and every layer; OVERRIDES: comma list of config overrides "
-                        "for that compile (mesh.expert=8,mesh.data=1,moe.dispatch=all_to_all are always set)")
+                        "for that compile (mesh.expert=8,mesh.data=1,runtime.dispatch=all_to_all are always set)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. init_from_hf=/models/x data.tokenizer=/models/x")
     a = p.parse_args(argv)
     ov = list(a.overrides) + ["farskip.layers=auto"]
@@ -98,7 +98,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"\nequivalent explicit setting: farskip.layers={list(plan.layers)}", flush=True)
     compiled = None
     if a.overlap_report is not None:
-        ocfg = replace(apply_choice(cfg, plan.layers), **{"mesh.expert": 8, "mesh.data": 1, "moe.dispatch": "all_to_all"})
+        ocfg = replace(apply_choice(cfg, plan.layers), **{"mesh.expert": 8, "mesh.data": 1, "runtime.dispatch": "all_to_all"})
         ocfg = config_from_dict(apply_overrides(to_dict(ocfg), [x for x in a.overlap_report.split(",") if x]))
         compiled = compiled_overlap(ocfg, plan.layers, preset=plan.preset, log=lambda m: print(m, flush=True))
         print("\ncompiled overlap report, forward program (analysis/overlap.py, deviceless, 8 GPUs, "

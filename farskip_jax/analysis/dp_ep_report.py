@@ -10,9 +10,9 @@ priced by the two-stream cost model, standard / TBO / FarSkip / FarSkip + TBO.
 Programs: serving/programs.prefill_program (LM head on the last slot: what the first token costs) /
 decode_program on a mesh of `ep` compile-only GPUs (8 per node), every GPU its own `rows_per_gpu`
 requests (decode: one token each against a `context`-slot cache; prefill: prompts of `tokens`), the
-routed experts over all of them (mesh.expert = ep). The dispatch is `moe.dispatch=hierarchical` (the
+routed experts over all of them (mesh.expert = ep). The dispatch is `runtime.dispatch=hierarchical` (the
 training's node-deduplicated all-to-all: a token crosses to a node once, as DeepEP's normal kernels)
-at `moe.capacity_factor=1.0`: at a balanced router every slot of the fixed buffers is a real row, so
+at `runtime.capacity_factor=1.0`: at a balanced router every slot of the fixed buffers is a real row, so
 the all-to-alls move the rows a ragged exchange (DeepEP) moves; the grouped GEMM is traced as
 inference_report's balanced proxy at those rows. Compiled with the latency-hiding scheduler
 (inference_report.compile_serving); re-timed by cost_model.simulate on the H100 topology of
@@ -48,15 +48,15 @@ GPUS_PER_NODE = 8
 def dp_ep_config(base, preset: str, ep: int, layers: Optional[int] = None, micro_batches: int = 1,
                  dispatch: str = "hierarchical", num_experts: Optional[int] = None):
     """`base` on the dp_ep layout of `ep` GPUs: connectivity `preset`, micro_batches 2 = TBO, bf16, no
-    remat, unrolled layers, a server's kernels (moe.gmm / attention auto), capacity factor 1.0 (module
+    remat, unrolled layers, a server's kernels (runtime.gmm / attention auto), capacity factor 1.0 (module
     doc); `layers` cuts the depth; num_experts: e.g. 288 = 256 + 32 redundant (EPLB's EP 72 pool)."""
 
     over = {"inference.layout": "dp_ep", "mesh.data": 1, "mesh.fsdp": 1, "mesh.expert": ep, "mesh.tensor": 1,
-            "moe.dispatch": dispatch if ep > GPUS_PER_NODE or dispatch != "hierarchical" else "all_to_all",
-            "moe.gpus_per_node": GPUS_PER_NODE, "moe.capacity_factor": 1.0, "farskip.preset": preset,
-            "model.micro_batches": micro_batches, "model.remat": "none", "model.compute_dtype": "bfloat16",
-            "model.param_dtype": "bfloat16", "moe.gmm": "auto", "model.attention_impl": "auto",
-            "model.scan_layers": False}
+            "runtime.dispatch": dispatch if ep > GPUS_PER_NODE or dispatch != "hierarchical" else "all_to_all",
+            "runtime.gpus_per_node": GPUS_PER_NODE, "runtime.capacity_factor": 1.0, "farskip.preset": preset,
+            "runtime.micro_batches": micro_batches, "runtime.remat": "none", "runtime.compute_dtype": "bfloat16",
+            "runtime.param_dtype": "bfloat16", "runtime.gmm": "auto", "runtime.attention_impl": "auto",
+            "runtime.scan_layers": False}
     if num_experts:
         over["moe.num_experts"] = num_experts
     if layers is not None:

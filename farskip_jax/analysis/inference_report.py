@@ -29,7 +29,7 @@ place), compute under an all-reduce in flight at the hardware's contention (cost
     serial_us         the same schedule with every all-reduce synchronous (vLLM / SGLang's standard
                       model: nothing runs under an all-reduce)
     ceiling_us        time_us minus every exposed all-reduce microsecond (all of them hidden)
-    row_copy_us       scanned programs (model.scan_layers, serving/generate.py): the copies XLA makes
+    row_copy_us       scanned programs (runtime.scan_layers, serving/generate.py): the copies XLA makes
                       of each layer's row of a stacked weight / cache ahead of a GEMM in every iteration
     inplace_us        time_us with those copies free: the GEMMs reading the rows in place (XLA's
                       dynamic-slice fusion; 0 = a program without such copies)
@@ -133,26 +133,26 @@ def serving_config(cfg, preset: str, num_devices: int, gpus_per_node: Optional[i
                    layers: Optional[int] = None, scan_layers: Optional[bool] = None, micro_batches: int = 1,
                    foe_groups: Optional[int] = None):
     """cfg on the tp_ep layout of num_devices GPUs (serving_shape), connectivity `preset`, bf16, no
-    remat, moe.gmm and model.attention_impl auto (a server's kernels); `layers` cuts the depth (model.num_layers); scan_layers: the stacked, scanned program
-    (serving/generate.py) or per-layer weights unrolled (default: the config's model.scan_layers);
-    micro_batches: 2 = two-batch overlap (model.micro_batches). foe_groups = H: the Federation-of-
-    Experts layout instead (inference.layout=foe, moe.num_groups = H over the num_devices GPUs)."""
+    remat, runtime.gmm and runtime.attention_impl auto (a server's kernels); `layers` cuts the depth (model.num_layers); scan_layers: the stacked, scanned program
+    (serving/generate.py) or per-layer weights unrolled (default: the config's runtime.scan_layers);
+    micro_batches: 2 = two-batch overlap (runtime.micro_batches). foe_groups = H: the Federation-of-
+    Experts layout instead (inference.layout=foe, runtime.num_groups = H over the num_devices GPUs)."""
     if foe_groups:
         over = {"inference.layout": "foe", "mesh.data": 1, "mesh.fsdp": 1, "mesh.expert": num_devices,
-                "mesh.tensor": 1, "moe.num_groups": foe_groups,
-                "moe.dispatch": "local" if foe_groups == num_devices else "all_to_all"}
+                "mesh.tensor": 1, "runtime.num_groups": foe_groups,
+                "runtime.dispatch": "local" if foe_groups == num_devices else "all_to_all"}
     else:
         expert, tensor = serving_shape(cfg, num_devices, gpus_per_node)
         over = {"inference.layout": "tp_ep", "mesh.data": 1, "mesh.fsdp": 1, "mesh.expert": expert,
-                "mesh.tensor": tensor, "moe.dispatch": "all_to_all" if expert > 1 else "local"}
+                "mesh.tensor": tensor, "runtime.dispatch": "all_to_all" if expert > 1 else "local"}
     # a server's kernels: the grouped GEMM (ragged_dot, traced as compile_serving's balanced proxy) and the
-    # platform's attention, whatever a training config picked for memory (moe.gmm=tiled walks weight
+    # platform's attention, whatever a training config picked for memory (runtime.gmm=tiled walks weight
     # tiles over the padded rows of the replicated MoE; blockwise attention loops over key blocks)
-    over.update({"moe.capacity_factor": None, "farskip.preset": preset, "model.micro_batches": micro_batches,
-                 "model.remat": "none", "model.compute_dtype": "bfloat16", "model.param_dtype": "bfloat16",
-                 "moe.gmm": "auto", "model.attention_impl": "auto"})
+    over.update({"runtime.capacity_factor": None, "farskip.preset": preset, "runtime.micro_batches": micro_batches,
+                 "runtime.remat": "none", "runtime.compute_dtype": "bfloat16", "runtime.param_dtype": "bfloat16",
+                 "runtime.gmm": "auto", "runtime.attention_impl": "auto"})
     if scan_layers is not None:
-        over["model.scan_layers"] = bool(scan_layers)
+        over["runtime.scan_layers"] = bool(scan_layers)
     if layers is not None:
         over["model.num_layers"] = layers
         if cfg.model.nope_layers:
@@ -220,9 +220,9 @@ def useful_fraction(cfg, mesh) -> float:
     buffer holds T_l rows per local expert, of which T_l * k / E are real. dp_ep (all-to-all
     buffers of capacity factor cf): 1 / cf real at balance; dropless: k / E."""
     if cfg.inference.layout == "foe":
-        return 1.0 if cfg.moe.dispatch == "local" else cfg.moe.top_k / cfg.moe.num_experts
+        return 1.0 if cfg.runtime.dispatch == "local" else cfg.moe.top_k / cfg.moe.num_experts
     if cfg.inference.layout == "dp_ep":  # the all-to-all buffers: C slots per (source, expert)
-        cf = cfg.moe.capacity_factor
+        cf = cfg.runtime.capacity_factor
         return min(1.0, 1.0 / cf) if cf else cfg.moe.top_k / cfg.moe.num_experts
     ep = mesh.shape["expert"] * mesh.shape["tensor"]
     k, e = cfg.moe.top_k, cfg.moe.num_experts
@@ -321,7 +321,7 @@ def topology_for(node_of_devices: Sequence[int], hardware: str, **links_over):
 def score_elements(cfg, mesh, batch: int, tokens: int, max_len: int) -> int:
     """Elements of one device's attention scores [b, heads / TP, t, L] (prefill: t = L = the prompt);
     Federation of Experts: the heads of the device's groups."""
-    split = mesh.shape["tensor"] if cfg.inference.layout != "foe" else min(cfg.moe.num_groups, cfg.mesh.expert)
+    split = mesh.shape["tensor"] if cfg.inference.layout != "foe" else min(cfg.runtime.num_groups, cfg.mesh.expert)
     return batch * (cfg.model.num_heads // split) * tokens * max_len
 
 
@@ -424,7 +424,7 @@ def weight_bytes_per_device(cfg, mesh) -> float:
 
 def expected_ar_bytes(cfg, batch: int, tokens: int) -> int:
     """Payload of one layer all-reduce: batch x tokens x d_model x bytes of the compute dtype."""
-    return batch * tokens * cfg.model.d_model * np.dtype(cfg.model.compute_dtype).itemsize
+    return batch * tokens * cfg.model.d_model * np.dtype(cfg.runtime.compute_dtype).itemsize
 
 
 def plot_serving_timelines(items, hardware: str, program: str, layer: int, path: Optional[str] = None,
@@ -499,7 +499,7 @@ def main(argv=None) -> int:
             cfg = serving_config(base, preset, a.devices, a.gpus_per_node, a.layers, scan)
             mesh = serving_mesh(cfg, devices)
             print(f"[inference_report] compiling {a.program} ({preset}, batch {a.batch} x {tokens} tokens, cache "
-                  f"{max_len}, mesh {dict(mesh.shape)}, {'scanned' if cfg.model.scan_layers else 'per-layer'} "
+                  f"{max_len}, mesh {dict(mesh.shape)}, {'scanned' if cfg.runtime.scan_layers else 'per-layer'} "
                   "layers) ...", file=sys.stderr, flush=True)
             prog = compile_serving(cfg, mesh, a.program, a.batch, tokens, max_len)
             out[preset] = time_serving(prog.schedule, node_of(mesh), a.hardware, a.program,

@@ -1,7 +1,7 @@
 """Scanned programs for the two-stream model: an LHS schedule with its while loops unrolled.
 
 `hlo.load_schedule` reads the entry computation of a latency-hiding-scheduler dump. A scanned program
-(model.scan_layers) keeps its layers in while bodies, so there the layers' collectives and compute
+(runtime.scan_layers) keeps its layers in while bodies, so there the layers' collectives and compute
 are invisible and the `while` op itself counts as one compute op moving its whole carry.
 
     schedule = load_unrolled_schedule(text)        # text: the dump's `*.schedule.txt`

@@ -12,11 +12,11 @@ shardings = input shardings). `compiled.memory_analysis()` gives per device: arg
 the new state) and peak = arguments + outputs + temporaries - aliased. The arguments are also
 counted analytically from the shardings (`state_bytes`): the two must agree.
 
-Depth: by default the step is compiled at the config's own depth whenever `model.scan_layers` is true
+Depth: by default the step is compiled at the config's own depth whenever `runtime.scan_layers` is true
 (the real configs: a full-depth scanned step compiles in seconds to a minute), at two per-device
 batches (`--batches 1,2`); nothing is extrapolated in depth. `--depths A,B` (two depths, e.g. 3,5)
 asks for an extrapolation, and is the default for a Python loop over layers
-(`model.scan_layers=false`: ~30 min per full-depth compile on 2 shared cores; default depths 2,3).
+(`runtime.scan_layers=false`: ~30 min per full-depth compile on 2 shared cores; default depths 2,3).
 An extrapolated plan says how far it was checked: the validation compile of `--validate-depth`, or
 "not checked" when there was none.
 Either way the temporaries are modelled (TempModel) as the larger of two phases: the optimizer update
@@ -139,8 +139,8 @@ def mode_config(cfg, mode: str, remat: str, fsdp: int):
     if mode not in MODES:
         raise ConfigError(f"--mode {mode!r} is unknown; choose one of {list(MODES)}")
     if remat not in REMAT_ORDER:
-        raise ConfigError(f"--remat {remat!r} is not a model.remat value; choose from {list(REMAT_ORDER)}")
-    ch = {"model.remat": remat, "mesh.fsdp": fsdp, "mesh.data": 1, "train.grad_accum": 1,
+        raise ConfigError(f"--remat {remat!r} is not a runtime.remat value; choose from {list(REMAT_ORDER)}")
+    ch = {"runtime.remat": remat, "mesh.fsdp": fsdp, "mesh.data": 1, "train.grad_accum": 1,
           "train.mode": "distill" if mode == "fcsd" else "pretrain"}
     return replace(cfg, **ch)
 
@@ -168,7 +168,7 @@ def abstract_program(cfg, mode: str, mesh, batch_per_device: int, seq: int):
         return jax.ShapeDtypeStruct(x.shape, dt, sharding=x.sharding)
 
     # the teacher as a State of plain (abstract) arrays: nnx.merge then makes its Variables inside the
-    # loss's trace. With Variables made outside it (what fcsd/distill.py passes today) any model.remat
+    # loss's trace. With Variables made outside it (what fcsd/distill.py passes today) any runtime.remat
     # other than none fails with flax's TraceContextError; the bytes are the same either way.
     pure = lambda tree, f=lambda x: x: jax.tree.map(lambda v: f(v.get_value()), tree,  # noqa: E731
                                                     is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -531,7 +531,7 @@ def default_depths(cfg) -> list[int]:
     """The depths the plan compiles unless told: the config's own with scanned layers (exact, no
     extrapolation), else 2 and 3 (an unscanned full-depth compile takes ~30 min here)."""
     L = cfg.model.num_layers
-    if cfg.model.scan_layers or L <= 3:
+    if cfg.runtime.scan_layers or L <= 3:
         return [L]
     return [2, 3]
 
@@ -566,14 +566,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m farskip_jax.analysis.memory", description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True)
     ap.add_argument("--mode", default="pretrain,fcsd", help="pretrain, fcsd or both (comma separated)")
-    ap.add_argument("--remat", default=None, help="model.remat policies to plan (default: the config's)")
+    ap.add_argument("--remat", default=None, help="runtime.remat policies to plan (default: the config's)")
     ap.add_argument("--fsdp", default=None, help="FSDP sizes = nodes of 8 GPUs (comma separated; default: the config's "
                     "mesh.fsdp)")
     ap.add_argument("--bound-fsdp", default="", help="more FSDP sizes planned without compiling (exact state, "
                     "activations of the nearest compiled size)")
     ap.add_argument("--seq", type=int, default=None, help="sequence length (default train.seq_len)")
     ap.add_argument("--depths", default=None,
-                    help="depths the step is compiled at: the config's (default with model.scan_layers) or two depths "
+                    help="depths the step is compiled at: the config's (default with runtime.scan_layers) or two depths "
                          "to extrapolate from (default 2,3 for an unscanned model)")
     ap.add_argument("--batches", default="1,2", help="two per-device batches the step is compiled at")
     ap.add_argument("--validate-depth", type=int, default=None, help="compile one more depth and report the fit's error")
@@ -597,7 +597,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if bad or not modes:
             raise FarSkipError(f"--mode: {f'unknown {bad}' if bad else 'no mode named'}; choose from {list(MODES)} "
                                "(comma separated)")
-        remats = [r.strip() for r in (a.remat or cfg.model.remat).split(",") if r.strip()]
+        remats = [r.strip() for r in (a.remat or cfg.runtime.remat).split(",") if r.strip()]
         bad = [r for r in remats if r not in REMAT_ORDER]
         if bad:
             raise FarSkipError(f"--remat: unknown {bad}; choose from {list(REMAT_ORDER)}")

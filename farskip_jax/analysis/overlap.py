@@ -20,7 +20,7 @@ naive attention scores tens of times too high; a WARNING says when the two disag
 on the headline model's timeline) into --out. Every speedup is split into the part from hiding
 communication and the part from compute that differs between the programs (analysis/speedup.py).
 
-Scanned programs (model.scan_layers, the real configs' default) are analysed as compiled: their
+Scanned programs (runtime.scan_layers, the real configs' default) are analysed as compiled: their
 layers sit in while loops, which analysis/loop_schedule.py unrolls as executed (each body's schedule
 repeated trip-count times, the iterations linked by their carry, backward loops last layer first);
 the report says which program it analysed ("program analysed: scanned ..." / "unrolled ...";
@@ -98,7 +98,7 @@ class ProgramResult:
 
     @property
     def layout(self) -> str:
-        """Which program was analysed: 'scanned' (model.scan_layers: the layers' while loops, unrolled
+        """Which program was analysed: 'scanned' (runtime.scan_layers: the layers' while loops, unrolled
         for the analysis by analysis/loop_schedule.py) or 'unrolled' (a Python loop over layers)."""
         return "scanned" if self.layer_loops else "unrolled"
 
@@ -107,7 +107,7 @@ class ProgramResult:
             return "unrolled (the layers as a Python loop: every layer in the entry computation)"
         loops = ", ".join(f"{lp.direction} layers {lp.layers.start}-{lp.layers.stop - 1} ({lp.trips} x {lp.period})"
                           for lp in self.layer_loops)
-        return (f"scanned (model.scan_layers): {len(self.layer_loops)} while loops over layers [{loops}], read "
+        return (f"scanned (runtime.scan_layers): {len(self.layer_loops)} while loops over layers [{loops}], read "
                 "with each body's schedule repeated trip-count times (analysis/loop_schedule.py)")
 
     @property
@@ -135,7 +135,7 @@ def run_overlap(cfg, presets: Sequence[str] = ("standard", "farskip"), programs:
     links: a topology.Links (or a key of topology.LINKS): the two-stream model prices collectives by
       which members share a node (analysis/topology.py); default LINKS[hardware] on several nodes.
     grouped_gemm: trace ragged_dot as a grouped GEMM's cost proxy (programs.grouped_gemm_proxy).
-    cfg_for(preset, cfg) -> cfg: per-preset config (e.g. FoE's moe.num_groups); default sets the preset.
+    cfg_for(preset, cfg) -> cfg: per-preset config (e.g. FoE's runtime.num_groups); default sets the preset.
     ep_options: all_to_all backend fields, e.g. {"chunks": 2} (programs.abstract_model).
     probe_latency: XLA's all-to-all latencies by compiling each distinct shape alone (deviceless
       .collective_durations); False takes the start-to-done windows (XLA's report only; faster).
@@ -163,11 +163,11 @@ def run_overlap(cfg, presets: Sequence[str] = ("standard", "farskip"), programs:
     cfg_for = cfg_for or (lambda p, c: replace(c, **{"farskip.preset": p}))
     if grouped_gemm:
         log("[overlap] ragged_dot traced as a grouped-GEMM cost proxy (useful FLOPs; analysis only)")
-    elif cfg.moe.num_experts and resolve_backend(cfg.moe.gmm, "cuda") == "ragged_dot":
-        log(f"[overlap] NOTE: the routed experts run ragged_dot (moe.gmm={cfg.moe.gmm}). A deviceless compile has "
+    elif cfg.moe.num_experts and resolve_backend(cfg.runtime.gmm, "cuda") == "ragged_dot":
+        log(f"[overlap] NOTE: the routed experts run ragged_dot (runtime.gmm={cfg.runtime.gmm}). A deviceless compile has "
             "no cuDNN / hipBLASLt grouped GEMM, so XLA expands it to a dense dot over every local expert "
             "(E/EP x the expert FLOPs): hidden fractions stand, modelled step times are inflated and step "
-            "speedups understated. moe.gmm=tiled prices the experts at their useful FLOPs (docs/overlap.md).")
+            "speedups understated. runtime.gmm=tiled prices the experts at their useful FLOPs (docs/overlap.md).")
     results = []
     for preset in presets:
         c = cfg_for(preset, cfg)
@@ -296,14 +296,14 @@ def target_lines(reports: dict[str, OverlapReport], min_of_bound: float = 0.95, 
     return out
 
 
-NO_ALL_TO_ALL_FIX = ("The expert-parallel all-to-alls need experts split over devices: add moe.dispatch=all_to_all "
+NO_ALL_TO_ALL_FIX = ("The expert-parallel all-to-alls need experts split over devices: add runtime.dispatch=all_to_all "
                      "mesh.data=1 mesh.expert=8 (or a real-shape config such as configs/deepseek_v2_lite.yaml)")
 
 
 def has_all_to_alls(cfg) -> bool:
     """Whether cfg's programs exchange tokens between devices: routed experts split over mesh.expert > 1
     with an all-to-all dispatch (the training layout; the serving layouts are analysis/inference_report.py)."""
-    return bool(cfg.moe.num_experts) and cfg.mesh.expert > 1 and cfg.moe.dispatch != "local"
+    return bool(cfg.moe.num_experts) and cfg.mesh.expert > 1 and cfg.runtime.dispatch != "local"
 
 
 def to_json(results: Sequence[ProgramResult]) -> dict:
@@ -580,7 +580,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log = lambda m: print(m, file=sys.stderr, flush=True)
         if not has_all_to_alls(cfg):
             log(f"[overlap] NOTE: this config runs no expert-parallel all-to-all (moe.num_experts="
-                f"{cfg.moe.num_experts}, mesh.expert={cfg.mesh.expert}, moe.dispatch={cfg.moe.dispatch}): the report "
+                f"{cfg.moe.num_experts}, mesh.expert={cfg.mesh.expert}, runtime.dispatch={cfg.runtime.dispatch}): the report "
                 f"has nothing to hide. {NO_ALL_TO_ALL_FIX}")
         results = run_overlap(cfg, presets, progs, a.batch, a.seq, a.target,
                               a.devices, flags, a.hardware, log, gpus_per_node=a.gpus_per_node,

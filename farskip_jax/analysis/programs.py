@@ -33,7 +33,7 @@ from farskip_jax.parallel.ep import AllToAllCompute
 
 def analysis_mesh(cfg: Config, devices: Sequence) -> Mesh:
     """The mesh of cfg.mesh over the given (compile-only) devices; the FoE mesh (group x expert,
-    parallel/foe.py) for moe.num_groups > 1 with expert parallelism, as in training."""
+    parallel/foe.py) for runtime.num_groups > 1 with expert parallelism, as in training."""
     return model_mesh(cfg, devices=list(devices))
 
 
@@ -47,7 +47,7 @@ def abstract_model(cfg: Config, mesh: Mesh, ep_options: Optional[dict] = None):
     rc = routed_compute_on(cfg, mesh)  # FoECompute on a FoE mesh
     if ep_options:
         if not isinstance(rc, AllToAllCompute):
-            raise ConfigError(f"ep_options={ep_options} need moe.dispatch=all_to_all on a plain (non-FoE) mesh; "
+            raise ConfigError(f"ep_options={ep_options} need runtime.dispatch=all_to_all on a plain (non-FoE) mesh; "
                               f"got {type(rc).__name__}")
         rc = dataclasses.replace(rc, **ep_options)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), routed_compute=rc)))
@@ -87,7 +87,7 @@ def train_program(cfg: Config, mesh: Mesh, batch: int, seq: int, lr: float = 1e-
         out = nnx.merge(graphdef, params, rest)(tokens, farskip=fs)
         logp = jax.nn.log_softmax(out.logits[:, :-1], axis=-1)
         ce = -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
-        return ce + cfg.moe.aux_loss_weight * out.aux_loss + cfg.moe.z_loss_weight * out.z_loss
+        return ce + cfg.runtime.aux_loss_weight * out.aux_loss + cfg.runtime.z_loss_weight * out.z_loss
 
     def step(params, rest, tokens):
         loss, grads = jax.value_and_grad(loss_fn)(params, rest, tokens)
@@ -110,7 +110,7 @@ def grouped_gemm_cost_proxy(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Arr
 
 def grouped_gemm_proxy():
     """A context: while it is open, the grouped matmul `ragged_dot` of the model's backend seam
-    (kernels/ops.py; what moe.gmm resolves to on GPU) is the cost proxy above, for any platform.
+    (kernels/ops.py; what runtime.gmm resolves to on GPU) is the cost proxy above, for any platform.
 
     Why: a deviceless compile has no grouped GEMM library (cuDNN / hipBLASLt), so XLA expands
     ragged_dot into a dense dot over every local expert plus a G-times larger masked copy of its

@@ -19,7 +19,7 @@ farskip_export.json: what the folder holds. Tensors are written by a streaming s
 place at the end: on failure OUT_DIR is not created. The folder is marked as an export
 (folders.write_marker); an existing OUT_DIR is replaced (overwrite=True) only when it is an export
 farskip_jax wrote, never a run folder or the files a run writes (folders.check_output, checked before
-anything is read and again before the rename). A model with `model.scan_layers` exports the same
+anything is read and again before the rename). A model with `runtime.scan_layers` exports the same
 folder: each stacked parameter is sliced per layer on device (convert/layer_keys.per_layer_values).
 
 `run_export_dir(export_hf, run_dir)` is where a run's `distill.export_hf` goes: a relative path is
@@ -186,7 +186,7 @@ def export_hf(model: Transformer, cfg: Config, out_dir: str, *, base_config: Opt
         (report or (lambda m: warnings.warn(m, stacklevel=3)))(line)
     specs = fam.specs(cfg)
     values = per_layer_values(dict(nnx.to_flat_state(nnx.state(model))),
-                              plan_segments(cfg) if cfg.model.scan_layers else None)  # stacked: one row per layer
+                              plan_segments(cfg) if cfg.runtime.scan_layers else None)  # stacked: one row per layer
     np_dtype = _np_dtype(dtype)
 
     # hf name -> (shape, [specs producing it]) in spec order

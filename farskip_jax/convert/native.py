@@ -50,7 +50,7 @@ def write_native_from_hf(hf_dir: str, out_dir: str, overrides=None, *, dtype: Op
     overrides win); `report` gets the line naming it and its source before any tensor is read."""
     out_dir = check_output(out_dir, "import", overwrite=overwrite, what="the import folder")
     ckpt = open_checkpoint(hf_dir)
-    ov = list(overrides or []) + ([f"model.param_dtype={dtype}"] if dtype else [])
+    ov = list(overrides or []) + ([f"runtime.param_dtype={dtype}"] if dtype else [])
     cfg, origin = import_config(ckpt.config, ov, source=ckpt.path)
     if report:
         report(describe(cfg, origin))

@@ -138,7 +138,7 @@ def cast_state(st: dict, dtype) -> dict:
     Always copies so the result never aliases buffers of `st` (the student's are donated). The leaves
     are plain arrays, not nnx Variables: a frozen teacher passed into a jitted step must not carry
     Variables of the outer trace into rematerialised blocks (flax's TraceContextError under
-    model.remat != none)."""
+    runtime.remat != none)."""
     def plain(x):
         return x.get_value() if isinstance(x, nnx.Variable) else x
 

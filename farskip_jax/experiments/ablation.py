@@ -56,7 +56,7 @@ VARIANTS = (
     Variant("skip2", {"farskip.preset": "farskip", "farskip.skip_distance": 2}, "farskip, skip_distance 2"),
 )
 # Federation of Experts (model/foe.py) under FarSkip connectivity: tiny.yaml split in 2 groups.
-FOE_VARIANT = Variant("foe_farskip", {"moe.num_groups": 2, "farskip.preset": "farskip"}, "FoE 2 groups + farskip")
+FOE_VARIANT = Variant("foe_farskip", {"runtime.num_groups": 2, "farskip.preset": "farskip"}, "FoE 2 groups + farskip")
 
 
 def variants_by_name(names: Sequence[str], pool: Sequence[Variant] = VARIANTS + (FOE_VARIANT,)) -> list[Variant]:
@@ -149,7 +149,7 @@ def overlap_by_variant(base: Config, variants: Sequence[Variant], *, overrides: 
     """{variant: totals} of the overlap report of each variant's deviceless 8-GPU compile.
 
     overrides: dotted `key=value` strings applied to every variant (e.g. a larger d_model / seq to model
-    a realistic shape, `moe.dispatch=all_to_all mesh.expert=8`). Each entry: exposed_frac (exposed
+    a realistic shape, `runtime.dispatch=all_to_all mesh.expert=8`). Each entry: exposed_frac (exposed
     all-to-all time / all-to-all time), hidden_frac, bound_frac, step_time_us, count — from the two-stream
     cost model on `hardware` when given, else from XLA's own schedule."""
     out = {}

@@ -8,7 +8,7 @@ student only:
     loss = kl_weight * T^2 * KL_kind(softmax(t/T), softmax(s/T))    (forward | reverse | both; top-k)
          + ce_weight * CE(student, next tokens)
          + hidden_weight * mean_layers ||h_s - h_t||^2 / d           (per-layer full streams)
-         + moe.aux_loss_weight * aux + moe.z_loss_weight * z          (student router)
+         + runtime.aux_loss_weight * aux + runtime.z_loss_weight * z          (student router)
 
 all token means over non-padding tokens (`loss_mask`). Every `distill.eval_every` steps the student
 is compared with the teacher on fixed validation batches (KL, top-1 agreement, losses); the metric
@@ -106,7 +106,7 @@ def make_distill_loss_fn(graphdef, cfg: Config) -> Callable:
         if chunk:
             kl, ce, n = chunked_fcsd(s_out.final, student.unembed(), t_out.final, t_model.unembed(), batch["targets"],
                                      mask, chunk=chunk, kind=d.kl, temperature=d.temperature, top_k=d.top_k_logits,
-                                     compute_dtype=dtype_of(cfg.model.compute_dtype))
+                                     compute_dtype=dtype_of(cfg.runtime.compute_dtype))
         else:
             t_logits = jax.lax.stop_gradient(t_out.logits)
             kl = masked_mean(token_divergence(t_logits, s_out.logits, kind=d.kl, temperature=d.temperature,

@@ -4,7 +4,8 @@
     export_student(cfg, graphdef, st, out_dir)   # the student as an HF folder (convert/export.py)
 
 The source is `init_from_hf` (an HF folder) or `distill.init_from_run` (a run folder's newest
-checkpoint); cfg comes back with the checkpoint's model shape and the user's runtime keys.
+checkpoint); cfg comes back with the checkpoint's architecture (model and moe sections) and every other
+section the user's (Config.with_architecture).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Optional
 
 from flax import nnx
 
-from farskip_jax.config import Config, merge_checkpoint_shape, runtime_overrides
+from farskip_jax.config import Config, to_dict
 from farskip_jax.errors import ConfigError
 from farskip_jax.loading.load import load_hf, load_run, read_run_config
 from farskip_jax.convert.export import export_hf
@@ -40,7 +41,7 @@ def source_shape(cfg: Config) -> Config:
     if cfg.init_from_hf and not cfg.distill.init_from_run:
         return shape_from_hf(cfg)
     if cfg.distill.init_from_run and not cfg.init_from_hf:
-        return merge_checkpoint_shape(cfg, read_run_config(cfg.distill.init_from_run))
+        return cfg.with_architecture(read_run_config(cfg.distill.init_from_run))
     return cfg  # both or neither: load_source names the mistake
 
 
@@ -57,7 +58,8 @@ def load_source(cfg: Config, mesh) -> tuple[Config, object, dict]:
     """(cfg with the checkpoint's model shape, graphdef, {params, bias, rest}) of the distillation source."""
     check_source(cfg)
     if cfg.init_from_hf:
-        src_cfg, graphdef, st = load_hf(cfg.init_from_hf, mesh=mesh, overrides=runtime_overrides(cfg))
+        user = {k: to_dict(getattr(cfg, k)) for k in ("runtime", "mesh", "train", "inference")}
+        src_cfg, graphdef, st = load_hf(cfg.init_from_hf, mesh=mesh, overrides=user)
     else:
         src = read_run_config(cfg.distill.init_from_run)
         src_tok = _tokenizer_id(src.data.tokenizer)
@@ -66,12 +68,11 @@ def load_source(cfg: Config, mesh) -> tuple[Config, object, dict]:
                               f"{src.data.tokenizer!r} but this run reads data.tokenizer={cfg.data.tokenizer!r}: the "
                               f"teacher would see ids of another tokenizer; set data.tokenizer={src.data.tokenizer} "
                               "(and data.source / data.paths for the text to distil on)")
-        merged = merge_checkpoint_shape(cfg, src)  # the source run's shape with the user's runtime keys (dispatch on this mesh)
-        ov = {"model": merged.model, "moe": merged.moe, "mesh": cfg.mesh}
+        ov = {"runtime": cfg.runtime, "mesh": cfg.mesh}  # the source's architecture, run as this run asks
         hint = (lambda p: f"distill.init_from_run reads the newest step: resume that run from step {p} "  # noqa: E731
                 f"(train.resume_step={p} in its own command) to replace the damaged one")
         src_cfg, graphdef, st = load_run(cfg.distill.init_from_run, "latest", mesh, config_overrides=ov, hint=hint)
-    out = merge_checkpoint_shape(cfg, src_cfg)
+    out = cfg.with_architecture(src_cfg)
     if cfg.train.seq_len > out.model.max_seq_len:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={out.model.max_seq_len}")
     return out, graphdef, st

@@ -159,14 +159,14 @@ def resolve_attention_impl(impl: str, platform: str | None = None, devices: int 
     """`auto` -> a registered core of the platform that takes a program over `devices` devices
     (ops.resolve: `fused_cpu` on a one-device CPU program when the kernels are installed), else
     `naive`; other names are returned checked (a registered one on its platform only)."""
-    return ops.resolve(ops.ATTENTION_CORE, impl, key="model.attention_impl", builtins=BUILTIN_CORES,
+    return ops.resolve(ops.ATTENTION_CORE, impl, key="runtime.attention_impl", builtins=BUILTIN_CORES,
                        platform=platform, devices=devices, default=lambda p: "naive")
 
 
 def core_attention(impl: str, block: int, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
                    scale: float) -> jax.Array:
-    """The attention core `impl` (model.attention_impl: auto | naive | blockwise | causal_blocks | a
-    registered one) with blocks of `block` tokens (model.attention_block); shapes as attention_core.
+    """The attention core `impl` (runtime.attention_impl: auto | naive | blockwise | causal_blocks | a
+    registered one) with blocks of `block` tokens (runtime.attention_block); shapes as attention_core.
     With blockwise / causal_blocks, sequences of one block or less take the naive core (the same
     computation)."""
     impl = resolve_attention_impl(impl)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from farskip_jax.kernels import ops
 
 BUILTINS = ("ragged_dot", "tiled", "einsum")
-BACKENDS = ("auto", "blas", *BUILTINS)  # the values of moe.gmm (`blas`: a registered CPU kernel)
+BACKENDS = ("auto", "blas", *BUILTINS)  # the values of runtime.gmm (`blas`: a registered CPU kernel)
 MIN_TILE = 8  # smallest tail window
 
 
@@ -42,7 +42,7 @@ def resolve_backend(backend: str, platform: str | None = None, devices: int = 1)
     `ragged_dot` elsewhere; other names are returned checked (a registered one on its platform only)."""
     if backend not in BACKENDS and ops.registered(ops.GROUPED_MATMUL, backend) is None:
         raise ValueError(f"unknown gmm backend {backend!r}; choose one of {BACKENDS}")
-    return ops.resolve(ops.GROUPED_MATMUL, backend, key="moe.gmm", builtins=BUILTINS, platform=platform,
+    return ops.resolve(ops.GROUPED_MATMUL, backend, key="runtime.gmm", builtins=BUILTINS, platform=platform,
                        devices=devices, default=lambda p: "tiled" if p == "cpu" else "ragged_dot")
 
 

@@ -1,9 +1,9 @@
 """The model's replaceable computations and the registry a backend fills (the one backend seam).
 
     matmul(x [m, i], w [i, o] (or [o, i] with transpose_w)) -> [m, o]   every Linear, tied logits, router
-    grouped matmul                                                      kernels/gmm.py, by name (moe.gmm)
+    grouped matmul                                                      kernels/gmm.py, by name (runtime.gmm)
     attention core                                                      kernels/attention.py, by name
-                                                                        (model.attention_impl)
+                                                                        (runtime.attention_impl)
 
 The built-in implementations are plain JAX (XLA's dot; gmm.py's ragged_dot / tiled / einsum;
 attention.py's naive / blockwise / causal_blocks). A backend may register more with

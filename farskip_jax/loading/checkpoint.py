@@ -27,11 +27,11 @@ A data state is deleted only once orbax has deleted its step folder (orbax delet
 the next save commits), so every checkpoint on disk keeps its data state. Saving a step that is
 already saved or in flight is a no-op.
 
-Layer layout: a checkpoint written with `model.scan_layers` stores stacked parameters
+Layer layout: a checkpoint written with `runtime.scan_layers` stores stacked parameters
 ("params.stacks.<s>.blocks.<q>....", leading layer axis) where one without stores
 "params.layers.<i>....". `restore` converts either into the other when the template has the other
 layout (optimizer moments included; loading/layer_keys.py maps the keys): a run resumes across a change
-of model.scan_layers. The stacks of a stacked checkpoint are read back from its own key names and shapes.
+of runtime.scan_layers. The stacks of a stacked checkpoint are read back from its own key names and shapes.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@
    `jax.make_array_from_callback(shape, sharding, cb)`: each device shard's callback reads only its
    slice from the memory-mapped safetensors and casts it to the parameter dtype (bf16/fp32). No host
    ever holds the whole model, only the slices of one tensor that its devices own. Under
-   `model.scan_layers` a stacked parameter [repeats, ...] reads each of its layers' tensors
+   `runtime.scan_layers` a stacked parameter [repeats, ...] reads each of its layers' tensors
    (the HF names stay per layer; loading/layer_keys.py maps them).
 
 With a mesh the model is placed as `parallel.build.create_model` places it: target shardings follow
@@ -169,7 +169,7 @@ def _progress_printer(stream=sys.stderr):
 def load_params(ckpt: HFCheckpoint, cfg: Config, *, mesh=None, routed_compute=None,
                 progress: Optional[Callable] = None) -> Transformer:
     """Build the Transformer of `cfg` with its parameters streamed from `ckpt`. Under
-    model.scan_layers each stacked parameter [repeats, ...] is one array whose shard callback reads
+    runtime.scan_layers each stacked parameter [repeats, ...] is one array whose shard callback reads
     and stacks its rows' slices (loading/layer_keys.py), so the stacked layout streams like the per-layer one."""
     fam = family_for(ckpt.config)
     mesh, routed_compute = model_placement(cfg, mesh, routed_compute)
@@ -177,9 +177,9 @@ def load_params(ckpt: HFCheckpoint, cfg: Config, *, mesh=None, routed_compute=No
     graphdef, state = nnx.split(model)
     params = dict(nnx.to_flat_state(state))
     specs = fam.specs(cfg)
-    scanned = cfg.model.scan_layers
+    scanned = cfg.runtime.scan_layers
     layer_params = params if not scanned else dict(nnx.to_flat_state(nnx.state(abstract_model(
-        replace(cfg, model=replace(cfg.model, scan_layers=False))))))
+        replace(cfg, runtime=replace(cfg.runtime, scan_layers=False))))))
     validate(ckpt, specs, layer_params, ckpt.config, cfg.model.tie_embeddings, getattr(fam, "ignored", None))
     sharding_of = target_shardings(state, mesh)
     groups = stacked_specs(specs, plan_segments(cfg)) if scanned else {s.path: [s] for s in specs}
@@ -212,9 +212,9 @@ def import_hf(path: str, mesh=None, overrides: Overrides = None, *, dtype: Optio
     ov = dict(overrides) if isinstance(overrides, dict) else list(overrides or [])
     if dtype is not None:
         if isinstance(ov, dict):
-            ov["model.param_dtype"] = dtype
+            ov["runtime.param_dtype"] = dtype
         else:
-            ov.append(f"model.param_dtype={dtype}")
+            ov.append(f"runtime.param_dtype={dtype}")
     cfg, origin = import_config(ckpt.config, ov, source=ckpt.path)
     if report:
         report(describe(cfg, origin))

@@ -1,4 +1,4 @@
-"""Per-layer <-> stacked keys of checkpoints and HF folders (model.scan_layers, model/stacking.py).
+"""Per-layer <-> stacked keys of checkpoints and HF folders (runtime.scan_layers, model/stacking.py).
 
 A stacked model keeps layer i = start + r * period + q of stack s as row r of block q's parameters;
 the per-layer layout names it by index. Any key of the form `<prefix>.layers.<i>.<rest>` maps to

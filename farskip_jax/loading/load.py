@@ -112,7 +112,7 @@ def load_run(run_dir: str, which: Union[str, int] = "latest", mesh=None,
     """(cfg, graphdef, {params, bias, rest}) of a pretraining or distillation run folder.
 
     which: "latest" | "best" (a distillation run's best checkpoint) | a step number.
-    config_overrides: dotted keys applied to the run's config before building (e.g. {"moe.dispatch": ...}).
+    config_overrides: dotted keys applied to the run's config before building (e.g. {"runtime.dispatch": ...}).
     hint: how to use an earlier good step when the one read is damaged (restore_train_state)."""
     run_dir = os.path.abspath(run_dir)
     cfg = read_run_config(run_dir)
@@ -140,7 +140,7 @@ def load_hf(hf_dir: str, mesh=None, overrides=None) -> tuple[Config, object, dic
     """(cfg, graphdef, {params, bias, rest}) of an HF checkpoint folder (convert.loader.import_hf).
 
     With a mesh the model is placed as the trainer places it (parallel.build: routed_compute_on, and
-    the FoE group x expert mesh over the same devices when moe.num_groups > 1 with expert
+    the FoE group x expert mesh over the same devices when runtime.num_groups > 1 with expert
     parallelism); without one, on the first device."""
     cfg, model = import_hf(hf_dir, mesh=mesh, overrides=overrides)
     graphdef, params, bias, rest = split_model(model)

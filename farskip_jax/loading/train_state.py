@@ -5,7 +5,7 @@
     st = model_state(state)                           # {params, bias, rest}: what evaluation reads
 
 Train state (a plain dict so checkpoints are a plain tree):
-    params            nnx.State of nnx.Param (fp32 master weights; matmuls run in model.compute_dtype)
+    params            nnx.State of nnx.Param (fp32 master weights; matmuls run in runtime.compute_dtype)
     bias              nnx.State of RouterBias (aux-loss-free selection bias; updated by the step, not by optax)
     rest              nnx.State of any other variables (carried unchanged)
     opt               optax state

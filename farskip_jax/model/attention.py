@@ -3,7 +3,7 @@
 Split in named parts so the compiled schedule can be read per part (docs/design.md section 4):
 `attention_qkv` (projections + rope), `attention_core` (softmax(QK^T)V), `attention_out` (output
 projection). x: [batch, seq, d_model]; positions, segment_ids: [batch, seq].
-The core is `model.attention_impl` with blocks of `model.attention_block` tokens (kernels/attention.py:
+The core is `runtime.attention_impl` with blocks of `runtime.attention_block` tokens (kernels/attention.py:
 naive, blockwise, causal_blocks or a registered kernel; `auto` by platform).
 """
 
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from farskip_jax.config import ModelConfig
+from farskip_jax.config import ModelConfig, RuntimeConfig
 from farskip_jax.kernels.attention import attention_core, core_attention
 from farskip_jax.model.layers import Linear, RMSNorm, dtype_of
 from farskip_jax.model.rope import apply_rope, rope_frequencies
@@ -104,7 +104,7 @@ class KVCache:
     Transformer takes as `cache` and returns updated (out.cache).
 
     layers: per group of the layer loop (model/layer_loop.py), per block q of its period, (k, v)
-    [b, L, heads, dim] (a stack's: [repeats, b, L, heads, dim]); with model.micro_batches m > 1 a tuple
+    [b, L, heads, dim] (a stack's: [repeats, b, L, heads, dim]); with runtime.micro_batches m > 1 a tuple
     of m such, one per micro-batch (rows split_rows(x, m)[j]). key_positions [b, L]: the position of
     each slot after the write (an empty or pad slot a position no query reaches). scan (static): walk
     a stacked model's layers as scans over layer indices (default) or unrolled over per-layer views."""
@@ -138,7 +138,7 @@ class AttentionBase(nnx.Module):
                     positions = jnp.tile(positions, (num_groups, 1))
                     segment_ids = None if segment_ids is None else jnp.tile(segment_ids, (num_groups, 1))
                 mask = layer_mask(self.cfg, self.layer_idx, positions, segment_ids)
-                o = core_attention(self.cfg.attention_impl, self.cfg.attention_block, q, k, v, mask, self.scale)
+                o = core_attention(self.runtime.attention_impl, self.runtime.attention_block, q, k, v, mask, self.scale)
         else:
             cache = cache.write(k, v)
             kc, vc = cache.keys_values()
@@ -167,12 +167,12 @@ class Attention(AttentionBase):
     Optional pieces (ModelConfig): q/k RMSNorm per head or over all heads, NoPE layers, q/k L2 norm
     after rope, chunked local attention, NoPE temperature tuning, sigmoid-gated output."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer_idx: int = 0):
-        self.cfg = cfg
+    def __init__(self, cfg: ModelConfig, runtime: RuntimeConfig, *, rngs: nnx.Rngs, layer_idx: int = 0):
+        self.cfg, self.runtime = cfg, runtime
         self.layer_idx = layer_idx
         d, h, kv, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
-        pd = dtype_of(cfg.param_dtype)
-        kw = dict(rngs=rngs, std=cfg.init_std, param_dtype=pd, compute_dtype=dtype_of(cfg.compute_dtype))
+        pd = dtype_of(runtime.param_dtype)
+        kw = dict(rngs=rngs, std=cfg.init_std, param_dtype=pd, compute_dtype=dtype_of(runtime.compute_dtype))
         self.q_proj = Linear(d, h * hd, axes=("embed", "heads"), bias=cfg.attention_bias, **kw)
         self.k_proj = Linear(d, kv * hd, axes=("embed", "kv_heads"), bias=cfg.attention_bias, **kw)
         self.v_proj = Linear(d, kv * hd, axes=("embed", "kv_heads"), bias=cfg.attention_bias, **kw)

@@ -61,15 +61,15 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: Config, layer_idx: int, *, rngs: nnx.Rngs, routed_compute: Optional[RoutedComputeFn] = None):
         m = cfg.model
-        pd, cd = dtype_of(m.param_dtype), dtype_of(m.compute_dtype)
+        pd, cd = dtype_of(cfg.runtime.param_dtype), dtype_of(cfg.runtime.compute_dtype)
         self.layer_idx = layer_idx
         self.attn_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pd)
         attn_cls = MLAttention if m.attention == "mla" else Attention
-        self.attn = attn_cls(m, rngs=rngs, layer_idx=layer_idx)
+        self.attn = attn_cls(m, cfg.runtime, rngs=rngs, layer_idx=layer_idx)
         self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps, param_dtype=pd)
         self.is_moe = bool(cfg.moe.num_experts) and m.is_moe_layer(layer_idx)
         if self.is_moe:
-            self.moe = MoEBlock(m, cfg.moe, rngs=rngs, routed_compute=routed_compute)
+            self.moe = MoEBlock(m, cfg.moe, cfg.runtime, rngs=rngs, routed_compute=routed_compute)
             self.mlp = None
         else:
             self.moe = None
@@ -109,7 +109,7 @@ class Block(nnx.Module):
 
 
 def remat(block: Block, policy: str, fn: Callable, *args):
-    """fn(block, *args) under the remat policy `policy` (model.remat: none | minimal | dots | full;
+    """fn(block, *args) under the remat policy `policy` (runtime.remat: none | minimal | dots | full;
     jax.checkpoint over the block's state and args): the one place a layer is rematerialised."""
     if policy == "none":
         return fn(block, *args)

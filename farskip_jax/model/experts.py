@@ -3,7 +3,7 @@
 Expert weights: w_gate, w_up [E, d_model, hidden], w_down [E, hidden, d_model], logical axes
 ("expert", "embed", "mlp"). The token exchange is a pluggable `RoutedComputeFn`:
 
-    routed_compute(x [b, s, d], route: RouteResult, experts: ExpertWeights, cfg: MoEConfig)
+    routed_compute(x [b, s, d], route: RouteResult, experts: ExpertWeights, cfg: RuntimeConfig)
         -> RoutedOutput(y [b, s, d], dropped [] int32)
 
 `local_routed_compute` (here) sorts the b*s*k assignments by expert, runs the grouped matmul
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from farskip_jax.config import MoEConfig
+from farskip_jax.config import RuntimeConfig
 from farskip_jax.kernels.gmm import gmm, grouped_swiglu, resolve_backend, takes_stored_weights
 from farskip_jax.model.layers import normal_init
 from farskip_jax.model.router import RouteResult
@@ -54,7 +54,7 @@ class RoutedExperts(nnx.Module):
         self.compute_dtype = compute_dtype
 
     def weights(self, gmm: str = "auto") -> ExpertWeights:
-        """The weights for the grouped-matmul backend `gmm` (cfg.moe.gmm): cast to the compute dtype
+        """The weights for the grouped-matmul backend `gmm` (cfg.runtime.gmm): cast to the compute dtype
         here, outside any expert-parallel shard_map (so GPU programs reduce the weight gradients in
         the compute dtype), unless the backend takes them as stored (gmm.takes_stored_weights: a
         kernel that rounds float32 weights as it packs them, with float32 gradients and no cast pass)."""
@@ -64,7 +64,7 @@ class RoutedExperts(nnx.Module):
         return ExpertWeights(self.w_gate[...].astype(c), self.w_up[...].astype(c), self.w_down[...].astype(c))
 
 
-def expert_swiglu(xs: jax.Array, group_sizes: jax.Array, ew: ExpertWeights, cfg: MoEConfig) -> jax.Array:
+def expert_swiglu(xs: jax.Array, group_sizes: jax.Array, ew: ExpertWeights, cfg: RuntimeConfig) -> jax.Array:
     """Rows xs [M, d] sorted by expert (group_sizes [E]) -> expert outputs [M, d].
 
     `tiled` runs the fused per-group SwiGLU walk (gmm.grouped_swiglu); other backends three gmms."""
@@ -150,7 +150,7 @@ def _weighted_combine_bwd(k, res, g):
 weighted_combine.defvjp(_weighted_combine_fwd, _weighted_combine_bwd)
 
 
-def local_routed_compute(x: jax.Array, route: RouteResult, experts: ExpertWeights, cfg: MoEConfig) -> RoutedOutput:
+def local_routed_compute(x: jax.Array, route: RouteResult, experts: ExpertWeights, cfg: RuntimeConfig) -> RoutedOutput:
     """Single-device routed experts: sort assignments by expert, grouped matmul, weighted un-sort.
 
     x: [b, s, d]; route.indices / route.weights: [b, s, k]. Assignment a = token * k + choice.
@@ -186,4 +186,4 @@ def local_routed_compute(x: jax.Array, route: RouteResult, experts: ExpertWeight
     return RoutedOutput(y=y, dropped=dropped)
 
 
-RoutedComputeFn = Callable[[jax.Array, RouteResult, ExpertWeights, MoEConfig], RoutedOutput]
+RoutedComputeFn = Callable[[jax.Array, RouteResult, ExpertWeights, RuntimeConfig], RoutedOutput]

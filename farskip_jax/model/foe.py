@@ -1,4 +1,4 @@
-"""Federation of Experts (FoE, arXiv 2605.06206) as a model option: `moe.num_groups = H > 1`.
+"""Federation of Experts (FoE, arXiv 2605.06206) as a model option: `runtime.num_groups = H > 1`.
 
 Each layer is split into H groups. Group h owns
   - query heads [h*nh/H, (h+1)*nh/H) with their kv heads [h*nkv/H, (h+1)*nkv/H) (the rows of o_proj
@@ -42,7 +42,7 @@ Choices where the paper leaves details open (documented, see also docs/foe.md):
   - unsupported with H > 1 (rejected by `check_foe`): MLA attention, q/k norm over all heads,
     group-limited routing (moe.n_group > 1), route_on_input.
 
-Token-sharded layout, moe.foe_attention=local: where every group reads the same attention input
+Token-sharded layout, runtime.foe_attention=local: where every group reads the same attention input
 (FarSkip-converted layers, layer 0) sum_h a^h is the ordinary all-head attention of that input, so it
 runs on each device's own tokens: no cross-group sum and no gather for it (a FarSkip layer keeps one
 reduce-scatter, of the routed outputs, and one all-gather, of the MoE input; same values).
@@ -55,7 +55,7 @@ sum. Where the experts run and how the groups' values are summed is an `FoEBacke
 (one program, the routed experts as H "virtual tokens" per token through the model's
 RoutedComputeFn), or parallel/foe.FoECompute (group-confined expert parallelism, the cross-group sums
 as collectives); where the values between the sub-blocks live is its `token_layout` (`GroupValues`
-here: every device holds every token; parallel/foe.TokenLayout: moe.foe_tokens=sharded).
+here: every device holds every token; parallel/foe.TokenLayout: runtime.foe_tokens=sharded).
 """
 
 from __future__ import annotations
@@ -81,20 +81,20 @@ from farskip_jax.model.router import RouteResult
 def check_foe(cfg: Config, num_groups: Optional[int] = None) -> int:
     """Validate the FoE-specific constraints; returns H. Raises ConfigError naming the culprit."""
     m, e = cfg.model, cfg.moe
-    h = num_groups or e.num_groups
+    h = num_groups or cfg.runtime.num_groups
     if h == 1:
         return 1
     checks = [
-        (m.num_kv_heads % h == 0, f"moe.num_groups={h} must divide model.num_kv_heads={m.num_kv_heads}"),
-        (m.num_heads % h == 0, f"moe.num_groups={h} must divide model.num_heads={m.num_heads}"),
-        (not e.num_experts or e.num_experts % h == 0, f"moe.num_groups={h} must divide moe.num_experts={e.num_experts}"),
-        (not e.num_experts or e.top_k % h == 0, f"moe.num_groups={h} must divide moe.top_k={e.top_k}"),
-        (m.attention != "mla", "moe.num_groups > 1 (Federation of Experts) needs model.attention=gqa (MLA shares "
-                               "one latent projection over all heads); set moe.num_groups=1"),
+        (m.num_kv_heads % h == 0, f"runtime.num_groups={h} must divide model.num_kv_heads={m.num_kv_heads}"),
+        (m.num_heads % h == 0, f"runtime.num_groups={h} must divide model.num_heads={m.num_heads}"),
+        (not e.num_experts or e.num_experts % h == 0, f"runtime.num_groups={h} must divide moe.num_experts={e.num_experts}"),
+        (not e.num_experts or e.top_k % h == 0, f"runtime.num_groups={h} must divide moe.top_k={e.top_k}"),
+        (m.attention != "mla", "runtime.num_groups > 1 (Federation of Experts) needs model.attention=gqa (MLA shares "
+                               "one latent projection over all heads); set runtime.num_groups=1"),
         (not (m.qk_norm and m.qk_norm_scope == "all_heads"),
-         "moe.num_groups > 1 cannot split a q/k norm taken over all heads; use model.qk_norm_scope=head or num_groups=1"),
-        (e.n_group == 1, "moe.num_groups > 1 with group-limited routing (moe.n_group > 1) is not supported; set moe.n_group=1"),
-        (not e.route_on_input, "moe.route_on_input needs top_k=1, which moe.num_groups > 1 cannot split"),
+         "runtime.num_groups > 1 cannot split a q/k norm taken over all heads; use model.qk_norm_scope=head or num_groups=1"),
+        (e.n_group == 1, "runtime.num_groups > 1 with group-limited routing (moe.n_group > 1) is not supported; set moe.n_group=1"),
+        (not e.route_on_input, "moe.route_on_input needs top_k=1, which runtime.num_groups > 1 cannot split"),
     ]
     for ok, msg in checks:
         if not ok:
@@ -108,7 +108,7 @@ class FoEBackend(abc.ABC):
     group_routed(x [b, s, d] (or [G_m, b, s, d]: each device group's copy, token-sharded layout),
         route (FoE routing: choices group-major, global expert ids), experts, moe cfg, H)
         -> ([H, b, s, d] each group's routed output, dropped [])
-    group_sum(v [H, ...], dtype) -> [...]: the cross-group sum (payload dtype moe.foe_sum_dtype)
+    group_sum(v [H, ...], dtype) -> [...]: the cross-group sum (payload dtype runtime.foe_sum_dtype)
     constrain_groups(v [H, b, s, d]): place group h's values where group h runs (default: as is)
     token_layout(sharded, sum_dtype): where the values between the sub-blocks live (GroupValues)."""
 
@@ -162,7 +162,7 @@ def foe_backend(blocks: list) -> FoEBackend:
 class GroupValues:
     """Where the [b, s, d] values between the groups' sub-blocks live when every device (group) holds
     every token: the cross-group sum is the backend's group_sum (payload sum_dtype); a group's input
-    is the value itself. parallel/foe.TokenLayout is the token-sharded one (moe.foe_tokens=sharded)."""
+    is the value itself. parallel/foe.TokenLayout is the token-sharded one (runtime.foe_tokens=sharded)."""
 
     sharded = False
 
@@ -224,7 +224,7 @@ class FoEStep(LayerStep):
     adds attn_groups / routed_groups [H, b, s, d] (attn_groups None under token-local attention).
 
     defer=False keeps every routed sum in its own layer (out.routed always set); num_groups: H (default
-    moe.num_groups; 1 runs this dataflow on the ordinary model)."""
+    runtime.num_groups; 1 runs this dataflow on the ordinary model)."""
 
     scannable = False
 
@@ -233,8 +233,8 @@ class FoEStep(LayerStep):
         super().__init__(model, positions, segment_ids, farskip, remat, cache)
         cfg = model.cfg
         self.hg = check_foe(cfg, num_groups)
-        self.layout = foe_backend(model.blocks()).token_layout(cfg.moe.foe_tokens == "sharded", cfg.moe.foe_sum_dtype)
-        self.local_ok = self.layout.sharded and cfg.moe.foe_attention == "local" and cache is None
+        self.layout = foe_backend(model.blocks()).token_layout(cfg.runtime.foe_tokens == "sharded", cfg.runtime.foe_sum_dtype)
+        self.local_ok = self.layout.sharded and cfg.runtime.foe_attention == "local" and cache is None
         n, d = cfg.model.num_layers, farskip.skip_distance
         kinds = [farskip.layer_inputs(i, n) for i in range(n)]
         # the routed sum of layer i joins layer i+1's attention sum when the next d layers are standard
@@ -248,7 +248,7 @@ class FoEStep(LayerStep):
 
     def plan(self, block, carry: FoECarry, site) -> FoEPlan:
         i = site.index
-        # every group reads the same attention input: run it token-local (moe.foe_attention=local)
+        # every group reads the same attention input: run it token-local (runtime.foe_attention=local)
         local = self.local_ok and not (site.kinds[0] == "full" and carry.routed_h is not None)
         return FoEPlan(local=local, pending=i > 0 and self.defer[i - 1], defer=self.defer[i])
 
@@ -307,7 +307,7 @@ class FoEStep(LayerStep):
         def routed(moe, h, route):
             with jax.named_scope("group_gather"):
                 h_in = layout.device_groups(block.ffn_norm(full_g) if known else h, replicated=known)
-            m_h, dropped = layout.backend.group_routed(h_in, route, moe.experts.weights(moe.cfg.gmm), moe.cfg, hg)
+            m_h, dropped = layout.backend.group_routed(h_in, route, moe.experts.weights(moe.runtime.gmm), moe.runtime, hg)
             m_h = checkpoint_name(m_h, "routed_out")
             m = None
             if not plan.defer:

@@ -13,7 +13,7 @@ model/foe.py adds the groups' pending outputs); `site` (LayerSite) says which la
 and static connectivity kinds, and where it sits in the model's stacks; `entry` is the layer's KV-cache
 entry (decoding) or None.
 
-Layers are visited group by group: a group is one LayerStack of a model with `model.scan_layers`
+Layers are visited group by group: a group is one LayerStack of a model with `runtime.scan_layers`
 (model/stacking.py: `period` blocks with parameters stacked over `repeats`) or one unstacked Block
 (period 1, repeats 1, no layer axis). A group's repeats are split into maximal runs of EQUAL static
 connectivity (FarSkipConfig.layer_inputs of every layer of one repeat). With `scan`, a run of two or
@@ -118,7 +118,7 @@ def run_layers(model, carry, step: Callable, farskip: FarSkipConfig, *, scan: bo
     possible; weights: "sliced" | "indexed"; entries: per group, per block, the cache entries (or None);
     hidden: collect the full stream after each layer.
 
-    Micro-batches (model.micro_batches = m > 1, two-batch overlap): `carry` and `step` are lists of m
+    Micro-batches (runtime.micro_batches = m > 1, two-batch overlap): `carry` and `step` are lists of m
     (one per micro-batch, in split_rows order) and `entries` a list of m; every layer runs each
     micro-batch's step in turn (scopes `layer_{i}/mb{j}`), so nothing of micro-batch j depends on
     another's, and its outputs are merged (merge_outputs). res.carry / res.entries are then lists too."""
@@ -127,7 +127,7 @@ def run_layers(model, carry, step: Callable, farskip: FarSkipConfig, *, scan: bo
     sides = (list(entries) if multi else [entries]) if entries is not None else None
     m = len(steps)
     n = model.cfg.model.num_layers
-    groups_h = model.cfg.moe.num_groups
+    groups_h = model.cfg.runtime.num_groups
     attn_kinds = [farskip.layer_inputs(i, n)[0] for i in range(n)]
     outs, hid = [], []
     new_side = [[] for _ in range(m)] if sides is not None else None

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from farskip_jax.config import ModelConfig
+from farskip_jax.config import ModelConfig, RuntimeConfig
 from farskip_jax.model.attention import AttentionBase
 from farskip_jax.model.layers import Linear, RMSNorm, dtype_of
 from farskip_jax.model.rope import apply_rope, rope_frequencies, yarn_get_mscale
@@ -27,13 +27,13 @@ LATENT_NORM_EPS = 1e-6  # HF DeepSeek builds q_a/kv_a layernorms with the defaul
 
 
 class MLAttention(AttentionBase):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer_idx: int = 0):
-        self.cfg = cfg
+    def __init__(self, cfg: ModelConfig, runtime: RuntimeConfig, *, rngs: nnx.Rngs, layer_idx: int = 0):
+        self.cfg, self.runtime = cfg, runtime
         self.layer_idx = layer_idx
         d, h = cfg.d_model, cfg.num_heads
         nope, rope, vd = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        pd = dtype_of(cfg.param_dtype)
-        kw = dict(rngs=rngs, std=cfg.init_std, param_dtype=pd, compute_dtype=dtype_of(cfg.compute_dtype))
+        pd = dtype_of(runtime.param_dtype)
+        kw = dict(rngs=rngs, std=cfg.init_std, param_dtype=pd, compute_dtype=dtype_of(runtime.compute_dtype))
         if cfg.q_lora_rank is None:
             self.q_proj = Linear(d, h * (nope + rope), axes=("embed", "heads"), **kw)
             self.q_a_proj = self.q_a_norm = self.q_b_proj = None

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jax.ad_checkpoint import checkpoint_name
 
-from farskip_jax.config import ModelConfig, MoEConfig
+from farskip_jax.config import ModelConfig, MoEConfig, RuntimeConfig
 from farskip_jax.model.experts import RoutedComputeFn, RoutedExperts, local_routed_compute
 from farskip_jax.model.layers import Linear, SwiGLU, dtype_of
 from farskip_jax.model.router import Router
@@ -38,10 +38,10 @@ class MoEOutput:
 
 
 class MoEBlock(nnx.Module):
-    def __init__(self, mcfg: ModelConfig, cfg: MoEConfig, *, rngs: nnx.Rngs,
+    def __init__(self, mcfg: ModelConfig, cfg: MoEConfig, runtime: RuntimeConfig, *, rngs: nnx.Rngs,
                  routed_compute: Optional[RoutedComputeFn] = None):
-        self.cfg = cfg
-        pd, cd = dtype_of(mcfg.param_dtype), dtype_of(mcfg.compute_dtype)
+        self.cfg, self.runtime = cfg, runtime
+        pd, cd = dtype_of(runtime.param_dtype), dtype_of(runtime.compute_dtype)
         self.router = Router(mcfg.d_model, cfg, rngs=rngs, std=mcfg.init_std)
         self.experts = RoutedExperts(mcfg.d_model, cfg.expert_hidden, cfg.num_experts, rngs=rngs,
                                      std=mcfg.init_std, param_dtype=pd, compute_dtype=cd)
@@ -77,7 +77,7 @@ class MoEBlock(nnx.Module):
         """(the routed experts' weighted sum [b, s, d], named routed_out, dropped [], None) through
         `compute` (default the block's routed compute) on x cast to the compute dtype."""
         out = (compute or self.routed_compute)(x.astype(self.experts.compute_dtype), route,
-                                               self.experts.weights(self.cfg.gmm), self.cfg)
+                                               self.experts.weights(self.runtime.gmm), self.runtime)
         return checkpoint_name(out.y, "routed_out"), out.dropped, None
 
     def shared_out(self, x: jax.Array) -> Optional[jax.Array]:

@@ -1,4 +1,4 @@
-"""Stacked layer parameters for `model.scan_layers` and the per-layer <-> stacked conversions.
+"""Stacked layer parameters for `runtime.scan_layers` and the per-layer <-> stacked conversions.
 
 A model with `scan_layers: true` keeps its blocks as `stacks`, a list of `LayerStack`s; stack s
 covers layers [start, start + period * repeats) and holds `period` Blocks whose every parameter

@@ -12,12 +12,12 @@ Connectivity is an argument of the call (default `cfg.farskip`), not of the para
 weights run under every connectivity, which is what FCSD distillation needs (teacher = standard).
 
 The layers run through the one layer loop (model/layer_loop.py): unrolled, or under
-`model.scan_layers` as one `jax.lax.scan` per stack of alike layers and run of equal connectivity
+`runtime.scan_layers` as one `jax.lax.scan` per stack of alike layers and run of equal connectivity
 (model/stacking.py, docs/scan.md). Each layer is a step (model/layer_step.py): `layer_step`, given
 at construction, builds it per call: LayerStep for the ordinary model, foe.FoEStep for a Federation
-of Experts (moe.num_groups > 1), a serving layout's own (parallel/tp_ep.TpEpLayer).
+of Experts (runtime.num_groups > 1), a serving layout's own (parallel/tp_ep.TpEpLayer).
 
-Two-batch overlap (`model.micro_batches: 2`): the batch's rows are split into interleaved
+Two-batch overlap (`runtime.micro_batches: 2`): the batch's rows are split into interleaved
 micro-batches that run through every layer side by side without depending on each other (one step
 per micro-batch; layer_loop.run_layers), so XLA can run one's attention and shared experts under the
 other's all-to-alls / all-reduces; the layer outputs and router statistics are merged, so the values
@@ -49,16 +49,16 @@ class Transformer(nnx.Module):
                  layer_step: Optional[Callable] = None):
         """routed_compute: the MoE blocks' token exchange (parallel/ep.py; default one program);
         layer_step(model, positions, segment_ids, farskip, remat, cache) -> the layer step of one call
-        (micro-batch): default LayerStep, or FoEStep with moe.num_groups > 1."""
+        (micro-batch): default LayerStep, or FoEStep with runtime.num_groups > 1."""
         m = cfg.model
-        pd, cd = dtype_of(m.param_dtype), dtype_of(m.compute_dtype)
+        pd, cd = dtype_of(cfg.runtime.param_dtype), dtype_of(cfg.runtime.compute_dtype)
         self.cfg = cfg
-        if cfg.moe.num_groups > 1:  # Federation of Experts: fail early on what it cannot split
+        if cfg.runtime.num_groups > 1:  # Federation of Experts: fail early on what it cannot split
             check_foe(cfg)
-        self.layer_step = layer_step or (FoEStep if cfg.moe.num_groups > 1 else LayerStep)
+        self.layer_step = layer_step or (FoEStep if cfg.runtime.num_groups > 1 else LayerStep)
         self.embed = Embed(m.vocab_size, m.d_model, rngs=rngs, std=m.init_std, param_dtype=pd, compute_dtype=cd)
         blocks = [Block(cfg, i, rngs=rngs, routed_compute=routed_compute) for i in range(m.num_layers)]
-        if m.scan_layers:  # same initial values as the unrolled model, stacked (model/stacking.py)
+        if cfg.runtime.scan_layers:  # same initial values as the unrolled model, stacked (model/stacking.py)
             self.stacks = nnx.List([LayerStack(seg, blocks[seg.start:seg.stop]) for seg in plan_segments(cfg)])
         else:
             self.layers = nnx.List(blocks)
@@ -68,7 +68,7 @@ class Transformer(nnx.Module):
 
     @property
     def scanned(self) -> bool:
-        return self.cfg.model.scan_layers
+        return self.cfg.runtime.scan_layers
 
     def blocks(self) -> list:
         """Per-layer Blocks in layer order: `self.layers` itself, or under scan_layers views whose
@@ -94,11 +94,11 @@ class Transformer(nnx.Module):
         fs = farskip if farskip is not None else self.cfg.farskip
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        m = self.cfg.model.micro_batches
+        m = self.cfg.runtime.micro_batches
         if m > 1 and tokens.shape[0] % m:
-            raise ConfigError(f"model.micro_batches={m} (two-batch overlap) splits the batch into {m} equal "
+            raise ConfigError(f"runtime.micro_batches={m} (two-batch overlap) splits the batch into {m} equal "
                               f"micro-batches, but it has {tokens.shape[0]} rows; use a multiple of {m} rows "
-                              "(per device) or model.micro_batches=1")
+                              "(per device) or runtime.micro_batches=1")
         h = self.embed(tokens)
         caches = [None] * m
         if cache is not None:
@@ -106,7 +106,7 @@ class Transformer(nnx.Module):
                       zip(cache.layers if m > 1 else [cache.layers], split_rows(cache.key_positions, m))]
         steps, carries = [], []
         for h_j, pos_j, seg_j, c_j in zip(split_rows(h, m), split_rows(positions, m), split_rows(segment_ids, m), caches):
-            steps.append(self.layer_step(self, pos_j, seg_j, fs, self.cfg.model.remat, c_j))
+            steps.append(self.layer_step(self, pos_j, seg_j, fs, self.cfg.runtime.remat, c_j))
             carries.append(steps[-1].init(h_j))
         scan = self.scanned and steps[0].scannable and (cache is None or cache.scan)
         entries = None if cache is None else [c.layers for c in caches]
@@ -119,7 +119,7 @@ class Transformer(nnx.Module):
 
     def unembed(self) -> tuple[jax.Array, bool]:
         """(w, transposed) of the output projection: logits = final @ w (w [d, V]) or final @ w.T for
-        tied embeddings (w = the embedding table [V, d]); computed in model.compute_dtype."""
+        tied embeddings (w = the embedding table [V, d]); computed in runtime.compute_dtype."""
         if self.lm_head is None:
             return self.embed.table[...], True
         return self.lm_head.w[...], False

@@ -4,7 +4,7 @@ Every collective of the project lives here (docs/design.md section 3). Entry poi
 
     maybe_initialize(cfg.mesh)                  # multi-host: before anything touches a device
     mesh = make_mesh(cfg.mesh)                  # axes data, fsdp, expert, tensor (Auto types)
-    model = create_model(cfg, mesh, seed=0)     # sharded params, MoE backend from cfg.moe.dispatch
+    model = create_model(cfg, mesh, seed=0)     # sharded params, MoE backend from cfg.runtime.dispatch
     batch = shard_batch(batch, mesh)            # [batch, ...] split over data x fsdp x expert
 
 XLA flag presets (`xla_flags.apply_xla_preset`) must run before JAX initialises its backend.

@@ -1,4 +1,4 @@
-"""Build a model whose parameters live on the mesh, with the MoE exchange of `cfg.moe.dispatch`.
+"""Build a model whose parameters live on the mesh, with the MoE exchange of `cfg.runtime.dispatch`.
 
     mesh = model_mesh(cfg)                     # make_mesh(cfg.mesh), or the FoE mesh (below)
     model = create_model(cfg, mesh, seed=0)
@@ -9,7 +9,7 @@ Parameters are initialised inside one jit whose outputs already carry their shar
 ever holds the whole model). The values depend only on `seed`, not on the mesh (partitionable
 threefry), so a model built on 8 devices equals the one built on 1.
 
-Federation of Experts (moe.num_groups = H > 1) with expert parallelism (mesh.expert > 1) runs on the
+Federation of Experts (runtime.num_groups = H > 1) with expert parallelism (mesh.expert > 1) runs on the
 5-axis FoE mesh of parallel/foe.py (expert axis split into group x expert, so each group's
 all-to-all stays on its own devices): `model_mesh(cfg)` returns it, and `create_model` given a plain
 mesh builds the model on the FoE mesh over the same devices (a batch placed on the plain mesh is then
@@ -39,14 +39,14 @@ from farskip_jax.parallel.sharding import state_shardings
 def is_foe_parallel(cfg: Config, mesh: Mesh) -> bool:
     """True when cfg is a Federation of Experts (num_groups > 1) and the mesh has expert parallelism."""
     ep = mesh.shape.get("expert", 1) * mesh.shape.get(GROUP_AXIS, 1)
-    return cfg.moe.num_groups > 1 and bool(cfg.moe.num_experts) and ep > 1
+    return cfg.runtime.num_groups > 1 and bool(cfg.moe.num_experts) and ep > 1
 
 
 def model_mesh(cfg: Config, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
     """The mesh a model of cfg runs on: make_mesh(cfg.mesh), split into the FoE mesh (data, fsdp,
     group, expert, tensor) when is_foe_parallel."""
     mesh = make_mesh(cfg.mesh, devices)
-    return foe_mesh_from(mesh, cfg.moe.num_groups) if is_foe_parallel(cfg, mesh) else mesh
+    return foe_mesh_from(mesh, cfg.runtime.num_groups) if is_foe_parallel(cfg, mesh) else mesh
 
 
 def check_mesh(cfg: Config, mesh: Mesh) -> None:
@@ -55,17 +55,17 @@ def check_mesh(cfg: Config, mesh: Mesh) -> None:
     if cfg.moe.num_experts and ep > 1:
         if cfg.moe.num_experts % ep:
             raise ConfigError(f"moe.num_experts={cfg.moe.num_experts} is not divisible by the mesh's expert axis ({ep})")
-        if cfg.moe.dispatch == "local":
-            raise ConfigError(f"the mesh has expert={ep}; set moe.dispatch to all_to_all or ragged (got local)")
-    if cfg.moe.dispatch == "ragged" and mesh_platform(mesh) == "cpu":
+        if cfg.runtime.dispatch == "local":
+            raise ConfigError(f"the mesh has expert={ep}; set runtime.dispatch to all_to_all or ragged (got local)")
+    if cfg.runtime.dispatch == "ragged" and mesh_platform(mesh) == "cpu":
         raise BackendError(RAGGED_ON_CPU)
 
 
 def routed_compute_on(cfg: Config, mesh: Optional[Mesh]):
-    """The RoutedComputeFn of cfg.moe.dispatch on `mesh` (FoECompute on a FoE mesh)."""
+    """The RoutedComputeFn of cfg.runtime.dispatch on `mesh` (FoECompute on a FoE mesh)."""
     if mesh is not None and GROUP_AXIS in mesh.shape:
-        return FoECompute(mesh, cfg.moe.dispatch)
-    return routed_compute_for(cfg.moe.dispatch, mesh, cfg.moe.gpus_per_node)
+        return FoECompute(mesh, cfg.runtime.dispatch)
+    return routed_compute_for(cfg.runtime.dispatch, mesh, cfg.runtime.gpus_per_node)
 
 
 def placement_mesh(cfg: Config, mesh: Mesh) -> Mesh:
@@ -73,9 +73,9 @@ def placement_mesh(cfg: Config, mesh: Mesh) -> Mesh:
     parallelism the FoE group x expert mesh over the same devices, else `mesh` itself."""
     check_mesh(cfg, mesh)
     if is_foe_parallel(cfg, mesh):
-        mesh = foe_mesh_from(mesh, cfg.moe.num_groups)  # unchanged when it already is one
-    if GROUP_AXIS in mesh.shape and cfg.moe.num_groups < 2:
-        raise ConfigError("a FoE mesh (with a 'group' axis) needs moe.num_groups > 1; "
+        mesh = foe_mesh_from(mesh, cfg.runtime.num_groups)  # unchanged when it already is one
+    if GROUP_AXIS in mesh.shape and cfg.runtime.num_groups < 2:
+        raise ConfigError("a FoE mesh (with a 'group' axis) needs runtime.num_groups > 1; "
                           "build the mesh with parallel.build.model_mesh(cfg)")
     return mesh
 
@@ -88,7 +88,7 @@ def state_shardings_on(state, mesh: Mesh):
 
 def config_on(cfg: Config, mesh: Mesh) -> Config:
     """Install cfg.kernels (kernels.install: the CPU kernel backends of the model's seam, kernels/ops.py,
-    or none) and return cfg with moe.gmm=auto and model.attention_impl=auto resolved for the mesh's
+    or none) and return cfg with runtime.gmm=auto and runtime.attention_impl=auto resolved for the mesh's
     platform: a GPU program compiled from a CPU process (deviceless analysis) runs the GPU expert
     backend and attention core, as a GPU run would (the CPU kernels cannot run there). Attention runs
     in the program partitioned over the whole mesh (so on several CPU devices `auto` is the naive
@@ -97,15 +97,15 @@ def config_on(cfg: Config, mesh: Mesh) -> Config:
     it is the one place the kernels are enabled."""
     kernels.install(cfg.kernels)
     platform = mesh_platform(mesh)
-    if cfg.moe.gmm == "auto":
-        cfg = replace(cfg, **{"moe.gmm": resolve_backend("auto", platform)})
-    if cfg.model.attention_impl == "auto":
-        cfg = replace(cfg, **{"model.attention_impl": resolve_attention_impl("auto", platform, mesh.size)})
+    if cfg.runtime.gmm == "auto":
+        cfg = replace(cfg, **{"runtime.gmm": resolve_backend("auto", platform)})
+    if cfg.runtime.attention_impl == "auto":
+        cfg = replace(cfg, **{"runtime.attention_impl": resolve_attention_impl("auto", platform, mesh.size)})
     return cfg
 
 
 def create_model(cfg: Config, mesh: Optional[Mesh] = None, seed: int = 0) -> Transformer:
-    """A `Transformer` with sharded parameters and the routed-expert backend of cfg.moe.dispatch.
+    """A `Transformer` with sharded parameters and the routed-expert backend of cfg.runtime.dispatch.
 
     mesh: default `model_mesh(cfg)` over all devices. FoE with expert parallelism: built on the FoE
     mesh (from this mesh's devices when a plain mesh is given)."""
@@ -124,9 +124,9 @@ def create_model(cfg: Config, mesh: Optional[Mesh] = None, seed: int = 0) -> Tra
 
 def create_foe_model(cfg: Config, mesh: Optional[Mesh] = None, seed: int = 0) -> Transformer:
     """A FoE `Transformer` with parameters placed on the FoE mesh (values depend only on seed)."""
-    if cfg.moe.num_groups < 2:
-        raise ConfigError("create_foe_model needs moe.num_groups >= 2; use parallel.create_model for num_groups=1")
-    mesh = make_foe_mesh(cfg.mesh, cfg.moe.num_groups) if mesh is None else mesh
+    if cfg.runtime.num_groups < 2:
+        raise ConfigError("create_foe_model needs runtime.num_groups >= 2; use parallel.create_model for num_groups=1")
+    mesh = make_foe_mesh(cfg.mesh, cfg.runtime.num_groups) if mesh is None else mesh
     if GROUP_AXIS not in mesh.shape:
         raise ConfigError("create_foe_model needs a mesh from make_foe_mesh (with a 'group' axis)")
     return create_model(cfg, mesh, seed=seed)

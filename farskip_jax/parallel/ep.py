@@ -2,7 +2,7 @@
 
 Every backend has the signature of `local_routed_compute` (model/experts.py):
 
-    backend(x [b, s, d], route: RouteResult, experts: ExpertWeights, cfg: MoEConfig) -> RoutedOutput
+    backend(x [b, s, d], route: RouteResult, experts: ExpertWeights, cfg: RuntimeConfig) -> RoutedOutput
 
 The b*s tokens are split over data x fsdp x expert (every token-parallel shard takes part); the E
 experts over `expert` (ep = mesh.shape["expert"], E_l = E / ep per device; global expert e lives
@@ -23,7 +23,7 @@ Backends:
   sends an expert at most one row per token). Assignments past C are dropped: their output is 0
   (the token passes through the residual) and they are counted in `dropped` (summed over shards).
   Buffers move E/k times the useful bytes when dropless; ~capacity_factor times with capacity.
-- `HierarchicalCompute` (`moe.dispatch=hierarchical`): the all_to_all backend's buffers and drops,
+- `HierarchicalCompute` (`runtime.dispatch=hierarchical`): the all_to_all backend's buffers and drops,
   node-deduplicated as DeepEP does: the expert axis is viewed as nodes x GPUs per node, a token
   crosses to each destination node once (an all-to-all among the same-local-rank GPUs of the
   nodes, `axis_index_groups`), and an intra-node all-to-all forwards it to its experts' GPUs; the
@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from farskip_jax.config import MoEConfig
+from farskip_jax.config import RuntimeConfig
 from farskip_jax.errors import BackendError, ConfigError
 from farskip_jax.model.experts import (ExpertWeights, RoutedOutput, capacity, expert_swiglu,
                                        local_routed_compute, sort_by_expert)
@@ -102,7 +102,7 @@ class LocalCompute:
 
     mesh: Mesh
 
-    def __call__(self, x, route: RouteResult, experts: ExpertWeights, cfg: MoEConfig) -> RoutedOutput:
+    def __call__(self, x, route: RouteResult, experts: ExpertWeights, cfg: RuntimeConfig) -> RoutedOutput:
         def body(xt, idx, w, wg, wu, wd):
             r = RouteResult(indices=idx[None], weights=w[None], aux_loss=None, z_loss=None, load=None)
             out = local_routed_compute(xt[None], r, ExpertWeights(wg, wu, wd), cfg)
@@ -123,7 +123,7 @@ def a2a_capacity(tokens_local: int, k: int, num_experts: int, capacity_factor: O
     return min(tokens_local, capacity(tokens_local * k, num_experts, capacity_factor))
 
 
-def packed_expert_compute(recv, counts, experts: ExpertWeights, cfg: MoEConfig, cap: int):
+def packed_expert_compute(recv, counts, experts: ExpertWeights, cfg: RuntimeConfig, cap: int):
     """Expert outputs of the fixed-capacity receive buffer, in its layout.
 
     recv: [n_src, E_l * cap, d], slot (s, e, c) = row c of local expert e from source s (filled
@@ -173,7 +173,7 @@ class AllToAllCompute:
     chunks: int = 1
     dispatch_dtype: Optional[str] = None
 
-    def __call__(self, x, route: RouteResult, experts: ExpertWeights, cfg: MoEConfig) -> RoutedOutput:
+    def __call__(self, x, route: RouteResult, experts: ExpertWeights, cfg: RuntimeConfig) -> RoutedOutput:
         ep = self.mesh.shape[EXPERT_AXIS]
         num_e = experts.w_gate.shape[0]
         if num_e % ep:
@@ -240,11 +240,11 @@ class NodeLayout:
 
 def expert_node_layout(mesh: Mesh, gpus_per_node: Optional[int] = None) -> NodeLayout:
     """How the `expert` axis of `mesh` spans nodes. A device's node is `device.id // gpus_per_node`
-    when gpus_per_node is given (moe.gpus_per_node), else its `process_index` (one process per host).
+    when gpus_per_node is given (runtime.gpus_per_node), else its `process_index` (one process per host).
     Every expert group (the expert axis at fixed data/fsdp/tensor indices) must be `nodes` blocks of
     `per_node` consecutive ranks, one block per node, the same for every group."""
     if gpus_per_node is not None and gpus_per_node < 1:
-        raise ConfigError(f"moe.gpus_per_node={gpus_per_node} must be >= 1")
+        raise ConfigError(f"runtime.gpus_per_node={gpus_per_node} must be >= 1")
     axis = mesh.axis_names.index(EXPERT_AXIS)
     devs = np.moveaxis(np.arange(mesh.devices.size).reshape(mesh.devices.shape), axis, -1)
     flat = list(mesh.devices.flat)
@@ -260,13 +260,13 @@ def expert_node_layout(mesh: Mesh, gpus_per_node: Optional[int] = None) -> NodeL
         per = ep // len(blocks)
         if len(set(blocks)) != len(blocks) or ep % len(blocks) or nodes != [b for b in blocks for _ in range(per)]:
             raise ConfigError(
-                f"moe.dispatch=hierarchical needs every expert group to be equal blocks of consecutive "
+                f"runtime.dispatch=hierarchical needs every expert group to be equal blocks of consecutive "
                 f"ranks on distinct nodes; the expert axis ({ep}) lies on nodes {nodes} "
-                f"(moe.gpus_per_node={gpus_per_node}); make mesh.expert a multiple of the GPUs per node "
+                f"(runtime.gpus_per_node={gpus_per_node}); make mesh.expert a multiple of the GPUs per node "
                 f"(or a divisor of them) with `expert` the innermost axis above `tensor`")
         layouts.add((len(blocks), per))
     if len(layouts) != 1:
-        raise ConfigError(f"moe.dispatch=hierarchical: the expert groups of the mesh span nodes differently {layouts}")
+        raise ConfigError(f"runtime.dispatch=hierarchical: the expert groups of the mesh span nodes differently {layouts}")
     return NodeLayout(*layouts.pop())
 
 
@@ -309,7 +309,7 @@ class HierarchicalCompute:
     def layout(self) -> NodeLayout:
         return expert_node_layout(self.mesh, self.gpus_per_node)
 
-    def __call__(self, x, route: RouteResult, experts: ExpertWeights, cfg: MoEConfig) -> RoutedOutput:
+    def __call__(self, x, route: RouteResult, experts: ExpertWeights, cfg: RuntimeConfig) -> RoutedOutput:
         ep = self.mesh.shape[EXPERT_AXIS]
         num_e = experts.w_gate.shape[0]
         if num_e % ep:
@@ -398,8 +398,8 @@ class HierarchicalCompute:
 # --------------------------------------------------------------------------------------------------
 
 RAGGED_ON_CPU = (
-    "moe.dispatch=ragged uses jax.lax.ragged_all_to_all, which XLA:CPU cannot compile; on CPU use "
-    "moe.dispatch=all_to_all (fixed-capacity buffers, same results when nothing drops)"
+    "runtime.dispatch=ragged uses jax.lax.ragged_all_to_all, which XLA:CPU cannot compile; on CPU use "
+    "runtime.dispatch=all_to_all (fixed-capacity buffers, same results when nothing drops)"
 )
 
 
@@ -458,9 +458,9 @@ class RaggedCompute:
         if self.exchange is None and mesh_platform(self.mesh) == "cpu":
             raise BackendError(RAGGED_ON_CPU)
 
-    def __call__(self, x, route: RouteResult, experts: ExpertWeights, cfg: MoEConfig) -> RoutedOutput:
+    def __call__(self, x, route: RouteResult, experts: ExpertWeights, cfg: RuntimeConfig) -> RoutedOutput:
         if cfg.capacity_factor is not None:
-            raise ConfigError("moe.dispatch=ragged is dropless; set moe.capacity_factor=null or use all_to_all")
+            raise ConfigError("runtime.dispatch=ragged is dropless; set runtime.capacity_factor=null or use all_to_all")
         ep = self.mesh.shape[EXPERT_AXIS]
         num_e = experts.w_gate.shape[0]
         a2a = self.exchange or jax.lax.ragged_all_to_all
@@ -501,12 +501,12 @@ class RaggedCompute:
 
 
 def routed_compute_for(dispatch: str, mesh: Optional[Mesh], gpus_per_node: Optional[int] = None):
-    """The RoutedComputeFn for `moe.dispatch` on `mesh` (None or 1 device: the plain local path).
-    gpus_per_node: moe.gpus_per_node, how `hierarchical` finds the nodes (None: process_index)."""
+    """The RoutedComputeFn for `runtime.dispatch` on `mesh` (None or 1 device: the plain local path).
+    gpus_per_node: runtime.gpus_per_node, how `hierarchical` finds the nodes (None: process_index)."""
     if dispatch == "local":
         return local_routed_compute if mesh is None or mesh.size == 1 else LocalCompute(mesh)
     if mesh is None:
-        raise ConfigError(f"moe.dispatch={dispatch} needs a device mesh (parallel.make_mesh)")
+        raise ConfigError(f"runtime.dispatch={dispatch} needs a device mesh (parallel.make_mesh)")
     if dispatch == "all_to_all":
         return AllToAllCompute(mesh)
     if dispatch == "ragged":
@@ -515,4 +515,4 @@ def routed_compute_for(dispatch: str, mesh: Optional[Mesh], gpus_per_node: Optio
         rc = HierarchicalCompute(mesh, gpus_per_node)
         rc.layout()  # fail early on a mesh whose expert axis does not split into nodes
         return rc
-    raise ConfigError(f"moe.dispatch={dispatch!r} is unknown; choose local, all_to_all, hierarchical or ragged")
+    raise ConfigError(f"runtime.dispatch={dispatch!r} is unknown; choose local, all_to_all, hierarchical or ragged")

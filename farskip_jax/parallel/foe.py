@@ -1,7 +1,7 @@
 """Expert parallelism for Federation of Experts (model/foe.py): each group's all-to-all stays on the
 group's own devices; the cross-group sum is an explicit collective.
 
-    mesh  = make_foe_mesh(cfg.mesh, cfg.moe.num_groups)       # axes data, fsdp, group, expert, tensor
+    mesh  = make_foe_mesh(cfg.mesh, cfg.runtime.num_groups)       # axes data, fsdp, group, expert, tensor
     model = create_foe_model(cfg, mesh, seed=0)       # parallel/build.py
     out   = nnx.jit(lambda m, t: m(t).logits)(model, shard_batch(tokens, mesh))
 
@@ -16,7 +16,7 @@ its own experts). With H >= ep every device holds whole groups and no all-to-all
 `FoECompute` (the model's routed-compute backend):
   group_routed(x, route, experts, cfg, H) -> ([H, b, s, d], dropped)
       jax.shard_map manual over `group` only; inside, each device group runs the ordinary
-      expert-parallel exchange of `cfg.moe.dispatch` (parallel/ep.py: all_to_all or ragged) on its
+      expert-parallel exchange of `cfg.runtime.dispatch` (parallel/ep.py: all_to_all or ragged) on its
       own H/G_m groups' "virtual tokens" (as model/foe.SingleDeviceFoE) with the group's expert ids, over
       the `expert` axis of this mesh = the devices of its group only.
   group_sum(v [H, ...]) -> [...]
@@ -24,11 +24,11 @@ its own experts). With H >= ep every device holds whole groups and no all-to-all
   constrain_groups(v [H, b, s, d])
       places group h's stream on its device group (attention of group h runs there).
 
-Token-sharded layout (moe.foe_tokens=sharded, TokenLayout): between the groups'
+Token-sharded layout (runtime.foe_tokens=sharded, TokenLayout): between the groups'
 sub-blocks tokens are split over `group` as well (SHARD_AXES); the sums are `group_scatter`
 (reduce-scatter), a group's inputs `gather_groups` (all-gather into a copy per device group), so the
 dense parts run once per token. `foe_mesh_from(..., placement="strided")`: group g = ranks r % G_m.
-Payloads (moe.foe_sum_dtype): `reduce_scatter_as` / `all_gather_as` cast to float32 / bfloat16, or
+Payloads (runtime.foe_sum_dtype): `reduce_scatter_as` / `all_gather_as` cast to float32 / bfloat16, or
 send per-token scaled fp8 (`fp8_reduce_scatter`: an all-to-all of uint8 [.., d + 4] shards and a
 local fp32 sum; `fp8_all_gather`; each the other's backward).
 
@@ -65,7 +65,7 @@ GROUP_AXIS = "group"
 FOE_MESH_AXES = ("data", "fsdp", GROUP_AXIS, "expert", "tensor")
 FOE_RULES = {**RULES, "expert": (GROUP_AXIS, "expert")}
 FOE_EXPERT_RULES = {**FOE_RULES, "mlp": None}
-# token-sharded FoE layout (moe.foe_tokens=sharded): tokens over the batch axes AND the device groups
+# token-sharded FoE layout (runtime.foe_tokens=sharded): tokens over the batch axes AND the device groups
 SHARD_AXES = (*BATCH_AXES, GROUP_AXIS)
 
 
@@ -74,7 +74,7 @@ FP8 = "float8_e4m3fn"
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
-# ---- payloads of the cross-group sums / gathers (moe.foe_sum_dtype) --------------------------------
+# ---- payloads of the cross-group sums / gathers (runtime.foe_sum_dtype) --------------------------------
 # "auto": the values' own dtype; "float32" / "bfloat16": cast before the collective, back after (the
 # backward collective then carries the same dtype); FP8: per-row (per token) scaled float8_e4m3fn,
 # values and fp32 scale packed into one uint8 buffer [..., d + 4] (one collective, not two). An fp8
@@ -153,7 +153,7 @@ def foe_mesh_from(mesh: Mesh, num_groups: int, placement: str = "contiguous") ->
     ep = mesh.shape["expert"]
     gm = min(num_groups, ep)
     if ep % gm or num_groups % gm:
-        raise ConfigError(f"moe.num_groups={num_groups} and mesh.expert={ep} must divide one another "
+        raise ConfigError(f"runtime.num_groups={num_groups} and mesh.expert={ep} must divide one another "
                           f"(e.g. mesh.expert={num_groups} or a multiple of it)")
     order = foe_device_order(mesh.devices.shape, gm, placement)
     devs = mesh.devices.reshape(-1)[order.reshape(-1)].reshape(order.shape)
@@ -207,13 +207,13 @@ def _on_context_mesh(backend):
 
 
 class TokenLayout(GroupValues):
-    """Where the [b, s, d] values between the groups' sub-blocks live (moe.foe_tokens) on a FoE mesh.
+    """Where the [b, s, d] values between the groups' sub-blocks live (runtime.foe_tokens) on a FoE mesh.
 
     replicated (the paper's layout): on every device group; the cross-group sum is an all-reduce, the
     dense parts (dense MLP, shared expert, final norm, LM head) run once per device group. sharded:
     split over the device groups too; a cross-group sum is a reduce-scatter, the dense parts run on
     each device's own tokens, and the groups' inputs are all-gathered per device group. The values
-    are the same in both (only where they live differs). sum_dtype (moe.foe_sum_dtype): payload of
+    are the same in both (only where they live differs). sum_dtype (runtime.foe_sum_dtype): payload of
     the cross-group collectives."""
 
     def __init__(self, backend: "FoECompute", sharded: bool, sum_dtype: str = "auto"):
@@ -271,7 +271,7 @@ class FoECompute(FoEBackend):
         routing (choices group-major, global expert ids) -> ([H, b, s, d], dropped)."""
         gm, hg = self.device_groups, num_groups
         if hg % gm:
-            raise ConfigError(f"moe.num_groups={hg} is not a multiple of the mesh's group axis ({gm})")
+            raise ConfigError(f"runtime.num_groups={hg} is not a multiple of the mesh's group axis ({gm})")
         hpm = hg // gm  # FoE groups per device group
         b, s, d = x.shape[-3:]
         kg = route.indices.shape[-1] // hg
@@ -302,7 +302,7 @@ class FoECompute(FoEBackend):
         """[H, ...] -> [...]: local sum of a device group's groups, then psum over `group` (payload
         `dtype`: auto, float32 or bfloat16; fp8 needs the token-sharded layout)."""
         if dtype == FP8:
-            raise ConfigError("moe.foe_sum_dtype=float8_e4m3fn needs moe.foe_tokens=sharded")
+            raise ConfigError("runtime.foe_sum_dtype=float8_e4m3fn needs runtime.foe_tokens=sharded")
         gm = self.device_groups
         vv = v.reshape(gm, v.shape[0] // gm, *v.shape[1:])
         pd = v.dtype if dtype == "auto" else jnp.dtype(dtype)
@@ -314,16 +314,16 @@ class FoECompute(FoEBackend):
                            out_specs=P(), axis_names={GROUP_AXIS}, check_vma=False)
         return fn(vv)
 
-    # ---- token-sharded layout (moe.foe_tokens=sharded, TokenLayout): [b, ...] values between the
+    # ---- token-sharded layout (runtime.foe_tokens=sharded, TokenLayout): [b, ...] values between the
     # groups' sub-blocks are split over the batch axes x `group` (SHARD_AXES), so the dense parts run
     # once; a group-replicated view is gathered where a group's attention or experts read it.
 
     def _check_shardable(self, b: int) -> None:
         n = self.mesh.size // self.mesh.shape["tensor"]
         if b % n:
-            raise ConfigError(f"moe.foe_tokens=sharded splits the batch ({b} rows) over data x fsdp x expert x "
+            raise ConfigError(f"runtime.foe_tokens=sharded splits the batch ({b} rows) over data x fsdp x expert x "
                               f"group = {n} devices; make the batch a multiple of {n} or use "
-                              f"moe.foe_tokens=replicated")
+                              f"runtime.foe_tokens=replicated")
 
     def group_scatter(self, v: jax.Array, dtype: str = "auto") -> jax.Array:
         """[H, b, ...] -> [b, ...] token-sharded (SHARD_AXES): the cross-group sum as a reduce-scatter

@@ -9,7 +9,7 @@ each name to mesh axes:
                                         all-gathers them where they are used. No-op when fsdp = 1.
     vocab, heads, kv_heads, mlp -> tensor   Megatron-style tensor parallelism of the dense part
     head_dim, None -> replicated
-    layers    -> replicated             the leading axis of stacked layer parameters (model.scan_layers,
+    layers    -> replicated             the leading axis of stacked layer parameters (runtime.scan_layers,
                                         model/stacking.py): every other dim shards as in one layer, so
                                         a scan step slices its layer without any collective
 

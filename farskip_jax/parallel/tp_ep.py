@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-from farskip_jax.config import MoEConfig, ModelConfig
+from farskip_jax.config import ModelConfig, RuntimeConfig
 from farskip_jax.errors import ConfigError
 from farskip_jax.model.attention import LayerCache
 from farskip_jax.model.experts import ExpertWeights, RoutedOutput, expert_swiglu
@@ -90,7 +90,7 @@ class ReplicatedEPCompute:
     mesh: Mesh
     reduce: bool = True
 
-    def __call__(self, x, route: RouteResult, experts: ExpertWeights, cfg: MoEConfig) -> RoutedOutput:
+    def __call__(self, x, route: RouteResult, experts: ExpertWeights, cfg: RuntimeConfig) -> RoutedOutput:
         b, s, d = x.shape
         k = route.indices.shape[-1]
         num_e = experts.w_gate.shape[0]
@@ -141,8 +141,8 @@ def local_model_config(m: ModelConfig, tp: int) -> ModelConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def _local_graphdef(cls, m: ModelConfig, layer_idx: int):
-    return nnx.split(nnx.eval_shape(lambda: cls(m, rngs=nnx.Rngs(0), layer_idx=layer_idx)))[0]
+def _local_graphdef(cls, m: ModelConfig, runtime: RuntimeConfig, layer_idx: int):
+    return nnx.split(nnx.eval_shape(lambda: cls(m, runtime, rngs=nnx.Rngs(0), layer_idx=layer_idx)))[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +170,7 @@ class TpEpLayer:
         """(local graphdef, state, in_specs of the state, fix(state, rank) -> local state)."""
         m, tp = attn.cfg, self.tp
         rep = kv_replicas(m, tp)
-        gd_local = _local_graphdef(type(attn), local_model_config(m, tp), attn.layer_idx)
+        gd_local = _local_graphdef(type(attn), local_model_config(m, tp), attn.runtime, attn.layer_idx)
         state = nnx.state(attn)
         hd = m.resolved_head_dim
 

@@ -1,7 +1,7 @@
 """The dp_ep serving layout (`inference.layout: dp_ep`, SGLang's large-scale expert parallelism): the
 model placed for it and the shardings of batches and KV caches. The layer (data-parallel attention,
 local shared experts) is parallel/dp_ep.py's; the MoE exchange is the training's (parallel/ep.py,
-`moe.dispatch`: all_to_all, hierarchical = node-deduplicated as DeepEP, ragged on GPUs).
+`runtime.dispatch`: all_to_all, hierarchical = node-deduplicated as DeepEP, ragged on GPUs).
 
     layout = DpEpLayout(mesh, dispatch="all_to_all")        # mesh = make_mesh(cfg.mesh): mesh.expert = EP
     model = dp_ep_model(cfg, mesh, st)                      # any state, placed for the layout
@@ -10,7 +10,7 @@ local shared experts) is parallel/dp_ep.py's; the MoE exchange is the training's
 Placement: routed experts over `expert` (E / EP per device), everything else whole on every device;
 batch rows and KV-cache rows over data x expert (each device its own requests; the rows of a batch
 must split evenly over the devices, per micro-batch under two-batch overlap). mesh.fsdp and
-mesh.tensor must be 1. Dropless (moe.capacity_factor null) generation equals the one-device model;
+mesh.tensor must be 1. Dropless (runtime.capacity_factor null) generation equals the one-device model;
 with a capacity factor the all-to-all buffers hold that many slots per (source, expert), as in
 training, and rows past them are dropped (the analysis programs use 1.0: analysis/dp_ep_report.py).
 """
@@ -39,17 +39,17 @@ def check_dp_ep(cfg: Config, mesh: Optional[Mesh] = None) -> None:
     if shape.get("fsdp", 1) != 1 or shape.get("tensor", 1) != 1:
         raise ConfigError("inference.layout=dp_ep runs attention data parallel and the experts over mesh.expert: "
                           f"set mesh.fsdp=1 mesh.tensor=1 (got {shape.get('fsdp')}, {shape.get('tensor')})")
-    if cfg.moe.num_groups > 1:
+    if cfg.runtime.num_groups > 1:
         raise ConfigError("inference.layout=dp_ep serves one expert pool; a Federation of Experts "
-                          f"(moe.num_groups={cfg.moe.num_groups}) runs with inference.layout=foe")
+                          f"(runtime.num_groups={cfg.runtime.num_groups}) runs with inference.layout=foe")
     if mesh is not None:
         check_mesh(cfg, mesh)
 
 
 @dataclasses.dataclass(frozen=True)
 class DpEpLayout:
-    """The dp_ep layout on `mesh` (module doc): the model's layer, its routed backend (moe.dispatch;
-    gpus_per_node: moe.gpus_per_node for `hierarchical`), compile options and shardings."""
+    """The dp_ep layout on `mesh` (module doc): the model's layer, its routed backend (runtime.dispatch;
+    gpus_per_node: runtime.gpus_per_node for `hierarchical`), compile options and shardings."""
 
     mesh: Mesh
     dispatch: str = "all_to_all"
@@ -72,7 +72,7 @@ class DpEpLayout:
         return self.batch_sharding(4)
 
     def stacked_cache_sharding(self) -> NamedSharding:
-        """Stacked entries [repeats, b, L, heads, dim] (model.scan_layers): rows as cache_sharding."""
+        """Stacked entries [repeats, b, L, heads, dim] (runtime.scan_layers): rows as cache_sharding."""
         return NamedSharding(self.mesh, P(None, BATCH_AXES, None, None, None))
 
     def cache_heads(self, m: ModelConfig, heads: int) -> int:
@@ -82,7 +82,7 @@ class DpEpLayout:
 def layout_of(cfg: Config, mesh: Mesh) -> DpEpLayout:
     """The DpEpLayout of cfg on `mesh` (checked)."""
     check_dp_ep(cfg, mesh)
-    return DpEpLayout(mesh, cfg.moe.dispatch, cfg.moe.gpus_per_node)
+    return DpEpLayout(mesh, cfg.runtime.dispatch, cfg.runtime.gpus_per_node)
 
 
 def _dp_ep_graph(cfg: Config, mesh: Mesh):

@@ -1,5 +1,5 @@
 """Federation of Experts at inference (`inference.layout: foe`, the FoE paper's serving setting):
-H = moe.num_groups groups over one node's GPUs, no all-to-all, one cross-group sum per layer.
+H = runtime.num_groups groups over one node's GPUs, no all-to-all, one cross-group sum per layer.
 
 Mesh: the FoE mesh of parallel/foe.py (data, fsdp, group, expert, tensor) built from cfg.mesh; with
 mesh.expert = H (the paper's setting: H = GPUs) every GPU holds one group:
@@ -18,8 +18,8 @@ mesh.expert = H (the paper's setting: H = GPUs) every GPU holds one group:
                 sum (`moe/group_sum`) are two all-reduces, neither read by the sub-block after it, so
                 XLA may run each under the next sub-block (model/foe.py has the dataflow)
 
-With one group per GPU the routed experts run locally (moe.dispatch=local: sort + grouped GEMM of the
-group's T * k / H rows); mesh.expert = n * H puts a group's experts on n GPUs (moe.dispatch=all_to_all:
+With one group per GPU the routed experts run locally (runtime.dispatch=local: sort + grouped GEMM of the
+group's T * k / H rows); mesh.expert = n * H puts a group's experts on n GPUs (runtime.dispatch=all_to_all:
 group-confined all-to-alls, parallel/foe.py).
 Programs of this layout compile with the all-reduce combiners off (`compiler_options`), as tp_ep's:
 XLA:CPU's combiner otherwise merges FarSkip's two independent sums of a layer back into one.
@@ -58,31 +58,31 @@ ROWS = (GROUP_AXIS, *BATCH_AXES)  # cache rows h*b + j: group-major, then the ba
 
 def check_foe_inference(cfg: Config, mesh: Optional[Mesh] = None) -> int:
     """ConfigError unless cfg can run inference.layout=foe (on `mesh`); returns H."""
-    h = cfg.moe.num_groups
+    h = cfg.runtime.num_groups
     if h < 2 or not cfg.moe.num_experts:
-        raise ConfigError(f"inference.layout=foe needs a Federation of Experts: moe.num_groups >= 2 and routed "
+        raise ConfigError(f"inference.layout=foe needs a Federation of Experts: runtime.num_groups >= 2 and routed "
                           f"experts (got num_groups={h}, num_experts={cfg.moe.num_experts})")
     check_foe(cfg)
     ep = cfg.mesh.expert if mesh is None else mesh.shape.get("expert", 1) * mesh.shape.get(GROUP_AXIS, 1)
     if ep % h:
         raise ConfigError(f"inference.layout=foe puts the {h} groups on the mesh.expert={ep} devices; "
-                          f"set mesh.expert to a multiple of moe.num_groups={h} (the paper: mesh.expert = GPUs = H)")
-    if cfg.moe.dispatch == "local" and ep != h:
-        raise ConfigError(f"moe.dispatch=local under inference.layout=foe needs one group per device (mesh.expert = "
-                          f"moe.num_groups = {h}, got mesh.expert={ep}); with several devices per group set "
-                          "moe.dispatch=all_to_all")
+                          f"set mesh.expert to a multiple of runtime.num_groups={h} (the paper: mesh.expert = GPUs = H)")
+    if cfg.runtime.dispatch == "local" and ep != h:
+        raise ConfigError(f"runtime.dispatch=local under inference.layout=foe needs one group per device (mesh.expert = "
+                          f"runtime.num_groups = {h}, got mesh.expert={ep}); with several devices per group set "
+                          "runtime.dispatch=all_to_all")
     if cfg.mesh.tensor != 1 or cfg.mesh.fsdp != 1:
         raise ConfigError("inference.layout=foe splits heads and experts by group, not by tensor or fsdp: "
                           f"set mesh.tensor=1 mesh.fsdp=1 (got {cfg.mesh.tensor}, {cfg.mesh.fsdp})")
-    if cfg.moe.foe_tokens != "replicated":
-        raise ConfigError("inference.layout=foe replicates each token over the groups; set moe.foe_tokens=replicated")
+    if cfg.runtime.foe_tokens != "replicated":
+        raise ConfigError("inference.layout=foe replicates each token over the groups; set runtime.foe_tokens=replicated")
     return h
 
 
 def foe_inference_mesh(cfg: Config, devices=None) -> Mesh:
     """The FoE mesh of cfg.mesh over `devices` (default all)."""
     check_foe_inference(cfg)
-    return foe_mesh_from(make_mesh(cfg.mesh, devices), cfg.moe.num_groups)
+    return foe_mesh_from(make_mesh(cfg.mesh, devices), cfg.runtime.num_groups)
 
 
 def serving_state_shardings(state, mesh: Mesh):
@@ -129,7 +129,7 @@ def _foe_graph(cfg: Config, mesh: Mesh):
         raise ConfigError("inference.layout=foe needs a FoE mesh (serving.foe.foe_inference_mesh)")
     check_foe_inference(cfg, mesh)
     cfg = config_on(cfg, mesh)
-    rc = FoECompute(mesh, cfg.moe.dispatch)
+    rc = FoECompute(mesh, cfg.runtime.dispatch)
     return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), routed_compute=rc)))
 
 

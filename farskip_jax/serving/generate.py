@@ -8,10 +8,10 @@ holds, per layer, k [batch, max_len, kv_heads, head_dim] and v [batch, max_len, 
 (MLA: the decompressed per-head keys/values, not the latent; simple and exact, not memory-lean).
 A decode step is the model's own forward (the one layer loop, model/layer_loop.py) with each layer's
 attention swapped for a cached one (the `attention` hook) and the cache as the loop's per-layer
-side state, so the streams are never written twice. Federation of Experts (moe.num_groups > 1) runs
+side state, so the streams are never written twice. Federation of Experts (runtime.num_groups > 1) runs
 its FoE step the same way, each group's heads reading the cache rows of its own representation.
 
-Stacked layers (`model.scan_layers`, docs/scan.md): the cache is stacked like the weights (per stack,
+Stacked layers (`runtime.scan_layers`, docs/scan.md): the cache is stacked like the weights (per stack,
 per block q, [repeats, ...]) and the decode step is a scan per stack and run of equal connectivity
 over layer INDICES: each iteration indexes its layer's weights and cache row inside the loop, the
 stacked cache is carried and written in place (XLA:GPU still copies a row into a buffer of its own
@@ -89,7 +89,7 @@ def pad_prompts(prompts, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
 def _entry_shapes(model, batch: int, max_len: int) -> list:
     """Per layer: (k, v) ShapeDtypeStructs of its cache entry [rows, max_len, heads, dim] on one device
     (FoE: rows = H*b, group h's heads of sequence j at row h*b + j)."""
-    d, hg = model.cfg.model.d_model, model.cfg.moe.num_groups
+    d, hg = model.cfg.model.d_model, model.cfg.runtime.num_groups
     x = jax.ShapeDtypeStruct((batch, 1, d) if hg == 1 else (hg, batch, 1, d), jnp.float32)
     pos = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
     out = []
@@ -108,15 +108,15 @@ def stacked_cache_shapes(cfg, entry_shapes) -> tuple:
 
 def init_cache(model, batch: int, max_len: int, layout=None) -> tuple:
     """Zero KV cache in the dtype the attention produces. Unstacked model: per layer (k [b, max_len, kv, d],
-    v [b, max_len, kv, dv]). Stacked layers (model.scan_layers): per stack, per block q, (k, v)
+    v [b, max_len, kv, dv]). Stacked layers (runtime.scan_layers): per stack, per block q, (k, v)
     [repeats, b, max_len, heads, dim]. Federation of Experts: rows H*b, heads kv/H. On a `layout`
     (serving/tp_ep.TpEpLayout): heads split over `tensor` (replicated kv heads: one per rank),
-    rows over `data`, created in place on the mesh. model.micro_batches m > 1 (two-batch overlap): a
+    rows over `data`, created in place on the mesh. runtime.micro_batches m > 1 (two-batch overlap): a
     tuple of m such caches of batch / m rows each (micro-batch j = rows j, j + m, ...)."""
-    m = model.cfg.model.micro_batches
+    m = model.cfg.runtime.micro_batches
     if m > 1:
         if batch % m:
-            raise ConfigError(f"model.micro_batches={m} needs a batch that is a multiple of {m}, got {batch} rows")
+            raise ConfigError(f"runtime.micro_batches={m} needs a batch that is a multiple of {m}, got {batch} rows")
         return tuple(_init_cache(model, batch // m, max_len, layout) for _ in range(m))
     return _init_cache(model, batch, max_len, layout)
 
@@ -158,7 +158,7 @@ def decode_step(model, tokens: jax.Array, start: jax.Array, cache: tuple, farski
     scan (stacked layers): scans over layer indices (default) or False: unrolled per-layer views."""
     b, t = tokens.shape
     pad = jnp.zeros((b,), jnp.int32) if pad is None else pad.astype(jnp.int32)
-    m = model.cfg.model.micro_batches
+    m = model.cfg.runtime.micro_batches
     caches = list(cache) if m > 1 else [cache]  # one per micro-batch
     max_len = (caches[0][0][0][0] if model.scanned else caches[0][0][0]).shape[-3]
     positions, k_pos = slot_positions(start, t, max_len, pad)
@@ -190,7 +190,7 @@ def check_rows(rows: int, layout, micro_batches: int = 1) -> None:
     spec = layout.batch_sharding(1).spec[0]
     n = math.prod(layout.mesh.shape[a] for a in (spec if isinstance(spec, tuple) else (spec,)) if a)
     if rows % (n * micro_batches):
-        each = f" in each of model.micro_batches={micro_batches}" if micro_batches > 1 else ""
+        each = f" in each of runtime.micro_batches={micro_batches}" if micro_batches > 1 else ""
         raise ConfigError(f"the layout splits a batch's rows over {n} devices{each}, but there are {rows} requests; "
                           f"give a multiple of {n * micro_batches} prompts")
 
@@ -233,7 +233,7 @@ def generate(model, prompt, max_new_tokens: int, *, farskip: Optional[FarSkipCon
     prompt_np, pad_np = pad_prompts(prompt, pad_id)
     b, p = prompt_np.shape
     if layout is not None:
-        check_rows(b, layout, model.cfg.model.micro_batches)
+        check_rows(b, layout, model.cfg.runtime.micro_batches)
     graphdef, state = nnx.split(model)
     fn = decode_fn or make_decode_fn(graphdef, fs, layout)
     put = (lambda x: jnp.asarray(x)) if layout is None else (lambda x: jax.device_put(x, layout.batch_sharding(x.ndim)))

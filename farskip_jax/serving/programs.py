@@ -15,8 +15,8 @@ layout (serving/tp_ep.py), the dp_ep layout (serving/dp_ep.py: data-parallel att
 all-to-alls), or with inference.layout=foe on the Federation-of-Experts layout
 (serving/foe.py: one group per GPU, cache rows by group): state, tokens [b, t], start [], cache, pad [b] as ShapeDtypeStructs
 with their shardings, so nothing is materialised and a CPU host can compile them for 8 GPUs. Under
-model.scan_layers the programs are the scanned decode of serving/generate.py (the stacked cache:
-per stack, per block, [repeats, b, max_len, heads, dim]). model.micro_batches = m > 1 (two-batch
+runtime.scan_layers the programs are the scanned decode of serving/generate.py (the stacked cache:
+per stack, per block, [repeats, b, max_len, heads, dim]). runtime.micro_batches = m > 1 (two-batch
 overlap): the cache is a tuple of m such caches of batch / m rows (serving/generate.init_cache).
 """
 
@@ -41,7 +41,7 @@ from farskip_jax.serving.tp_ep import abstract_inference_model, inference_model,
 
 def restore_mesh(devices=None) -> Mesh:
     """The mesh a checkpoint is restored on before serving_model reshards it: every device a data
-    replica (parameters replicated), so any run's config restores whatever its moe.dispatch."""
+    replica (parameters replicated), so any run's config restores whatever its runtime.dispatch."""
     return make_mesh(MeshConfig(data=-1), devices)
 
 
@@ -61,7 +61,7 @@ def serving_layout(cfg: Config, mesh: Mesh):
     """The layout object of cfg.inference.layout on `mesh` (a plain mesh; foe: split into its FoE mesh)."""
     if cfg.inference.layout == "foe":
         check_foe_inference(cfg, mesh)
-        return FoELayout(foe_mesh_from(mesh, cfg.moe.num_groups))
+        return FoELayout(foe_mesh_from(mesh, cfg.runtime.num_groups))
     if cfg.inference.layout == "tp_ep":
         return layout_for(cfg, mesh)
     if cfg.inference.layout == "dp_ep":
@@ -87,10 +87,10 @@ def cache_entry_shapes(m: ModelConfig, batch: int, max_len: int, layout, groups:
 
 def _abstract_cache(cfg: Config, layout, rows: int, max_len: int):
     """The ShapeDtypeStructs of a KV cache of `rows` requests on the layout (serving/generate.init_cache)."""
-    dt = jnp.dtype(cfg.model.compute_dtype)
+    dt = jnp.dtype(cfg.runtime.compute_dtype)
     cs = layout.cache_sharding()
-    ks, vs = cache_entry_shapes(cfg.model, rows, max_len, layout, cfg.moe.num_groups)
-    if cfg.model.scan_layers:  # the stacked cache of serving/generate.py: per stack, per block, [repeats, ...]
+    ks, vs = cache_entry_shapes(cfg.model, rows, max_len, layout, cfg.runtime.num_groups)
+    if cfg.runtime.scan_layers:  # the stacked cache of serving/generate.py: per stack, per block, [repeats, ...]
         ss = layout.stacked_cache_sharding()
         return tuple(tuple(tuple(jax.ShapeDtypeStruct(x, dt, sharding=ss) for x in kv) for kv in stack)
                      for stack in stacked_cache_shapes(cfg, lambda layer: (ks, vs)))
@@ -102,9 +102,9 @@ def _program(cfg: Config, mesh: Mesh, batch: int, t: int, max_len: int, last_log
     layout = serving_layout(cfg, mesh)
     mesh = layout.mesh
     graphdef, state = ABSTRACT[cfg.inference.layout](cfg, mesh)
-    mb = cfg.model.micro_batches
+    mb = cfg.runtime.micro_batches
     if batch % mb:
-        raise ConfigError(f"model.micro_batches={mb} needs a batch that is a multiple of {mb}, got {batch} rows")
+        raise ConfigError(f"runtime.micro_batches={mb} needs a batch that is a multiple of {mb}, got {batch} rows")
     cache = _abstract_cache(cfg, layout, batch // mb, max_len)
     if mb > 1:  # two-batch overlap: one cache per micro-batch
         cache = (cache,) * mb

@@ -55,8 +55,8 @@ def check_tp_ep(cfg: Config, mesh: Mesh) -> None:
     if mesh.shape["fsdp"] != 1:
         raise ConfigError(f"inference.layout=tp_ep keeps whole weights per tensor rank; set mesh.fsdp=1 "
                           f"(got {mesh.shape['fsdp']}) and put the devices on mesh.tensor")
-    if e.num_groups > 1:
-        raise ConfigError("inference.layout=tp_ep does not run a Federation of Experts (moe.num_groups > 1); "
+    if cfg.runtime.num_groups > 1:
+        raise ConfigError("inference.layout=tp_ep does not run a Federation of Experts (runtime.num_groups > 1); "
                           "use inference.layout=foe (one group per GPU) or training")
     if m.num_heads % tp:
         raise ConfigError(f"inference.layout=tp_ep splits the model.num_heads={m.num_heads} attention heads over "
@@ -71,8 +71,8 @@ def check_tp_ep(cfg: Config, mesh: Mesh) -> None:
         if e.num_experts % ep:
             raise ConfigError(f"inference.layout=tp_ep splits moe.num_experts={e.num_experts} over mesh.expert x "
                               f"mesh.tensor = {ep} devices; pick sizes whose product divides the experts")
-        if e.capacity_factor is not None:
-            raise ConfigError("inference.layout=tp_ep is dropless; set moe.capacity_factor=null")
+        if cfg.runtime.capacity_factor is not None:
+            raise ConfigError("inference.layout=tp_ep is dropless; set runtime.capacity_factor=null")
         if cfg.inference.shared_experts == "tensor" and e.num_shared_experts:
             check_shared_split(e.resolved_shared_hidden, tp)
 
@@ -145,7 +145,7 @@ class TpEpLayout:
         return NamedSharding(self.mesh, P(DATA_AXIS, None, TP_AXIS, None))
 
     def stacked_cache_sharding(self) -> NamedSharding:
-        """Stacked KV cache entries [repeats, b, L, heads, dim] (model.scan_layers): the layer axis
+        """Stacked KV cache entries [repeats, b, L, heads, dim] (runtime.scan_layers): the layer axis
         unsharded, the rest as cache_sharding."""
         return NamedSharding(self.mesh, P(None, DATA_AXIS, None, TP_AXIS, None))
 

@@ -7,7 +7,7 @@ attention, the MoE by expert-parallel all-to-alls), DeepSeek-V3 shapes on H100 n
 Points (SGLang's LMSYS large-scale EP write-up, 2025-05-05): prefill at EP 16 and EP 32 with 2 prompts
 of 4096 tokens per GPU (8192 tokens per GPU: the most its no-TBO run fits); decode at EP 72 (288
 experts: 256 + 32 redundant, EPLB's pool) with 32 / 64 / 128 / 256 requests per GPU, one token each
-against a 2000-token context. Variants: standard, standard + TBO (model.micro_batches=2), FarSkip,
+against a 2000-token context. Variants: standard, standard + TBO (runtime.micro_batches=2), FarSkip,
 FarSkip + TBO. Each is the dsv3_6l config (configs/deepseek_v3_6l.yaml) compiled deviceless at two
 depths (2 and 3 layers: layer 0 dense, then one or two MoE layers) and extrapolated linearly to DeepSeek-V3's 61 layers
 (analysis/dp_ep_report.py has the programs and the timing). The baseline of every speedup is SGLang's

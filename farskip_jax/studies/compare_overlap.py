@@ -10,19 +10,19 @@ A setting is (model, EP size, per-GPU tokens list). For each per-GPU token shape
 sequences of s tokens per GPU; the global batch is b * EP) the train step (default) is compiled
 deviceless for EP GPUs (8 per node; EP 16 / 32 span 2 / 4 hosts as studies/multinode_scaling.py
 compiles them) with the cuda_hopper preset and the latency-hiding scheduler, layers scanned, the
-routed experts traced as a grouped GEMM's cost proxy where the config's moe.gmm resolves to ragged_dot
-(a config's moe.gmm=tiled runs its tiled walk), and re-timed by the two-stream cost model of
+routed experts traced as a grouped GEMM's cost proxy where the config's runtime.gmm resolves to ragged_dot
+(a config's runtime.gmm=tiled runs its tiled walk), and re-timed by the two-stream cost model of
 analysis/overlap.run_overlap (contention at the hardware's default unless --contention; attention
 priced as flash kernels; several nodes: analysis/topology.py). Rows (each variant one compile):
 
   standard             standard connectivity, as XLA's latency-hiding scheduler overlaps it
   standard no overlap  the standard program re-timed with every all-to-all synchronous (the
                        overlap report's no-overlap baseline; no compile)
-  standard + TBO       model.micro_batches=2: each layer's rows in two interleaved micro-batches whose
+  standard + TBO       runtime.micro_batches=2: each layer's rows in two interleaved micro-batches whose
                        sub-blocks do not depend on each other (model/layer_loop.py)
   farskip              FarSkip-Collective connectivity
   farskip + TBO        both
-  FoE / FoE + farskip  Federation of Experts with H = nodes groups (moe.num_groups), standard /
+  FoE / FoE + farskip  Federation of Experts with H = nodes groups (runtime.num_groups), standard /
                        FarSkip; "n/a: reason" where it does not compile for the setting (MLA
                        attention; one node, where H = 1 is the ordinary MoE)
 
@@ -102,20 +102,20 @@ def parse_tokens(text: str) -> list[tuple[int, int]]:
 
 
 def variant_config(variant: str, cfg, groups: int):
-    """The config `variant` compiles: farskip.preset, model.micro_batches (TBO) and, for FoE,
-    moe.num_groups = `groups`."""
+    """The config `variant` compiles: farskip.preset, runtime.micro_batches (TBO) and, for FoE,
+    runtime.num_groups = `groups`."""
 
     over = {"farskip.preset": "farskip" if "farskip" in variant else "standard",
-            "model.micro_batches": MICRO_BATCHES[variant]}
+            "runtime.micro_batches": MICRO_BATCHES[variant]}
     if variant.startswith("foe"):
-        over["moe.num_groups"] = groups
+        over["runtime.num_groups"] = groups
     return replace(cfg, **over)
 
 
 def not_applicable(variant: str, cfg, per_gpu_batch: int, nodes: int) -> Optional[str]:
     """Why `variant` cannot be compiled for this setting (None: it can)."""
     if MICRO_BATCHES[variant] > 1 and per_gpu_batch % MICRO_BATCHES[variant]:
-        return (f"n/a: {per_gpu_batch} sequence(s) per GPU; model.micro_batches splits each GPU's sequences, "
+        return (f"n/a: {per_gpu_batch} sequence(s) per GPU; runtime.micro_batches splits each GPU's sequences, "
                 f"so TBO needs a multiple of {MICRO_BATCHES[variant]}")
     if variant.startswith("foe"):
         if cfg.model.attention == "mla":
@@ -163,7 +163,7 @@ def compile_variant(cfg, variant: str, program: str, batch: int, seq: int, ep: i
     return {"modelled": figures(r.modelled), "no_overlap": figures(r.serial), "cost_model": cost_model_of(r),
             "spread": spread,
             "steady": figures(steady[0]), "steady_no_overlap": figures(steady[1]),
-            "micro_batches": c.model.micro_batches, "preset": c.farskip.preset, "num_groups": c.moe.num_groups,
+            "micro_batches": c.runtime.micro_batches, "preset": c.farskip.preset, "num_groups": c.runtime.num_groups,
             "layout": r.layout, "compile_s": r.compile_s, "num_layers": c.model.num_layers,
             "xla_step_time": r.report.step_time, "scheduler_peak_memory_gib": r.report.peak_memory / 2**30,
             "memory_gb": MEMORY_GB.get(hardware)}
@@ -293,7 +293,7 @@ def verdicts(rows: list[dict], share: float) -> list[str]:
     if over:
         out.append(f"MEMORY-LIMITED ({', '.join(over)}): XLA's scheduler peak memory exceeds the GPU's, so the "
                    "latency-hiding scheduler stops overlapping; these rows do not show what the hardware would run "
-                   "(use fewer tokens per GPU, or model.remat)")
+                   "(use fewer tokens per GPU, or runtime.remat)")
     fs, tbo, both = by.get("farskip"), by.get("standard_tbo"), by.get("farskip_tbo")
     ms = lambda r: r["step_ms"] if r else None  # noqa: E731
     out += tbo_verdicts(ms(fs), ms(tbo), ms(both), share, "communication {pct} of the no-overlap step")
@@ -424,9 +424,9 @@ def main(argv=None) -> int:
         if a.full_layers is not None and (layers is None or layers - 2 < 2 or a.full_layers <= layers):
             raise ConfigError(f"--full-layers {a.full_layers}: needs --layers L >= 4 (compiled at L - 2 and L) and a "
                               f"full depth above L; got --layers {layers}")
-        over = ["mesh.data=1", f"mesh.expert={a.ep}", "moe.dispatch=all_to_all", "moe.capacity_factor=1.0",
-                f"model.max_seq_len={max([4096] + [s for _, s in tokens])}", "model.remat=none",
-                "model.scan_layers=true"]
+        over = ["mesh.data=1", f"mesh.expert={a.ep}", "runtime.dispatch=all_to_all", "runtime.capacity_factor=1.0",
+                f"model.max_seq_len={max([4096] + [s for _, s in tokens])}", "runtime.remat=none",
+                "runtime.scan_layers=true"]
         over += [f"model.num_layers={layers}"] if layers else []
         cfg = load_config(model_config_path(a.model), over + MODEL_OVERRIDES.get(a.model, []) + a.overrides)
     except FarSkipError as e:

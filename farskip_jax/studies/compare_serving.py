@@ -19,7 +19,7 @@ hardware's contention). Layers unrolled (per-layer weights) in every row. Rows:
   standard             inference.layout=tp_ep (the paper's layout: TP attention = EP MoE over all GPUs,
                        tensor-parallel shared experts), standard connectivity, XLA's schedule
   standard, no overlap the same schedule with every all-reduce synchronous (vLLM / SGLang's standard)
-  standard + TBO       model.micro_batches=2: two micro-batches whose sub-blocks do not depend on each
+  standard + TBO       runtime.micro_batches=2: two micro-batches whose sub-blocks do not depend on each
                        other, one's compute under the other's all-reduces (SGLang's two-batch overlap)
   FarSkip, FarSkip + TBO
   FoE, FoE + FarSkip   inference.layout=foe: Federation of Experts with H = GPUs groups, one per GPU
@@ -126,7 +126,7 @@ def compile_point(base, model, gpus, program, batch, tokens, ctx, variant, cache
     prog = ir.compile_serving(cfg, mesh, program, batch, t, tokens if program == "prefill" else ctx)
     c = {"schedule": prog.schedule, "node_of": ir.node_of(mesh), "compile_s": time.time() - t0,
          "mesh": dict(mesh.shape), "layers": cfg.model.num_layers, "layout": cfg.inference.layout,
-         "micro_batches": cfg.model.micro_batches, "preset": cfg.farskip.preset, "num_groups": cfg.moe.num_groups,
+         "micro_batches": cfg.runtime.micro_batches, "preset": cfg.farskip.preset, "num_groups": cfg.runtime.num_groups,
          "scores": ir.score_elements(cfg, mesh, batch, tokens, tokens) if program == "prefill" else 0}
     cache.put(k, c)
     log(f"[serving] {k}: compiled in {c['compile_s']:.0f}s (mesh {c['mesh']})")

@@ -132,10 +132,10 @@ def shapes(smoke: bool) -> dict:
 
 def train_variants(sh: dict) -> dict:
     base = [f"model.num_layers={sh['layers']}", "model.first_k_dense=1", "mesh.expert=1", "mesh.data=1",
-            "moe.dispatch=local", "moe.capacity_factor=null", f"train.batch_size={sh['batch']}",
+            "runtime.dispatch=local", "runtime.capacity_factor=null", f"train.batch_size={sh['batch']}",
             f"train.seq_len={sh['seq']}"] + sh["model"]
     out = {"standard": base + ["farskip.preset=standard"], "farskip": base + ["farskip.preset=farskip"],
-           "foe": base + sh["foe"] + ["moe.num_groups=2", "farskip.preset=standard"]}
+           "foe": base + sh["foe"] + ["runtime.num_groups=2", "farskip.preset=standard"]}
     return {k: v for k, v in out.items() if k in sh.get("variants", out)}
 
 
@@ -166,7 +166,7 @@ def part_a(sh: dict, hw) -> dict:
         tps = b * s / (t["us"] * 1e-6)
         fpt = train_flops_per_token(cfg, s)
         rows[name] = dict(step_ms=t["us"] / 1e3, tokens_per_s=tps, mfu=fpt * tps / hw.peak_flops, compile_s=t["first_s"],
-                          flops_per_token=fpt, loss=float(run(batch)), gmm=cfg.moe.gmm, layers=cfg.model.num_layers,
+                          flops_per_token=fpt, loss=float(run(batch)), gmm=cfg.runtime.gmm, layers=cfg.model.num_layers,
                           batch=b, seq=s, attention=cfg.model.attention)
         del box, state, step
         jax.clear_caches()

@@ -27,15 +27,15 @@ from farskip_jax.analysis.overlap import run_overlap
 import numpy as np
 
 VARIANTS = {  # name -> overrides of configs/foe_tiny.yaml
-    "moe": ["moe.num_groups=1"],
-    "moe+farskip": ["moe.num_groups=1", "farskip.preset=farskip"],
+    "moe": ["runtime.num_groups=1"],
+    "moe+farskip": ["runtime.num_groups=1", "farskip.preset=farskip"],
     "foe": [],
     "foe+farskip": ["farskip.preset=farskip"],
 }
 OVERLAP_SHAPE = ["model.d_model=1024", "model.num_layers=4", "model.num_heads=16", "model.num_kv_heads=4",
                  "model.mlp_hidden=4096", "model.vocab_size=32768", "model.max_seq_len=2048",
-                 "model.compute_dtype=bfloat16", "moe.num_experts=16", "moe.top_k=4", "moe.expert_hidden=1024",
-                 "moe.dispatch=all_to_all", "moe.capacity_factor=1.0", "mesh.data=1", "mesh.expert=8",
+                 "runtime.compute_dtype=bfloat16", "moe.num_experts=16", "moe.top_k=4", "moe.expert_hidden=1024",
+                 "runtime.dispatch=all_to_all", "runtime.capacity_factor=1.0", "mesh.data=1", "mesh.expert=8",
                  "train.batch_size=8", "train.seq_len=2048"]
 
 

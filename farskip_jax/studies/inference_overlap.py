@@ -17,7 +17,7 @@ inside each node with EP over all GPUs (Llama-4-Scout's 40 heads on 16 GPUs).
 
 Depth: `auto` = DeepSeek-V2-Lite at full depth (27 layers), DeepSeek-V2 and Llama-4-Scout cut to
 2 and 4 layers and extrapolated linearly to 60 / 48 (inference_report.extrapolate; the cut is stated
-in every row). --scan-layers: the config's model.scan_layers (default; DeepSeek-V2-Lite and
+in every row). --scan-layers: the config's runtime.scan_layers (default; DeepSeek-V2-Lite and
 Llama-4-Scout scan), or forced: scanned programs (serving/generate.py) are read with their loops
 unrolled and priced as compiled and with their stacked-row copies free (analysis/loop_schedule.py,
 the `rows in place` column). Compiled schedules are cached (--cache): a re-run only re-times. Results:
@@ -80,7 +80,7 @@ def compile_point(base, model, gpus, gpn, program, batch, tokens, ctx, layers, p
 
     k = key(model, gpus, program, batch, tokens, ctx if program == "decode" else tokens,
             layers or base.model.num_layers, preset)  # = the results key
-    scan = base.model.scan_layers if scan_layers is None else scan_layers
+    scan = base.runtime.scan_layers if scan_layers is None else scan_layers
     cache, ckey = CompileCache(cache_dir), k + ("|scan" if scan else "")
     c = cache.get(ckey)
     if c is not None:
@@ -96,7 +96,7 @@ def compile_point(base, model, gpus, gpn, program, batch, tokens, ctx, layers, p
         prog = ir.compile_serving(cfg, mesh, program, batch, tokens if program == "prefill" else 1,
                                   tokens if program == "prefill" else ctx)
         c = {"schedule": prog.schedule, "node_of": ir.node_of(mesh), "compile_s": time.time() - t0,
-             "mesh": dict(mesh.shape), "layers": cfg.model.num_layers, "scan_layers": bool(cfg.model.scan_layers),
+             "mesh": dict(mesh.shape), "layers": cfg.model.num_layers, "scan_layers": bool(cfg.runtime.scan_layers),
              "expected_ar_bytes": ir.expected_ar_bytes(cfg, batch, tokens if program == "prefill" else 1)}
         cache.put(ckey, c)
         log(f"[inference] {k}: compiled in {c['compile_s']:.0f}s (mesh {c['mesh']})")

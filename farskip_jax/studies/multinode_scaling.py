@@ -13,7 +13,7 @@ Infinity Fabric inside a node, 8 x 400 Gb/s NICs per node). Variants (each its o
   standard      standard connectivity; its step "as XLA overlaps it", and the same schedule re-timed
                 with every all-to-all synchronous: "no overlap" (the paper's Megatron baseline)
   farskip       FarSkip-Collective connectivity
-  foe           Federation of Experts with H = nodes groups (moe.num_groups), standard connectivity:
+  foe           Federation of Experts with H = nodes groups (runtime.num_groups), standard connectivity:
                 each group's all-to-all stays inside one node, a cross-group all-reduce per layer
   foe_farskip   both
   + ceiling     standard's step with every all-to-all microsecond hidden (no compile)
@@ -27,7 +27,7 @@ Levers (--lever, each alone on top of the defaults; docs/multinode.md):
   none          all_to_all dispatch, capacity factor 1.0 (bytes = the useful bytes at balance), bf16
   dropless      all_to_all with capacity_factor=null: worst-case buffers (E/k times the bytes)
   ragged        ragged_all_to_all: exact bytes (dropless)
-  causal_blocks cheaper attention core (model.attention_impl=causal_blocks)
+  causal_blocks cheaper attention core (runtime.attention_impl=causal_blocks)
   limit1        one collective in flight (xla_gpu_experimental_parallel_collective_overlap_limit=1)
   limit4        four collectives in flight
   chunks2/4     token chunking inside a layer: each device's tokens in 2 / 4 chunks with their own
@@ -35,18 +35,18 @@ Levers (--lever, each alone on top of the defaults; docs/multinode.md):
                 of chunk i+1 can run under the experts of chunk i (MaxText's num_moe_token_chunks)
   fp8_dispatch  the dispatch payload sent as float8_e4m3fn (DeepSeek-V3's fp8 dispatch), combine bf16
   chunks4_fp8   both
-  foe_sharded   FoE only (standard / farskip reuse `none`): moe.foe_tokens=sharded, tokens split over the
+  foe_sharded   FoE only (standard / farskip reuse `none`): runtime.foe_tokens=sharded, tokens split over the
                 FoE device groups between the groups' sub-blocks (parallel/foe.py): the cross-group sums
                 are reduce-scatters, the dense parts (dense MLP, LM head, most shared experts) run once
-  foe_local     foe_sharded + moe.foe_attention=local: where every group reads the same attention input
+  foe_local     foe_sharded + runtime.foe_attention=local: where every group reads the same attention input
                 (FarSkip layers, layer 0) the attention runs on the own tokens, all heads: no cross-group
                 sum or gather for it (a FarSkip FoE layer: one reduce-scatter + one all-gather, not two)
-  foe_fp8       foe_sharded + moe.foe_sum_dtype=float8_e4m3fn (per-token scaled fp8 sums and gathers)
+  foe_fp8       foe_sharded + runtime.foe_sum_dtype=float8_e4m3fn (per-token scaled fp8 sums and gathers)
   foe_local_fp8 both; foe_local_h8: foe_local with H = 8 groups instead of H = nodes
   --foe-groups strided  re-times the FoE compiles with group g = the ranks r % G == g (each sum
                 inside a node, each group's all-to-all across the nodes) instead of one group per
                 node: the same program (tests/test_multinode_compile.py), another device assignment
-  hierarchical  node-deduplicated dispatch (moe.dispatch=hierarchical, parallel/ep.HierarchicalCompute):
+  hierarchical  node-deduplicated dispatch (runtime.dispatch=hierarchical, parallel/ep.HierarchicalCompute):
                 a token crosses to each destination node once (all-to-all among the same-local-rank
                 GPUs of the nodes), then an intra-node all-to-all forwards it to its experts' GPUs
 Cost-model levers re-time the cached compiles: --streams, --attention, --accum, --nic-gbps, --inter-eff,
@@ -90,26 +90,26 @@ _FOE_FLAGS = {"xla_gpu_reduce_scatter_combine_threshold_bytes": 30 << 20,
               "xla_gpu_all_gather_combine_threshold_bytes": 30 << 20}
 LEVERS = {
     "none": ([], {}),
-    "dropless": (["moe.capacity_factor=null"], {}),
-    "ragged": (["moe.dispatch=ragged", "moe.capacity_factor=null"], {}),
-    "causal_blocks": (["model.attention_impl=causal_blocks"], {}),
+    "dropless": (["runtime.capacity_factor=null"], {}),
+    "ragged": (["runtime.dispatch=ragged", "runtime.capacity_factor=null"], {}),
+    "causal_blocks": (["runtime.attention_impl=causal_blocks"], {}),
     "limit1": ([], {"xla_gpu_experimental_parallel_collective_overlap_limit": 1}),
     "chunks2": ([], {}),
     "chunks4": ([], {}),
     "fp8_dispatch": ([], {}),
     "chunks4_fp8": ([], {}),
     "limit4": ([], {"xla_gpu_experimental_parallel_collective_overlap_limit": 4}),
-    "hierarchical": (["moe.dispatch=hierarchical"], {}),
-    "foe_sharded": (["moe.foe_tokens=sharded"], _FOE_FLAGS),
+    "hierarchical": (["runtime.dispatch=hierarchical"], {}),
+    "foe_sharded": (["runtime.foe_tokens=sharded"], _FOE_FLAGS),
     # + token-local attention where every group reads the same input (FarSkip layers, layer 0): one
     # cross-group reduce-scatter + all-gather per FarSkip layer instead of two
-    "foe_local": (["moe.foe_tokens=sharded", "moe.foe_attention=local"], _FOE_FLAGS),
-    # + per-token scaled fp8 payloads of the cross-group sums / gathers (moe.foe_sum_dtype)
-    "foe_fp8": (["moe.foe_tokens=sharded", "moe.foe_sum_dtype=float8_e4m3fn"], _FOE_FLAGS),
-    "foe_local_fp8": (["moe.foe_tokens=sharded", "moe.foe_attention=local", "moe.foe_sum_dtype=float8_e4m3fn"],
+    "foe_local": (["runtime.foe_tokens=sharded", "runtime.foe_attention=local"], _FOE_FLAGS),
+    # + per-token scaled fp8 payloads of the cross-group sums / gathers (runtime.foe_sum_dtype)
+    "foe_fp8": (["runtime.foe_tokens=sharded", "runtime.foe_sum_dtype=float8_e4m3fn"], _FOE_FLAGS),
+    "foe_local_fp8": (["runtime.foe_tokens=sharded", "runtime.foe_attention=local", "runtime.foe_sum_dtype=float8_e4m3fn"],
                       _FOE_FLAGS),
     # H = 8 groups of half a node each (instead of H = nodes), with local attention
-    "foe_local_h8": (["moe.foe_tokens=sharded", "moe.foe_attention=local"], _FOE_FLAGS),
+    "foe_local_h8": (["runtime.foe_tokens=sharded", "runtime.foe_attention=local"], _FOE_FLAGS),
 }
 # levers that change only the FoE variants: standard / farskip are lever `none`'s compiles
 FOE_ONLY_LEVERS = {"foe_sharded", "foe_local", "foe_fp8", "foe_local_fp8", "foe_local_h8"}
@@ -229,13 +229,13 @@ def nic_bytes(pairs, node_of) -> float:
 
 
 def cfg_for_variant(groups):
-    """variant -> config: the FarSkip preset, and FoE's `groups` (moe.num_groups) for the FoE variants."""
+    """variant -> config: the FarSkip preset, and FoE's `groups` (runtime.num_groups) for the FoE variants."""
 
     def fn(variant, cfg):
         preset = "farskip" if variant in ("farskip", "foe_farskip") else "standard"
         over = {"farskip.preset": preset}
         if variant.startswith("foe"):
-            over["moe.num_groups"] = groups
+            over["runtime.num_groups"] = groups
         return replace(cfg, **over)
 
     return fn
@@ -442,11 +442,11 @@ def main() -> int:
                 b, ep = point["b"], point["ep"]
                 n = ep * a.data
                 nodes = max(1, n // a.gpus_per_node)
-                over = [f"mesh.data={a.data}", f"mesh.expert={ep}", "moe.dispatch=all_to_all",
-                        "moe.capacity_factor=1.0", f"model.max_seq_len={max(a.seq, 4096)}", "model.remat=none",
+                over = [f"mesh.data={a.data}", f"mesh.expert={ep}", "runtime.dispatch=all_to_all",
+                        "runtime.capacity_factor=1.0", f"model.max_seq_len={max(a.seq, 4096)}", "runtime.remat=none",
                         # unrolled layers: the two-stream model re-times the entry computation, and a
                         # scanned stack (the real-shape configs' default) hides its collectives in a while body
-                        "model.scan_layers=false"]
+                        "runtime.scan_layers=false"]
                 if a.layers:
                     over.append(f"model.num_layers={a.layers}")
                 model_over = MODEL_OVERRIDES.get(a.model, [])

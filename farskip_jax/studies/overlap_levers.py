@@ -13,7 +13,7 @@ bytes), compiled deviceless for 8 x H100 (the train step; its forward half is th
   preset      parallel/xla_flags.py `cuda_hopper` (LHS, 2 collectives in flight, high-priority stream)
   moe_first   preset + the block issues its MoE before its attention when the MoE reads the outdated
               stream (FarSkip layers; a code-order change that leaves every value unchanged)
-  blockwise   preset + model.attention_impl=blockwise (flash-style attention core, causal blocks
+  blockwise   preset + runtime.attention_impl=blockwise (flash-style attention core, causal blocks
               skipped: a cheaper step, so a larger all-to-all share)
 
 Prints one row per (lever, connectivity): hidden fraction fwd / bwd, hidden / structural bound,
@@ -44,9 +44,9 @@ from farskip_jax.errors import FarSkipError
 DSV2_LITE = [
     "model.vocab_size=102400", "model.d_model=2048", "model.num_heads=16", "model.num_kv_heads=16",
     "model.attention=mla", "model.kv_lora_rank=512", "model.qk_nope_head_dim=128", "model.qk_rope_head_dim=64",
-    "model.v_head_dim=128", "model.first_k_dense=1", "model.mlp_hidden=10944", "model.compute_dtype=bfloat16",
-    "model.param_dtype=float32", "moe.num_experts=64", "moe.top_k=6", "moe.expert_hidden=1408",
-    "moe.num_shared_experts=2", "moe.dispatch=all_to_all", "moe.capacity_factor=1.0", "mesh.data=1",
+    "model.v_head_dim=128", "model.first_k_dense=1", "model.mlp_hidden=10944", "runtime.compute_dtype=bfloat16",
+    "runtime.param_dtype=float32", "moe.num_experts=64", "moe.top_k=6", "moe.expert_hidden=1408",
+    "moe.num_shared_experts=2", "runtime.dispatch=all_to_all", "runtime.capacity_factor=1.0", "mesh.data=1",
     "mesh.expert=8",
 ]
 
@@ -105,7 +105,7 @@ def main() -> int:
         "moe_first": (dict(preset_options("cuda_hopper"), **LHS_FLAGS), moe_first),
         "blockwise": (dict(preset_options("cuda_hopper"), **LHS_FLAGS), contextlib.nullcontext),
     }
-    lever_cfg = {"blockwise": replace(cfg, **{"model.attention_impl": "blockwise"})}
+    lever_cfg = {"blockwise": replace(cfg, **{"runtime.attention_impl": "blockwise"})}
     log = lambda m: print(m, file=sys.stderr, flush=True)
     rows, extra = [], []
     for name in a.levers.split(","):

@@ -27,10 +27,10 @@ def config_summary(cfg, run_dir: str) -> str:
     """Three lines on what runs (the whole resolved config is <run_dir>/config.yaml)."""
     m, e, f, t = cfg.model, cfg.moe, cfg.farskip, cfg.train
     moe = (f"{e.num_experts} experts top-{e.top_k}" + (f" + {e.num_shared_experts} shared" if e.num_shared_experts else "")
-           + f", dispatch {e.dispatch}") if e.num_experts else "dense"
+           + f", dispatch {cfg.runtime.dispatch}") if e.num_experts else "dense"
     conn = f.preset + ("" if f.preset == "standard" else f" on layers {f.layers}")
     return (f"config: {m.num_layers} layers, d_model {m.d_model}, vocab {m.vocab_size}, {m.attention} attention, {moe}; "
-            f"connectivity {conn}; compute {m.compute_dtype}, remat {m.remat}\n"
+            f"connectivity {conn}; compute {cfg.runtime.compute_dtype}, remat {cfg.runtime.remat}\n"
             f"        {t.mode}: {t.steps} steps of {t.batch_size} x {t.seq_len} tokens, lr {t.lr:g}, data {cfg.data.source}; "
             f"mesh data {cfg.mesh.data} x expert {cfg.mesh.expert}\n"
             f"        the whole resolved config: {os.path.join(run_dir, 'config.yaml')}")

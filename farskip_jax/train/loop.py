@@ -141,7 +141,7 @@ def matmul_peak(cfg: Config, log: RunLogger) -> Optional[float]:
     """train.peak_flops, or on CPU a measured matmul peak per device (for MFU); None elsewhere."""
     peak = cfg.train.peak_flops
     if peak is None and jax.default_backend() == "cpu":
-        dtype = jnp.float32 if cfg.model.compute_dtype == "float32" else jnp.bfloat16
+        dtype = jnp.float32 if cfg.runtime.compute_dtype == "float32" else jnp.bfloat16
         peak, where = cpu_matmul_peak(dtype, cfg.kernels.cache_dir)
         log.print(f"MFU is against a CPU matmul peak of {peak / 1e9:.1f} GFLOP/s per device, {where}; "
                   "train.peak_flops=FLOPS overrides it")

@@ -40,11 +40,11 @@ RESUMABLE_KEYS = {"train.steps", "train.time_limit_s", "train.log_every", "train
                   "train.checkpoint_every", "train.keep_checkpoints", "train.max_nonfinite", "train.overwrite",
                   "train.peak_flops", "train.resume_step",
                   # how the same math is computed (kernels, blocking, rematerialisation): a run started
-                  # with one may resume with another, e.g. a run from before model.attention_impl=auto
-                  "model.attention_impl", "model.attention_block", "model.remat", "moe.gmm", "moe.gmm_tile",
+                  # with one may resume with another, e.g. a run from before runtime.attention_impl=auto
+                  "runtime.attention_impl", "runtime.attention_block", "runtime.remat", "runtime.gmm", "runtime.gmm_tile",
                   "data.prefetch",
                   # stacked vs per-layer parameters: loading/checkpoint.py converts at restore
-                  "model.scan_layers"}
+                  "runtime.scan_layers"}
 
 # the CPU kernels (config.KernelsConfig) change how the same math is computed, never what
 RESUMABLE_KEYS |= {f"kernels.{f.name}" for f in dataclasses.fields(KernelsConfig)}

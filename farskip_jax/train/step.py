@@ -4,7 +4,7 @@
     step_fn = make_train_step(graphdef, cfg, tx, schedule)   # make_step with the pretraining loss
     state, metrics = step_fn(state, batch)     # batch: dict of [global_batch, seq] arrays
 
-Loss = token-mean cross entropy over `loss_mask` + moe.aux_loss_weight * aux + moe.z_loss_weight * z
+Loss = token-mean cross entropy over `loss_mask` + runtime.aux_loss_weight * aux + runtime.z_loss_weight * z
 (the cross entropy from full logits, or `train.loss_chunk` positions at a time: losses/chunked.py).
 Gradient accumulation: the batch is cut into `train.grad_accum` micro-batches (lax.scan) and their
 gradients averaged. A non-finite loss or gradient norm leaves params, optimizer and bias untouched.
@@ -41,10 +41,10 @@ def load_stats(load: jax.Array | None) -> dict:
 
 
 def add_model_terms(loss: jax.Array, out, cfg: Config) -> tuple[jax.Array, dict]:
-    """(loss + moe.aux_loss_weight * aux + moe.z_loss_weight * z, the model's metrics) of a forward's
+    """(loss + runtime.aux_loss_weight * aux + runtime.z_loss_weight * z, the model's metrics) of a forward's
     output, for every training loss: aux_loss, z_loss [], load [n_moe, E] ([0, 1] without MoE layers)
     and dropped [] (assignments dropped by capacity, fp32)."""
-    loss = loss + cfg.moe.aux_loss_weight * out.aux_loss + cfg.moe.z_loss_weight * out.z_loss
+    loss = loss + cfg.runtime.aux_loss_weight * out.aux_loss + cfg.runtime.z_loss_weight * out.z_loss
     load = out.load if out.load is not None else jnp.zeros((0, 1), jnp.float32)
     return loss, dict(aux_loss=out.aux_loss, z_loss=out.z_loss, load=load, dropped=out.dropped.astype(jnp.float32))
 
@@ -60,7 +60,7 @@ def make_loss_fn(graphdef, cfg: Config, farskip=None) -> Callable:
         out = model(batch["tokens"], batch["positions"], batch["segment_ids"], farskip=farskip, logits=not chunk)
         if chunk:
             ce, n = chunked_ce(out.final, model.unembed(), batch["targets"], batch["loss_mask"], chunk=chunk,
-                               compute_dtype=dtype_of(cfg.model.compute_dtype))
+                               compute_dtype=dtype_of(cfg.runtime.compute_dtype))
         else:
             ce, n = token_ce(out.logits, batch["targets"], batch["loss_mask"])
         loss, terms = add_model_terms(ce, out, cfg)
@@ -76,7 +76,7 @@ def update_router_bias(graphdef, params, bias, rest, load: jax.Array, rate: floa
     bias = jax.tree.map(lambda x: x, bias)  # fresh Variables: the caller's `bias` must stay untouched
     model = nnx.merge(graphdef, params, bias, rest)
     j = 0
-    blocks = model.blocks()  # per-layer views under model.scan_layers, written back below
+    blocks = model.blocks()  # per-layer views under runtime.scan_layers, written back below
     for block in blocks:
         if not block.is_moe:
             continue
@@ -160,7 +160,7 @@ def update_state(graphdef, cfg: Config, tx: optax.GradientTransformation, state:
     new_params, new_opt = apply_if_finite(tx, finite, grads, state["opt"], params)
     new_bias = bias
     if cfg.moe.num_experts and cfg.moe.selection_bias and load.shape[0] > 0:
-        moved = update_router_bias(graphdef, params, bias, rest, load, cfg.moe.bias_update_rate)
+        moved = update_router_bias(graphdef, params, bias, rest, load, cfg.runtime.bias_update_rate)
         new_bias = jax.tree.map(lambda n, o: jnp.where(finite, n, o), moved, bias)
     streak = jnp.where(finite, 0, state["nonfinite_streak"] + 1).astype(jnp.int32)
     total = state["nonfinite_total"] + (~finite).astype(jnp.int32)

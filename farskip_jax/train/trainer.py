@@ -19,7 +19,7 @@ from typing import Optional
 
 import jax
 
-from farskip_jax.config import Config, merge_checkpoint_shape, runtime_overrides, to_dict
+from farskip_jax.config import Config, to_dict
 from farskip_jax.data.pipeline import first_batches, make_dataset
 from farskip_jax.errors import ConfigError
 from farskip_jax.loading.hf_folder import hf_to_config, import_hf, open_checkpoint
@@ -47,12 +47,11 @@ class TrainResult:
 
 
 def shape_from_hf(cfg: Config) -> Config:
-    """cfg with the model/moe shape of the HF checkpoint `cfg.init_from_hf` (runtime keys such as
-    compute_dtype, remat, dispatch, loss weights and the FoE group count moe.num_groups stay the
-    user's: config.RUNTIME_MODEL_KEYS / RUNTIME_MOE_KEYS)."""
+    """cfg with the architecture (model and moe sections, whole) of the HF checkpoint `cfg.init_from_hf`;
+    runtime, farskip and every other section stay the user's (Config.with_architecture)."""
 
-    src = hf_to_config(open_checkpoint(cfg.init_from_hf).config, runtime_overrides(cfg), source=cfg.init_from_hf)
-    return merge_checkpoint_shape(cfg, src)
+    user = {k: to_dict(getattr(cfg, k)) for k in ("runtime", "mesh", "train", "inference")}  # checked with its shape
+    return cfg.with_architecture(hf_to_config(open_checkpoint(cfg.init_from_hf).config, user, source=cfg.init_from_hf))
 
 
 def make_model_fn(cfg: Config, mesh):
@@ -65,7 +64,8 @@ def make_model_fn(cfg: Config, mesh):
 
         # the run's connectivity, not the one an exported folder carries: the train step runs the model's
         _, model = import_hf(cfg.init_from_hf, mesh=mesh, overrides={
-            "model": to_dict(cfg.model), "moe": to_dict(cfg.moe), "farskip": to_dict(cfg.farskip)})
+            "model": to_dict(cfg.model), "moe": to_dict(cfg.moe), "runtime": to_dict(cfg.runtime),
+            "farskip": to_dict(cfg.farskip)})
         return model
 
     return imported

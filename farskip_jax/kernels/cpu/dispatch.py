@@ -5,8 +5,8 @@
 
 Named backends, each an op of the model's backend seam (kernels/ops.py), registered for CPU programs:
 
-    blas        grouped matmul (moe.gmm)              kernels/cpu/gmm.gmm: one BLAS sgemm per group part, bf16 on AMX
-    fused_cpu   attention core (model.attention_impl) kernels/cpu/attention.py: score blocks in cache, FA-2 VJP
+    blas        grouped matmul (runtime.gmm)              kernels/cpu/gmm.gmm: one BLAS sgemm per group part, bf16 on AMX
+    fused_cpu   attention core (runtime.attention_impl) kernels/cpu/attention.py: score blocks in cache, FA-2 VJP
     blas_dense  dense matmul (every Linear)           kernels/cpu/gmm.matmul: gmm with one group
 
 `resolve(cfg)` is the one place that knows when they apply:
@@ -19,8 +19,8 @@ Named backends, each an op of the model's backend seam (kernels/ops.py), registe
     dense matmul runs only in a process with one device (a traced Linear cannot tell its program's
     partitioning);
   - the library builds here (kernels/cpu/library.py: a C++ compiler and a CBLAS); if not, `auto` keeps
-    the plain-JAX implementations with one warning, and an explicit `moe.gmm: blas` or
-    `model.attention_impl: fused_cpu` raises KernelUnavailable naming the fix.
+    the plain-JAX implementations with one warning, and an explicit `runtime.gmm: blas` or
+    `runtime.attention_impl: fused_cpu` raises KernelUnavailable naming the fix.
 The settings come from the config's `kernels:` section (config.KernelsConfig); host memory
 (kernels/host_memory.py) is set up by the entry points before JAX starts.
 """

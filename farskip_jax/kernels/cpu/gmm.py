@@ -12,7 +12,7 @@ XLA's own CPU threads (XLA:CPU's small dots run at about one thread's speed). `g
 made of the same two kernels: d lhs = gmm(dy, rhs^T), d rhs = tgmm(lhs, dy). The library is built
 and loaded by kernels/cpu/library.py.
 
-bfloat16 operands (model.compute_dtype: bfloat16) on a CPU with Intel AMX (library.amx_available)
+bfloat16 operands (runtime.compute_dtype: bfloat16) on a CPU with Intel AMX (library.amx_available)
 run csrc/bf16_gemm.cc instead: the same two kernels on AMX tiles, bf16 rows, float32 weights rounded
 to bf16 as the kernel packs them, float32 accumulation (the output rounded to bf16 on return, the
 weight gradient float32). K and N must be multiples of 32 there; other shapes, and CPUs without AMX,

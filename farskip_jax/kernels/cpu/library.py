@@ -269,8 +269,8 @@ def unavailable_reason() -> str | None:
         load()
         return None
     except KernelUnavailable as e:
-        warnings.warn(f"the CPU BLAS kernels are unavailable (moe.gmm=auto uses `tiled`, "
-                      f"model.attention_impl=auto the naive core, Linear layers XLA's dot): {e}", stacklevel=2)
+        warnings.warn(f"the CPU BLAS kernels are unavailable (runtime.gmm=auto uses `tiled`, "
+                      f"runtime.attention_impl=auto the naive core, Linear layers XLA's dot): {e}", stacklevel=2)
         return str(e)
 
 
