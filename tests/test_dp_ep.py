@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from farskip_jax.config import Config, FarSkipConfig, InferenceConfig, MeshConfig, ModelConfig, MoEConfig, replace
+from farskip_jax.config import Config, FarSkipConfig, InferenceConfig, MeshConfig, ModelConfig, MoEConfig, RuntimeConfig, replace
 from farskip_jax.errors import ConfigError
 from farskip_jax.parallel.mesh import make_mesh
 from farskip_jax.serving.dp_ep import check_dp_ep, dp_ep_model, layout_of
@@ -36,10 +36,11 @@ MLA = dict(attention="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_di
 
 def dp_ep_cfg(ep: int, micro_batches: int = 1, scan_layers: bool = False, **model_kw) -> Config:
     m = ModelConfig(**{**dict(vocab_size=64, d_model=32, num_layers=LAYERS, num_heads=4, num_kv_heads=2, mlp_hidden=64,
-                              first_k_dense=1, max_seq_len=128, attention_impl="naive", micro_batches=micro_batches,
-                              scan_layers=scan_layers), **model_kw})
-    moe = MoEConfig(num_experts=8, top_k=2, expert_hidden=16, num_shared_experts=1, dispatch="all_to_all")
-    return Config(model=m, moe=moe, mesh=MeshConfig(data=1, expert=ep), inference=InferenceConfig(layout="dp_ep"))
+                              first_k_dense=1, max_seq_len=128), **model_kw})
+    moe = MoEConfig(num_experts=8, top_k=2, expert_hidden=16, num_shared_experts=1)
+    rt = RuntimeConfig(attention_impl="naive", micro_batches=micro_batches, scan_layers=scan_layers, dispatch="all_to_all")
+    return Config(model=m, moe=moe, runtime=rt, mesh=MeshConfig(data=1, expert=ep),
+                  inference=InferenceConfig(layout="dp_ep"))
 
 
 # every variant once, each device count twice: (devices, preset, micro-batches, stacked layers: the

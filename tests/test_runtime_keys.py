@@ -122,7 +122,7 @@ def test_an_old_layout_config_and_run_folder_load_at_the_new_places(tmp_path, ca
     same key set at both places to different values is one ConfigError naming the new key."""
     import farskip_jax.config as config
     import farskip_jax.config_yaml as config_yaml
-    from farskip_jax.eval.loading import read_run_config
+    from farskip_jax.loading.load import read_run_config
 
     monkeypatch.setattr(config_yaml, "_NOTED", set())  # this process may have printed the note already
     want = runtime_values()

@@ -28,7 +28,7 @@ def test_compile_cache_keeps_each_key_once(tmp_path):
     assert cache.get(key) is None
     assert cache.get_or_compile(key, compile_fn) == {"schedule": [1, 2, 3]}
     assert cache.get_or_compile(key, compile_fn) == {"schedule": [1, 2, 3]} and len(calls) == 1
-    assert os.path.basename(cache.path(key)) == "dsv3_6l_ep8_b1_train_standard_moe.gmm-tiled.pkl.gz"
+    assert os.path.basename(cache.path(key)) == "dsv3_6l_ep8_b1_train_standard_runtime.gmm-tiled.pkl.gz"
     assert harness.CompileCache(str(tmp_path / "cache")).get(key) == {"schedule": [1, 2, 3]}  # from disk
     assert cache.get(key + "|other") is None
 
