@@ -287,7 +287,7 @@ def test_bandwidth_sweep_and_implied_bandwidth():
     assert implied_bandwidth(std, fs, TOY_HW, 100.0, lo=1e8, hi=1e12) == []  # never reached
 
 
-# ---------------------------------------------------------------- headline model (issue 20 item 6)
+# ---------------------------------------------------------------- headline model
 
 
 def _program_result(preset, spec, hw=TOY_HW):
@@ -303,7 +303,7 @@ def _program_result(preset, spec, hw=TOY_HW):
 def test_headline_is_the_two_stream_model_and_disagreement_is_flagged(tmp_path, monkeypatch):
     """XLA's deviceless model prices the hand-built ops at 38 us of compute, the two-stream toy model
     at 6 us: the report leads with the two-stream figures, draws its timeline, and warns (> 2x)."""
-    from farskip_jax.analysis import timeline
+    from farskip_jax.analysis import overlap
     from farskip_jax.analysis.overlap import compute_disagreement, format_results, to_json, write_timelines
 
     res = [_program_result("standard", STD_SPEC), _program_result("farskip", SPEC)]
@@ -318,7 +318,7 @@ def test_headline_is_the_two_stream_model_and_disagreement_is_flagged(tmp_path, 
     assert len(warn) == 2 and "6.3x" in warn[0] and "expert_compute" in warn[0]
     assert to_json(res)["forward"]["standard"]["headline_model"] == "two-stream toy"
     drawn = []
-    monkeypatch.setattr(timeline, "plot_layer_timelines", lambda items, *a, **k: drawn.extend(items))
+    monkeypatch.setattr(overlap, "plot_layer_timelines", lambda items, *a, **k: drawn.extend(items))
     assert write_timelines(res, ["forward"], str(tmp_path)) == [str(tmp_path / "timeline_forward_fwd.png")]
     assert [s for _, s, _ in drawn] == [r.modelled_schedule for r in res]
     # the two models agree within 2x: no warning; without the two-stream model XLA's is the headline

@@ -137,6 +137,16 @@ def place_state(state: Any, mesh: Optional[Mesh]) -> Any:
     return jax.tree.map(put, state)
 
 
+def placed_model(graphdef, abstract, state, shardings_of):
+    """nnx.merge(graphdef, abstract) holding `state` placed by shardings_of(state). state: an nnx.State,
+    or the {params, bias, rest} dict of loading/load.py, from any layout or device (resharded here)."""
+    if isinstance(state, dict):
+        state = nnx.merge_state(*(state[k] for k in ("params", "bias", "rest") if k in state))
+    model = nnx.merge(graphdef, abstract)
+    nnx.update(model, jax.device_put(state, shardings_of(state)))
+    return model
+
+
 def abstract_state(state, shardings):
     """`state` (an nnx.State of Variables) with every value a ShapeDtypeStruct carrying its sharding
     from `shardings` (the same tree of NamedShardings): lowers for any devices, allocates nothing."""

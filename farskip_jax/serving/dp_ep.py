@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -30,7 +29,7 @@ from farskip_jax.model.transformer import Transformer
 from farskip_jax.parallel.build import check_mesh, config_on, routed_compute_on
 from farskip_jax.parallel.dp_ep import DpEpLayer
 from farskip_jax.parallel.mesh import BATCH_AXES
-from farskip_jax.parallel.sharding import abstract_state, state_shardings
+from farskip_jax.parallel.sharding import abstract_state, placed_model, state_shardings
 
 
 def check_dp_ep(cfg: Config, mesh: Optional[Mesh] = None) -> None:
@@ -98,11 +97,7 @@ def dp_ep_model(cfg: Config, mesh: Mesh, state):
     """A Transformer of cfg for the dp_ep layout on `mesh`. state: an nnx.State or the {params, bias,
     rest} dict of loading/load.py, from any layout or device, resharded onto this one."""
     graphdef, abstract = _dp_ep_graph(cfg, mesh)
-    if isinstance(state, dict):
-        state = nnx.merge_state(*(state[k] for k in ("params", "bias", "rest") if k in state))
-    model = nnx.merge(graphdef, abstract)
-    nnx.update(model, jax.device_put(state, state_shardings(state, mesh)))
-    return model
+    return placed_model(graphdef, abstract, state, lambda st: state_shardings(st, mesh))
 
 
 def abstract_dp_ep_model(cfg: Config, mesh: Mesh):

@@ -46,7 +46,7 @@ from farskip_jax.model.transformer import Transformer
 from farskip_jax.parallel.build import config_on
 from farskip_jax.parallel.foe import FOE_EXPERT_RULES, FOE_RULES, GROUP_AXIS, FoECompute, foe_mesh_from
 from farskip_jax.parallel.mesh import BATCH_AXES, make_mesh
-from farskip_jax.parallel.sharding import abstract_state, logical_to_spec
+from farskip_jax.parallel.sharding import abstract_state, logical_to_spec, placed_model
 from farskip_jax.serving.tp_ep import NO_COMBINER_PASSES
 
 # attention heads over the device groups (each GPU its group's heads), the rest as FoE training
@@ -137,11 +137,7 @@ def foe_inference_model(cfg: Config, mesh: Mesh, state):
     """A FoE Transformer of cfg placed for the foe layout on `mesh`. state: an nnx.State or the
     {params, bias, rest} dict of loading/load.py, from any layout or device."""
     graphdef, abstract = _foe_graph(cfg, mesh)
-    if isinstance(state, dict):
-        state = nnx.merge_state(*(state[k] for k in ("params", "bias", "rest") if k in state))
-    model = nnx.merge(graphdef, abstract)
-    nnx.update(model, jax.device_put(state, serving_state_shardings(state, mesh)))
-    return model
+    return placed_model(graphdef, abstract, state, lambda st: serving_state_shardings(st, mesh))
 
 
 def abstract_foe_inference_model(cfg: Config, mesh: Mesh):

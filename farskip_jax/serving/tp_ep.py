@@ -33,7 +33,7 @@ from farskip_jax.config import Config, FarSkipConfig, ModelConfig
 from farskip_jax.errors import ConfigError
 from farskip_jax.model.transformer import Transformer
 from farskip_jax.parallel.build import config_on
-from farskip_jax.parallel.sharding import RULES, abstract_state, logical_to_spec
+from farskip_jax.parallel.sharding import RULES, abstract_state, logical_to_spec, placed_model
 from farskip_jax.parallel.tp_ep import (DATA_AXIS, EP_AXES, TP_AXIS, ReplicatedEPCompute, TpEpLayer,
                                         check_shared_split, kv_replicas)
 
@@ -176,11 +176,7 @@ def inference_model(cfg: Config, mesh: Mesh, state):
     device (an nnx.State, or the {params, bias, rest} dict of loading/load.py), resharded onto this
     one. Fresh parameters: `nnx.state(parallel.build.create_model(cfg))`."""
     graphdef, abstract, cfg = _tp_ep_graph(cfg, mesh)
-    if isinstance(state, dict):
-        state = nnx.merge_state(*(state[k] for k in ("params", "bias", "rest") if k in state))
-    model = nnx.merge(graphdef, abstract)
-    nnx.update(model, jax.device_put(state, tp_ep_state_shardings(state, mesh, cfg)))
-    return model
+    return placed_model(graphdef, abstract, state, lambda st: tp_ep_state_shardings(st, mesh, cfg))
 
 
 def layout_for(cfg: Config, mesh: Optional[Mesh]) -> Optional[TpEpLayout]:
