@@ -22,6 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from farskip_jax.config import Config
 from farskip_jax.model.attention import Attention, KVCache, LayerCache
+from farskip_jax.model.connectivity import moe_stream
 from farskip_jax.model.experts import RoutedComputeFn
 from farskip_jax.model.layers import RMSNorm, SwiGLU, dtype_of
 from farskip_jax.model.mla import MLAttention
@@ -106,6 +107,17 @@ class Block(nnx.Module):
                                   routed=o.routed, aux_loss=o.aux_loss, z_loss=o.z_loss, load=o.load,
                                   dropped=o.dropped, importance=o.importance, routed_groups=o.routed_groups)
             return out if sums is None else sums(out)
+
+    def layer(self, step, x: jax.Array, full: jax.Array, extra, site, plan, cache: Optional[LayerCache]):
+        """The layer body: attention on the stream x, the stream the MoE reads (site.kinds[1] over
+        R_{k-1} = `full` and the attention output, connectivity.moe_stream), the FFN on it ->
+        (BlockOutput, cache). `step` (model/layer_step.LayerStep) supplies what a layout changes: the
+        attention, where its sum goes, the MoE's input and options, how the outputs join."""
+        a, cache = self.attend(x, step.positions, step.segment_ids, cache, step.attention_of(site, plan))
+        a, held = step.attention_sum(a, extra, site, plan)
+        x_moe = step.moe_input(moe_stream(site.kinds[1], full, a))
+        out = self.ffn(x_moe, **step.ffn_options(self, extra, site, plan))
+        return step.finish(out, a, held, site, plan), cache
 
 
 def remat(block: Block, policy: str, fn: Callable, *args):

@@ -10,7 +10,7 @@ The body (`__call__` and `layer`) is the only code that says what a layer does:
     x      = step.attention_input(carry, site, plan)        the stream attention reads (connectivity)
     a      = block.attend(x, ..., cache, step.attention_of) norm -> attention        (scope attention)
     a, h   = step.attention_sum(a, extra, site, plan)       a layout's collective after attention
-    x_moe  = step.moe_input(moe_stream(kind, full, a))      the stream the MoE reads
+    x_moe  = step.moe_input(the MoE's stream of kind)      the stream the MoE reads (Block.layer)
     out    = block.ffn(x_moe, **step.ffn_options(...))      norm -> MoE / MLP        (scope moe | mlp)
     out    = step.finish(out, a, h, site, plan)             where a deferred partial sum goes
     carry  = step.update(carry, out, site)                  the streams take the outputs
@@ -34,7 +34,7 @@ import jax
 from farskip_jax.config import FarSkipConfig
 from farskip_jax.model.attention import KVCache, LayerCache, cache_mask
 from farskip_jax.model.block import Block, BlockOutput, remat
-from farskip_jax.model.connectivity import Streams, moe_stream
+from farskip_jax.model.connectivity import Streams
 
 
 class LayerStep:
@@ -74,12 +74,9 @@ class LayerStep:
         return self.update(carry, out, site), out, None if cache is None else (cache.k, cache.v)
 
     def layer(self, block: Block, x: jax.Array, full: jax.Array, extra, site, plan, cache: Optional[LayerCache]):
-        """attention -> MoE / MLP on the streams x (attention's) and full (R_{k-1}) -> (BlockOutput, cache)."""
-        a, cache = block.attend(x, self.positions, self.segment_ids, cache, self.attention_of(site, plan))
-        a, held = self.attention_sum(a, extra, site, plan)
-        x_moe = self.moe_input(moe_stream(site.kinds[1], full, a))
-        out = block.ffn(x_moe, **self.ffn_options(block, extra, site, plan))
-        return self.finish(out, a, held, site, plan), cache
+        """attention -> MoE / MLP on the streams x (attention's) and full (R_{k-1}) -> (BlockOutput, cache):
+        the block's layer body (Block.layer) with this step's hooks."""
+        return block.layer(self, x, full, extra, site, plan, cache)
 
     # ---- hooks: the ordinary layer ----------------------------------------------------------------
 
