@@ -70,7 +70,8 @@ class LayerCache:
     stack of a scanned model [repeats, b, L, ...] with `row` the layer's row (an int, or traced in a
     scan over layer indices); start []: the slot of the first new token; mask [b, 1, t, L] (cache_mask).
     written: the keys / values the last `write` put at slots [start, start + t), for a caller that
-    keeps the cache elsewhere (the tp_ep layout writes a stacked cache's row outside its shard_map)."""
+    keeps the cache elsewhere (the tp_ep and dp_ep layouts bring a stacked cache's row out of their
+    shard_map and `write` it there)."""
 
     k: jax.Array
     v: jax.Array

@@ -97,9 +97,7 @@ class DpEpStep(LayerStep):
         if cache.row is None:
             return o, cache.replace(k=k, v=v)
         o, k, v = jax.lax.optimization_barrier((o, k, v))
-        kc = jax.lax.dynamic_update_slice(cache.k, k[None], (cache.row, 0, cache.start, 0, 0))
-        vc = jax.lax.dynamic_update_slice(cache.v, v[None], (cache.row, 0, cache.start, 0, 0))
-        return o, cache.replace(k=kc, v=vc)
+        return o, cache.write(k, v)
 
     def shared(self, moe, x):
         """MoEBlock's shared_fn: the shared experts on every device's own tokens x [b, s, d] (times the

@@ -239,9 +239,7 @@ class TpEpLayer:
             return o, cache.replace(k=kc, v=vc)
         kc, vc = cache.keys_values()
         o, k, v = jax.lax.optimization_barrier(f(state, xn, positions, kc, vc, cache.start, cache.mask))
-        kc = jax.lax.dynamic_update_slice(cache.k, k[None], (cache.row, 0, cache.start, 0, 0))
-        vc = jax.lax.dynamic_update_slice(cache.v, v[None], (cache.row, 0, cache.start, 0, 0))
-        return o, cache.replace(k=kc, v=vc)
+        return o, cache.write(k, v)
 
     def shared_partial(self, moe, x: jax.Array) -> jax.Array:
         """MoEBlock's shared_fn: the shared experts' per-rank partial sums [tp, b, s, d] of x [b, s, d]
