@@ -1,13 +1,11 @@
-"""Typed, frozen experiment configuration.
+"""Typed, frozen experiment configuration: a tree of frozen dataclasses (`Config`, sections below).
 
-A config is a tree of frozen dataclasses (`Config`, sections below). `model` and `moe` are the
-architecture, what a checkpoint fixes: loading weights replaces them whole (`Config.with_architecture`).
-`runtime` is how this run computes it (dtypes, scan, micro-batches, remat, kernels, dispatch, capacity,
-FoE layouts, MoE loss weights): no load touches it (docs/config.md gives every key its side). Keys that
-lived in model/moe before that split load at their new place (`MOVED_KEYS`, one note). Every key and
-value is checked: an unknown key fails with the nearest valid names, a wrong type names the key and the
-expected type, impossible combinations fail with one `ConfigError`. YAML files and overrides:
-config_yaml.py.
+`model` and `moe` are the architecture, what a checkpoint fixes: loading weights replaces them whole
+(`Config.with_architecture`). `runtime` and every other section are the run's choices, which no load
+touches (docs/config.md gives every key its side). Every key and value is checked: an unknown key
+names the nearest valid ones, a wrong type the expected type, a value out of its `Annotated` range
+the range (and why), an impossible combination its fix; each is one `ConfigError`. YAML files,
+overrides and old key names: config_yaml.py.
 
     cfg = load_config("configs/tiny.yaml", ["train.steps=50"])
     print(dump_config(cfg))
@@ -17,17 +15,19 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
 
 from farskip_jax.config_yaml import MOVED_KEYS, apply_overrides, load_yaml_tree, migrate_tree, note_moved  # noqa: F401
+from farskip_jax.connectivity import layer_sets
+from farskip_jax.connectivity.layer_sets import PRESETS, check_converted_layers, parse_layer_spec  # noqa: F401
 from farskip_jax.errors import ConfigError
-from farskip_jax.layer_sets import PRESETS, check_converted_layers, parse_layer_spec
 
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -37,28 +37,57 @@ def _check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _ranges(obj, section: str, why: Optional[dict] = None, **bounds) -> None:
-    """ConfigError `section.key must be >= lo, got v` (`> 0` for bound "gt0") for the first key of `bounds`
-    out of range; None passes for a key whose default is None (the message then adds `or null`)."""
-    nullable = {f.name for f in dataclasses.fields(obj) if f.default is None}
-    for key, lo in bounds.items():
-        v, null = getattr(obj, key), key in nullable
-        op, lo = (">", 0) if lo == "gt0" else (">=", lo)
-        _check((v is None and null) or (v > lo if op == ">" else v >= lo),
-               f"{section}.{key} must be {op} {lo}{' or null' if null else ''}{(why or {}).get(key, '')}, got {v}")
-
-
 @dataclass(frozen=True)
+class Bound:
+    """A field's range (`Annotated[int, Bound(1)]`), checked when its section is built: lo <= v (lo < v
+    with lo_open), and v <= hi (v < hi with hi_open) when hi is set; `why` explains it in the error."""
+
+    lo: float
+    hi: Optional[float] = None
+    lo_open: bool = False
+    hi_open: bool = False
+    why: str = ""
+
+    def check(self, v: Any, path: str, nullable: bool, integer: bool) -> None:
+        real = isinstance(v, int if integer else (int, float)) and not isinstance(v, bool)
+        if (v is None and nullable) or (real and (v > self.lo if self.lo_open else v >= self.lo) and (
+                self.hi is None or (v < self.hi if self.hi_open else v <= self.hi))):
+            return
+        what = (f"{'>' if self.lo_open else '>='} {self.lo}" if self.hi is None else
+                f"in {'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}")
+        raise ConfigError(f"{path} must be {'an integer ' if integer and not real else ''}{what}"
+                          f"{' or null' if nullable else ''}{f' ({self.why})' if self.why else ''}, got {v!r}")
+
+
+Pos, NonNeg = Annotated[int, Bound(1)], Annotated[int, Bound(0)]
+PosReal, NonNegReal = Annotated[float, Bound(0, lo_open=True)], Annotated[float, Bound(0)]
+
+
+_hints = functools.cache(lambda cls: typing.get_type_hints(cls, include_extras=True))
+
+
+def section(path: str):
+    """@dataclass(frozen=True) for the config section at `path` ("train", "model.rope_scaling"): building
+    one checks each `Bound` of its fields, then runs the class's `check()` (cross-key rules), if any."""
+
+    def post_init(self):
+        for name, tp in _hints(type(self)).items():
+            args = typing.get_args(tp) if typing.get_origin(tp) in (Union, types.UnionType) else (tp,)
+            for a in (a for a in args if typing.get_origin(a) is Annotated):
+                for b in (b for b in a.__metadata__ if isinstance(b, Bound)):
+                    b.check(getattr(self, name), f"{path}.{name}", type(None) in args, a.__origin__ is int)
+        getattr(self, "check", lambda: None)()
+
+    return lambda cls: dataclass(frozen=True)(type.__setattr__(cls, "__post_init__", post_init) or cls)
+
+
+@section("model.rope_scaling")
 class RopeScalingConfig:
     """RoPE frequency scaling. `type`: none | linear | llama3 | yarn (see model/rope.py)."""
 
     type: Literal["none", "linear", "llama3", "yarn"] = "none"
-    factor: float = 1.0
-    original_max_position: int = 4096
+    factor: PosReal = 1.0
+    original_max_position: Pos = 4096
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
     beta_fast: float = 32.0  # yarn
@@ -69,65 +98,60 @@ class RopeScalingConfig:
     truncate: bool = True  # yarn: round the correction range to whole dims (HF default)
 
 
-@dataclass(frozen=True)
+@section("model")
 class ModelConfig:
     """Transformer architecture. Layer i is an MoE layer when i >= first_k_dense and
     (i + 1) % moe_every == 0, unless `moe_layers` lists the MoE layers."""
 
-    vocab_size: int = 512
-    d_model: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: Optional[int] = None  # default d_model // num_heads
-    mlp_hidden: int = 512  # hidden size of dense SwiGLU layers
-    first_k_dense: int = 0
-    moe_every: int = 1
+    vocab_size: Pos = 512
+    d_model: Pos = 128
+    num_layers: Pos = 4
+    num_heads: Pos = 4
+    num_kv_heads: Pos = 2
+    head_dim: Optional[Annotated[int, Bound(1, why="d_model / num_heads")]] = None
+    mlp_hidden: Pos = 512  # hidden size of dense SwiGLU layers
+    first_k_dense: NonNeg = 0
+    moe_every: Pos = 1
     moe_layers: Optional[tuple[int, ...]] = None
     attention: Literal["gqa", "mla"] = "gqa"
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
     qk_norm: bool = False
-    norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
+    norm_eps: PosReal = 1e-6
+    rope_theta: PosReal = 10000.0
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
-    max_seq_len: int = 2048  # positions the checkpoint serves (HF max_position_embeddings)
+    max_seq_len: Pos = 2048  # positions the checkpoint serves (HF max_position_embeddings)
     tie_embeddings: bool = False
-    init_std: float = 0.02
-    # --- pieces of imported families (convert/); the defaults keep the plain GQA model ---
+    init_std: NonNegReal = 0.02
     qk_norm_scope: Literal["head", "all_heads"] = "head"  # q/k RMSNorm per head or over all heads (OLMoE)
     qk_l2_norm: bool = False  # weightless L2 (RMS) norm of q/k after rope, rope layers only (Llama-4)
     rope_interleaved: bool = False  # rotate adjacent pairs (DeepSeek, Llama-4) instead of halves
     nope_layers: tuple[int, ...] = ()  # layers without rope (Llama-4 NoPE layers)
-    attention_chunk_size: Optional[int] = None  # chunked local attention (Llama-4)
+    attention_chunk_size: Optional[Pos] = None  # chunked local attention (Llama-4)
     chunked_layers: Optional[tuple[int, ...]] = None  # layers using it (None = every layer)
     attn_temperature_tuning: bool = False  # NoPE layers scale q by log1p(floor((pos+1)/floor))*scale+1
     attn_temperature_floor: float = 8192.0
     attn_temperature_scale: float = 0.1
     gated_attention: bool = False  # attention output *= sigmoid(gate_proj(x)) before o_proj (Instella)
-    q_lora_rank: Optional[int] = None  # MLA: low-rank query (None = full q projection)
-    kv_lora_rank: int = 512  # MLA: compressed kv latent size
+    q_lora_rank: Optional[Pos] = None  # MLA: low-rank query (None = full q projection)
+    kv_lora_rank: Pos = 512  # MLA: compressed kv latent size
     qk_nope_head_dim: int = 128  # MLA: per-head q/k dims without rope ...
     qk_rope_head_dim: int = 64  # ... and with rope (one rope key shared by all heads)
     v_head_dim: int = 128  # MLA: per-head value dim
 
-    def __post_init__(self):
+    def check(self):
         n = self.num_layers
-        _ranges(self, "model", dict(head_dim=" (d_model / num_heads)"), vocab_size=1, d_model=1, mlp_hidden=1,
-                max_seq_len=1, head_dim=1, num_layers=1, num_heads=1, num_kv_heads=1, moe_every=1,
-                attention_chunk_size=1, init_std=0, norm_eps="gt0", rope_theta="gt0")
         _check(self.num_heads % self.num_kv_heads == 0,
                f"model.num_kv_heads={self.num_kv_heads} must divide model.num_heads={self.num_heads} "
                f"(grouped-query attention shares each kv head among num_heads/num_kv_heads query heads)")
         _check(self.head_dim is not None or self.d_model % self.num_heads == 0,
                f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}; "
                "set model.head_dim explicitly")
-        _check(0 <= self.first_k_dense <= n, "model.first_k_dense must be in [0, num_layers]")
+        _check(self.first_k_dense <= n, "model.first_k_dense must be in [0, num_layers]")
         for key in ("moe_layers", "nope_layers", "chunked_layers"):
             bad = [i for i in getattr(self, key) or () if not 0 <= i < n]
             _check(not bad, f"model.{key} has layer indices outside [0, {n}): {bad}")
-        if self.attention == "mla":
-            _check(self.qk_rope_head_dim % 2 == 0, f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even")
-            _ranges(self, "model", kv_lora_rank=1, q_lora_rank=1)
+        _check(self.attention != "mla" or self.qk_rope_head_dim % 2 == 0,
+               f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even")
 
     @property
     def resolved_head_dim(self) -> int:
@@ -139,34 +163,31 @@ class ModelConfig:
         return i >= self.first_k_dense and (i + 1) % self.moe_every == 0
 
 
-@dataclass(frozen=True)
+@section("moe")
 class MoEConfig:
     """Routed + shared experts and their router (architecture). `num_experts: 0` makes every layer dense."""
 
-    num_experts: int = 8
+    num_experts: NonNeg = 8
     top_k: int = 2
-    expert_hidden: int = 256
-    num_shared_experts: int = 1
-    shared_hidden: Optional[int] = None  # default expert_hidden * num_shared_experts
+    expert_hidden: Pos = 256
+    num_shared_experts: NonNeg = 1
+    shared_hidden: Optional[Annotated[int, Bound(1, why="expert_hidden x num_shared_experts")]] = None
     scoring: Literal["softmax", "sigmoid"] = "softmax"
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
-    n_group: int = 1  # group-limited routing: experts split in n_group groups ...
-    topk_group: int = 1  # ... and tokens pick experts only from the best topk_group groups
+    n_group: Pos = 1  # group-limited routing: experts split in n_group groups ...
+    topk_group: Pos = 1  # ... and tokens pick experts only from the best topk_group groups
     group_score: Literal["max", "top2_sum"] = "max"  # how a group is scored (V2: max, V3: top2_sum)
     selection_bias: bool = False  # aux-loss-free balancing: bias added for selection only
     shared_gate: bool = False  # shared-expert output *= sigmoid(x @ w_gate [d, 1]) (Qwen2-MoE)
     route_on_input: bool = False  # the routing weight scales the expert INPUT (Llama-4; needs top_k 1)
 
-    def __post_init__(self):
+    def check(self):
         e, k = self.num_experts, self.top_k
-        _ranges(self, "moe", num_experts=0, num_shared_experts=0)
         if e:
-            _ranges(self, "moe", dict(shared_hidden=" (expert_hidden x num_shared_experts)"), expert_hidden=1,
-                    shared_hidden=1)
             _check(1 <= k <= e, f"moe.top_k={k} must be between 1 and moe.num_experts={e}")
             _check(e % self.n_group == 0, f"moe.n_group={self.n_group} must divide moe.num_experts={e}")
-            _check(1 <= self.topk_group <= self.n_group, f"moe.topk_group={self.topk_group} must be in [1, moe.n_group={self.n_group}]")
+            _check(self.topk_group <= self.n_group, f"moe.topk_group={self.topk_group} must be in [1, moe.n_group={self.n_group}]")
             _check(self.n_group == 1 or k <= self.topk_group * (e // self.n_group),
                    "moe.top_k exceeds the experts available in the selected groups (topk_group * num_experts / n_group)")
         _check(not self.route_on_input or k == 1,
@@ -177,37 +198,32 @@ class MoEConfig:
         return self.shared_hidden if self.shared_hidden is not None else self.expert_hidden * self.num_shared_experts
 
 
-@dataclass(frozen=True)
+@section("runtime")
 class RuntimeConfig:
-    """How this run computes the architecture; no checkpoint fixes any of it, so loading weights keeps
-    every key as the user set it (docs/config.md: each key's side and why)."""
+    """How this run computes the architecture: no checkpoint fixes any of it, so loading weights keeps
+    every key as the user set it. Kernels and layouts: docs/config.md."""
 
     param_dtype: DType = "float32"
     compute_dtype: DType = "float32"
     remat: Literal["none", "full", "dots", "minimal"] = "none"
-    scan_layers: bool = False  # one lax.scan per stack of identical layers (model/stacking.py, docs/scan.md)
-    micro_batches: int = 1  # 2: two-batch overlap, interleaved independent micro-batches (model/layer_loop.py)
-    # attention core (kernels/attention.py): naive [t, s] scores; blockwise = flash-style over attention_block
-    # tokens; causal_blocks = each query block against its key prefix; fused_cpu = the C++ CPU kernel; auto
-    attention_impl: Literal["auto", "naive", "blockwise", "causal_blocks", "fused_cpu"] = "auto"
-    attention_block: int = 512
-    num_groups: int = 1  # Federation of Experts groups (1 = ordinary MoE); the same weights for any H
+    scan_layers: bool = False  # one lax.scan per stack of identical layers (docs/scan.md)
+    micro_batches: Annotated[int, Bound(1, why="2 = two-batch overlap")] = 1
+    attention_impl: Literal["auto", "naive", "blockwise", "causal_blocks", "fused_cpu"] = "auto"  # kernels/attention.py
+    attention_block: Pos = 512
+    num_groups: Pos = 1  # Federation of Experts groups (1 = ordinary MoE); the same weights for any H
     dispatch: Literal["local", "all_to_all", "hierarchical", "ragged"] = "local"
-    gpus_per_node: Optional[int] = None  # hierarchical dispatch: node = device.id // this (null: process_index)
+    gpus_per_node: Optional[Pos] = None  # hierarchical dispatch: node = device.id // this (null: process_index)
     gmm: Literal["auto", "blas", "ragged_dot", "tiled", "einsum"] = "auto"
-    gmm_tile: int = 256
-    capacity_factor: Optional[float] = None  # None = dropless
+    gmm_tile: Pos = 256
+    capacity_factor: Optional[Annotated[float, Bound(0, lo_open=True, why="null: dropless")]] = None
     foe_tokens: Literal["replicated", "sharded"] = "replicated"  # FoE under EP: tokens over device groups
     foe_attention: Literal["groups", "local"] = "groups"  # local: shared-input attention on own tokens
     foe_sum_dtype: Literal["auto", "float32", "bfloat16", "float8_e4m3fn"] = "auto"  # FoE sum payload
-    aux_loss_weight: float = 0.01  # load-balance loss weight
-    z_loss_weight: float = 0.0  # router z-loss weight
-    bias_update_rate: float = 1e-3  # moe.selection_bias: the bias step per update
+    aux_loss_weight: NonNegReal = 0.01  # load-balance loss weight
+    z_loss_weight: NonNegReal = 0.0  # router z-loss weight
+    bias_update_rate: NonNegReal = 1e-3  # moe.selection_bias: the bias step per update
 
-    def __post_init__(self):
-        _ranges(self, "runtime", dict(micro_batches=" (2 = two-batch overlap)", capacity_factor=" (dropless)"), aux_loss_weight=0, z_loss_weight=0,
-                bias_update_rate=0, attention_block=1, micro_batches=1, capacity_factor="gt0", gmm_tile=1,
-                gpus_per_node=1, num_groups=1)
+    def check(self):
         _check(self.gpus_per_node is None or self.dispatch == "hierarchical",
                f"runtime.gpus_per_node is read by runtime.dispatch=hierarchical only (got dispatch={self.dispatch!r})")
         _check(self.foe_attention == "groups" or self.foe_tokens == "sharded",
@@ -218,43 +234,31 @@ class RuntimeConfig:
                "of scaled shards plus a local sum, i.e. a reduce-scatter)")
 
 
-@dataclass(frozen=True)
+@section("farskip")
 class FarSkipConfig:
-    """Which stream each sub-block reads (docs/design.md section 1); the run's choice, defaulted by an
-    exported folder's "farskip_jax" section on import (convert/connectivity.py). preset: standard |
-    farskip | attn_only | mlp_only; attn_input / moe_input override the preset on converted layers;
-    `layers`: the converted layers (layer_sets.py forms; `auto`: chosen by FCSD within
-    distill.auto_budget, fcsd/planner.py); `skip_distance: d`: partial/outdated inputs lack the MoE
-    outputs of the last d layers (1 = the paper's FarSkip)."""
+    """Which stream each sub-block reads (docs/design.md section 1; parsed by connectivity/layer_sets.py).
+    preset: standard | farskip | attn_only | mlp_only; attn_input / moe_input override the preset on the
+    converted `layers` (`auto`: chosen by FCSD within distill.auto_budget); `skip_distance: d`: partial /
+    outdated inputs lack the MoE outputs of the last d layers (1 = the paper's FarSkip)."""
 
     preset: str = "standard"
     attn_input: Optional[Literal["full", "partial", "outdated"]] = None
     moe_input: Optional[Literal["full", "outdated"]] = None
     layers: Union[str, tuple[int, ...]] = "all"
-    skip_distance: int = 1
+    skip_distance: Pos = 1
 
-    def __post_init__(self):
-        _check(self.preset in PRESETS, f"farskip.preset={self.preset!r} is unknown; choose one of {sorted(PRESETS)}"
-               + _suggest(self.preset, list(PRESETS)))
-        _ranges(self, "farskip", skip_distance=1)
-        if isinstance(self.layers, str) and self.layers != "auto":
-            parse_layer_spec(self.layers, None)  # syntax check; range checked against num_layers by Config
-        _check(self.layers != "auto" or self.preset != "standard",
-               "farskip.layers: auto chooses which layers to convert, but farskip.preset is standard (nothing to "
-               "convert); set farskip.preset: farskip (or attn_only / mlp_only)")
+    def check(self):
+        layer_sets.check_farskip_section(self)
 
     def converted_layers(self, num_layers: int) -> frozenset[int]:
-        return parse_layer_spec(self.layers, num_layers) if isinstance(self.layers, str) else frozenset(self.layers)
+        return layer_sets.converted_layers(self, num_layers)
 
     def layer_inputs(self, i: int, num_layers: int) -> tuple[str, str]:
         """(attn_input, moe_input) of layer i."""
-        if i not in self.converted_layers(num_layers):
-            return ("full", "full")
-        attn, moe = PRESETS[self.preset]
-        return (self.attn_input or attn, self.moe_input or moe)
+        return layer_sets.layer_inputs(self, i, num_layers)
 
 
-@dataclass(frozen=True)
+@section("mesh")
 class MeshConfig:
     """Device mesh sizes; their product must equal the device count (one of them may be -1 to take
     the rest). `xla_preset` selects the XLA flags set before JAX starts (parallel/xla_flags.py)."""
@@ -269,71 +273,48 @@ class MeshConfig:
     num_processes: Optional[int] = None
     process_id: Optional[int] = None
 
-    def __post_init__(self):
+    def check(self):
         sizes = {"data": self.data, "fsdp": self.fsdp, "expert": self.expert, "tensor": self.tensor}
         _check(all(v == -1 or v >= 1 for v in sizes.values()), f"mesh sizes must be >= 1 or -1, got {sizes}")
         _check(sum(v == -1 for v in sizes.values()) <= 1, f"at most one mesh axis may be -1, got {sizes}")
 
 
-@dataclass(frozen=True)
+@section("train")
 class TrainConfig:
     """Optimisation, schedule, logging and checkpoint cadence."""
 
     mode: Literal["pretrain", "distill"] = "pretrain"
-    steps: int = 300
-    batch_size: int = 16
-    seq_len: int = 128
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 30
-    weight_decay: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    grad_clip: float = 1.0
-    grad_accum: int = 1
-    seed: int = 0
-    eval_every: int = 100
-    eval_batches: int = 4
-    log_every: int = 10
+    steps: Pos = 300
+    batch_size: Pos = 16
+    seq_len: Pos = 128
+    lr: PosReal = 3e-3
+    min_lr_ratio: Annotated[float, Bound(0, 1, why="final lr / train.lr")] = 0.1
+    warmup_steps: NonNeg = 30
+    weight_decay: Annotated[float, Bound(0, why="0 turns it off")] = 0.1
+    b1: Annotated[float, Bound(0, 1, hi_open=True, why="AdamW moment decay")] = 0.9
+    b2: Annotated[float, Bound(0, 1, hi_open=True, why="AdamW moment decay")] = 0.95
+    grad_clip: Annotated[float, Bound(0, why="0 turns it off")] = 1.0
+    grad_accum: Pos = 1
+    seed: Annotated[int, Bound(0, 2**32, hi_open=True, why="it seeds the weights and the data order")] = 0
+    eval_every: Annotated[int, Bound(0, why="0 turns it off")] = 100
+    eval_batches: Pos = 4
+    log_every: Pos = 10
     run_dir: str = "runs/default"
     overwrite: bool = False
-    checkpoint_every: int = 0  # 0 = only at the end
-    keep_checkpoints: int = 3  # >= 1: the newest checkpoints kept (the final one always among them)
-    resume_step: Optional[int] = None  # resume from this checkpoint step instead of the newest (newer ones are dropped)
+    checkpoint_every: Annotated[int, Bound(0, why="the steps between checkpoints; 0 saves only at the end")] = 0
+    keep_checkpoints: Annotated[int, Bound(1, why="the newest checkpoints kept; keep at least the run's final one")] = 3
+    resume_step: Optional[Annotated[int, Bound(0, why="a checkpoint step to resume from, newer ones are dropped; null: the newest")]] = None
     max_nonfinite: int = 5
-    peak_flops: Optional[float] = None  # per device, for MFU
+    peak_flops: Optional[Annotated[float, Bound(0, lo_open=True, why="FLOP/s per device; null: measured on CPU")]] = None
     tensorboard: bool = True
-    time_limit_s: Optional[float] = None  # stop (with a checkpoint) after this many seconds of training
-    loss_chunk: Optional[int] = None  # cross entropy loss_chunk positions at a time (losses/chunked.py); 0/null: all
+    time_limit_s: Optional[Annotated[float, Bound(0, lo_open=True, why="seconds; stop with a checkpoint after it; null: no limit")]] = None
+    loss_chunk: Optional[Annotated[int, Bound(0, why="positions per cross-entropy chunk, losses/chunked.py; 0 / null: all")]] = None
 
-    def __post_init__(self):
-        off = " (0 turns it off)"
-        _ranges(self, "train", dict(weight_decay=off, grad_clip=off, eval_every=off, time_limit_s=" (seconds; null: no limit)",
-                                    peak_flops=" (FLOP/s per device; null: measured on CPU)"),
-                steps=1, batch_size=1, seq_len=1, grad_accum=1, log_every=1, eval_batches=1, lr="gt0", warmup_steps=0,
-                weight_decay=0, grad_clip=0, eval_every=0, peak_flops="gt0", time_limit_s="gt0")
-        _check(_is_int(self.keep_checkpoints) and self.keep_checkpoints >= 1,
-               f"train.keep_checkpoints={self.keep_checkpoints!r}: keep at least 1 checkpoint (the run's final one); "
-               "set it to 1 or more")
-        _check(_is_int(self.checkpoint_every) and self.checkpoint_every >= 0,
-               f"train.checkpoint_every={self.checkpoint_every!r}: give the steps between checkpoints (an int >= 1), "
-               "or 0 to save only at the end")
-        _check(self.resume_step is None or (_is_int(self.resume_step) and self.resume_step >= 0),
-               f"train.resume_step={self.resume_step!r}: give a checkpoint step of the run (an int >= 0), or null for "
-               "the newest")
-        _check(0.0 <= self.min_lr_ratio <= 1.0, f"train.min_lr_ratio must be in [0, 1] (final lr / train.lr), "
-                                                f"got {self.min_lr_ratio}")
-        _check(0.0 <= self.b1 < 1.0 and 0.0 <= self.b2 < 1.0,
-               f"train.b1 and train.b2 (AdamW moment decays) must be in [0, 1), got {self.b1}, {self.b2}")
-        _check(0 <= self.seed < 2**32, f"train.seed must be in [0, 2**32) (it seeds the weights and the data order), "
-                                       f"got {self.seed}")
+    def check(self):
         _check(self.batch_size % self.grad_accum == 0, "train.grad_accum must divide train.batch_size")
-        _check(self.loss_chunk is None or (_is_int(self.loss_chunk) and self.loss_chunk >= 0),
-               f"train.loss_chunk={self.loss_chunk!r}: give sequence positions per loss chunk (an int >= 1, e.g. 512), "
-               "or 0 / null for the full logits")
 
 
-@dataclass(frozen=True)
+@section("data")
 class DataConfig:
     """Training text. source: stdlib (the interpreter's own .py files, no download) | text | jsonl |
     arrayrecord; tokenizer: byte or a path to an HF tokenizer.json."""
@@ -342,91 +323,67 @@ class DataConfig:
     paths: tuple[str, ...] = ()
     text_field: str = "text"
     tokenizer: str = "byte"
-    val_fraction: float = 0.02
-    max_docs: Optional[int] = None
+    val_fraction: Annotated[float, Bound(0, 1, lo_open=True, hi_open=True)] = 0.02
+    max_docs: Optional[Annotated[int, Bound(1, why="null: every document")]] = None
     shuffle: bool = True  # shuffle training documents (deterministic from train.seed)
     shard_by: Literal["rows", "docs"] = "rows"  # multi-process split: rows of each global batch, or documents
-    prefetch: int = 2  # training batches a background thread prepares ahead of the step (0: none)
+    prefetch: Annotated[int, Bound(0, why="batches a background thread prepares ahead; 0 turns it off")] = 2
     skip_bad_records: bool = False  # unreadable jsonl/arrayrecord records: false = one error naming the first; true = drop, counted
 
-    def __post_init__(self):
-        _check(0.0 < self.val_fraction < 1.0, "data.val_fraction must be in (0, 1)")
-        _ranges(self, "data", dict(max_docs=" (every document)", prefetch=" (batches prepared ahead; 0 turns it off)"),
-                max_docs=1, prefetch=0)
+    def check(self):
         _check(self.source == "stdlib" or len(self.paths) > 0, f"data.source={self.source!r} needs data.paths")
 
 
-@dataclass(frozen=True)
+@section("distill")
 class DistillConfig:
-    """FCSD self-distillation (teacher = same weights, standard connectivity)."""
+    """FCSD self-distillation (teacher = same weights, standard connectivity); the auto_* keys apply to
+    farskip.layers: auto only (fcsd/planner.py)."""
 
-    temperature: float = 1.0
+    temperature: PosReal = 1.0
     kl: Literal["forward", "reverse", "both"] = "forward"
-    kl_weight: float = 1.0
-    ce_weight: float = 0.0
-    hidden_weight: float = 0.0
-    top_k_logits: int = 0  # 0 = full distribution; k > 0: forward KL over the teacher's top-k tokens + one tail bucket
+    kl_weight: NonNegReal = 1.0
+    ce_weight: NonNegReal = 0.0
+    hidden_weight: NonNegReal = 0.0
+    top_k_logits: Annotated[int, Bound(0, why="0 = full distribution; k: forward KL over the teacher's top k + one tail bucket")] = 0
     teacher_dtype: DType = "bfloat16"
     metric: Literal["val_kl", "val_loss", "task"] = "val_kl"  # "task": mean accuracy over eval.tasks
-    patience: int = 20
+    patience: Pos = 20
     max_drop: float = 0.02  # stop when the metric is this much (relative) worse than the best; <= 0: off
-    eval_every: int = 1000
+    eval_every: Pos = 1000
     init_from_run: Optional[str] = None  # run folder (pretrain or distill) whose newest checkpoint = teacher + student
     export_hf: Optional[str] = None  # folder to write the best student to in HF format (convert/export.py)
     export_family: Optional[str] = None  # HF model_type for export when the weights did not come from an HF folder
-    max_tokens: Optional[int] = None  # stop after this many training tokens (e.g. 5% of the teacher's pretraining)
-    # --- farskip.layers: auto (fcsd/planner.py); each only with farskip.layers: auto ---
-    auto_budget: Optional[float] = None  # allowed relative val-loss gap to the teacher after FCSD (0.01 = 1%)
-    auto_retention: Optional[float] = None  # predicted gap after FCSD / untrained gap (default planner.DEFAULT_RETENTION)
+    max_tokens: Optional[Pos] = None  # stop after this many training tokens (e.g. 5% of the teacher's pretraining)
+    auto_budget: Optional[Annotated[float, Bound(0, 1, lo_open=True, why="relative val-loss gap, 0.01 = 1%")]] = None
+    auto_retention: Optional[Annotated[float, Bound(0, 1, lo_open=True, why="predicted gap after / before FCSD")]] = None
     auto_search: Literal["ends", "greedy"] = "ends"  # candidate sets: first/last N; greedy: + one layer at a time
 
-    def __post_init__(self):
-        _ranges(self, "distill", dict(top_k_logits=" (0 = full distribution)"), temperature="gt0", top_k_logits=0,
-                patience=1, eval_every=1, kl_weight=0, ce_weight=0, hidden_weight=0, max_tokens=1)
-        _check(self.auto_budget is None or 0 < self.auto_budget <= 1,
-               f"distill.auto_budget must be a relative val-loss gap in (0, 1] (0.01 = 1%), got {self.auto_budget}")
-        _check(self.auto_retention is None or 0 < self.auto_retention <= 1,
-               f"distill.auto_retention must be in (0, 1] (the predicted gap after FCSD as a fraction of the "
-               f"untrained gap), got {self.auto_retention}")
 
-
-@dataclass(frozen=True)
+@section("eval")
 class EvalConfig:
     """Evaluation settings (eval.py)."""
 
-    batches: int = 8
+    batches: Annotated[int, Bound(1, why="validation batches")] = 8
     tasks: tuple[str, ...] = ()
-    max_new_tokens: int = 64
-    top_p: float = 1.0
-    temperature: float = 0.0
-
-    def __post_init__(self):
-        _ranges(self, "eval", dict(batches=" (validation batches)", max_new_tokens=" (tokens to generate)"),
-                batches=1, max_new_tokens=1)
-        _check(0.0 < self.top_p <= 1.0, f"eval.top_p={self.top_p} must be in (0, 1]: the probability mass sampling "
-                                        "keeps (1 = all tokens; 0 would keep none)")
-        _check(self.temperature >= 0.0,
-               f"eval.temperature={self.temperature} must be >= 0 (0 = greedy decoding, > 0 = sampling)")
+    max_new_tokens: Annotated[int, Bound(1, why="tokens to generate")] = 64
+    top_p: Annotated[float, Bound(0, 1, lo_open=True, why="probability mass sampling keeps; 1 = all tokens")] = 1.0
+    temperature: Annotated[float, Bound(0, why="0 = greedy decoding, > 0 = sampling")] = 0.0
 
 
-@dataclass(frozen=True)
+@section("inference")
 class InferenceConfig:
-    """Mesh layout of generation (serving/, docs/inference.md). training: the training layout; tp_ep: heads
-    over mesh.tensor, experts over mesh.expert x mesh.tensor, replicated activations, an all-reduce per
-    sub-block; dp_ep: SGLang's large-scale EP layout, attention data parallel (each device its own
-    requests and KV cache), experts over mesh.expert by the training's all-to-all (serving/dp_ep.py);
-    foe: each Federation of Experts group on its own GPUs (serving/foe.py). shared_experts
+    """Mesh layout of generation (serving/, docs/inference.md): training | tp_ep (heads over mesh.tensor,
+    all-reduces) | dp_ep (SGLang's large-scale EP) | foe (a GPU group per FoE group); shared_experts
     (tp_ep): `tensor` splits them over mesh.tensor, `replicated` keeps them whole on every GPU."""
 
     layout: Literal["training", "tp_ep", "dp_ep", "foe"] = "training"
     shared_experts: Literal["tensor", "replicated"] = "tensor"
 
 
-@dataclass(frozen=True)
+@section("kernels")
 class KernelsConfig:
     """The optional CPU fast paths (farskip_jax/kernels/, docs/cpu_speed.md): C++ XLA FFI kernels for the
-    grouped matmul (runtime.gmm: blas), the attention core (runtime.attention_impl: fused_cpu) and the
-    float32 Linear matmuls, in CPU programs only. Each key has an environment override (KERNELS_ENV)."""
+    grouped matmul, the attention core and float32 Linear matmuls. Environment overrides: KERNELS_ENV."""
 
     enabled: bool = True  # false: plain JAX everywhere (runtime.gmm auto -> tiled, attention auto -> naive)
     dense_matmul: Literal["auto", "xla"] = "auto"  # auto: float32 Linear dots through BLAS in one-device CPU programs
@@ -436,7 +393,7 @@ class KernelsConfig:
     cache_dir: Optional[str] = None  # where the compiled library lives (default ~/.cache/farskip_jax)
     host_malloc: Literal["resident", "default"] = "resident"  # CPU runs: glibc keeps freed memory (kernels/host_memory.py)
 
-    def __post_init__(self):
+    def check(self):
         for key in ("blas_lib", "cache_dir"):
             v = getattr(self, key)
             _check(v is None or bool(v.strip()), f"kernels.{key} is empty; remove the key for the default or name a {key}")
@@ -444,7 +401,7 @@ class KernelsConfig:
                f"kernels.blas_lib={self.blas_lib!r} and kernels.blas={self.blas!r} both choose the BLAS library; set one")
 
 
-@dataclass(frozen=True)
+@section("")
 class Config:
     """Everything a run needs. `init_from_hf`: an HF checkpoint folder to start from."""
 
@@ -467,7 +424,7 @@ class Config:
         `src`; runtime, farskip and every other section stay this config's."""
         return dataclasses.replace(self, model=src.model, moe=src.moe)
 
-    def __post_init__(self):
+    def check(self):
         m, e, r, mesh, d, fs = self.model, self.moe, self.runtime, self.mesh, self.distill, self.farskip
         g = r.num_groups
         if e.num_experts and g > 1:
@@ -551,7 +508,7 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     elif tp is int:
         if isinstance(value, float) and value.is_integer():
             return int(value)
-        _check(_is_int(value), f"{path}={value!r} must be an integer")
+        _check(isinstance(value, int) and not isinstance(value, bool), f"{path}={value!r} must be an integer")
     elif tp is float:
         if isinstance(value, (int, float, str)) and not isinstance(value, bool):
             try:

@@ -9,7 +9,7 @@ The recorder subclasses the model's layer step (model/layer_step.py) and only ob
 it records is the one every forward runs. Eager calls only (the records are the arrays themselves).
 """
 
-from farskip_jax.model.connectivity import moe_stream
+from farskip_jax.connectivity.streams import moe_stream
 from farskip_jax.model.foe import FoEStep
 
 

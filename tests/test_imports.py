@@ -122,7 +122,7 @@ def test_package_graph_joins_modules_into_packages():
 
 
 # docs/design.md section 3, bottom to top: a package imports only from its own layer and the layers below.
-LAYERS = (("farskip_jax", "errors", "quiet_start", "config", "config_yaml", "layer_sets"), ("kernels",), ("model", "losses"), ("parallel",),
+LAYERS = (("farskip_jax", "errors", "quiet_start", "config", "config_yaml", "connectivity"), ("kernels",), ("model", "losses"), ("parallel",),
           ("loading", "data", "folders"), ("train", "eval", "convert", "fcsd", "serving"), ("analysis",),
           ("experiments", "studies"))
 # within the train / eval / convert / fcsd / serving layer: what each may import of the other four

@@ -22,7 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from farskip_jax.config import Config
 from farskip_jax.model.attention import Attention, KVCache, LayerCache
-from farskip_jax.model.connectivity import moe_stream
+from farskip_jax.connectivity.streams import moe_stream
 from farskip_jax.model.experts import RoutedComputeFn
 from farskip_jax.model.layers import RMSNorm, SwiGLU, dtype_of
 from farskip_jax.model.mla import MLAttention

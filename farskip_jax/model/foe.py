@@ -26,7 +26,7 @@ group h is R_{k-1} minus the OTHER groups' routed outputs of layer k-1. Under Fa
 converted layer's attention reads `partial` / `outdated` (these lack every group's routed output of
 layer k-1, so all groups read the same stream) and its MoE reads `outdated` = R_{k-1}; then neither
 the cross-group sum nor the intra-group all-to-alls are on the critical path. Every preset,
-`layers` set and `skip_distance` works as for the ordinary model (model/connectivity.py).
+`layers` set and `skip_distance` works as for the ordinary model (connectivity/streams.py).
 
 Choices where the paper leaves details open (documented, see also docs/foe.md):
   - scoring: each group's router normalises over its own E/H experts (softmax per group); the
@@ -72,7 +72,7 @@ from jax.ad_checkpoint import checkpoint_name
 from farskip_jax.config import Config
 from farskip_jax.errors import ConfigError
 from farskip_jax.model.block import Block, BlockOutput
-from farskip_jax.model.connectivity import Streams, add_present
+from farskip_jax.connectivity.streams import Streams, add_present
 from farskip_jax.model.experts import ExpertWeights, RoutedComputeFn, local_routed_compute
 from farskip_jax.model.layer_step import LayerStep
 from farskip_jax.model.router import RouteResult

@@ -8,7 +8,7 @@ A *step* runs ONE layer on the carried state (model/layer_step.py: the layer, wr
 
     step(block, carry, site, entry) -> (carry, BlockOutput, entry)
 
-`carry` is the step's pytree with a `full` field (model/connectivity.Streams for the ordinary model;
+`carry` is the step's pytree with a `full` field (connectivity/streams.Streams for the ordinary model;
 model/foe.py adds the groups' pending outputs); `site` (LayerSite) says which layer it is: its index
 and static connectivity kinds, and where it sits in the model's stacks; `entry` is the layer's KV-cache
 entry (decoding) or None.

@@ -34,11 +34,11 @@ import jax
 from farskip_jax.config import FarSkipConfig
 from farskip_jax.model.attention import KVCache, LayerCache, cache_mask
 from farskip_jax.model.block import Block, BlockOutput, remat
-from farskip_jax.model.connectivity import Streams
+from farskip_jax.connectivity.streams import Streams
 
 
 class LayerStep:
-    """The ordinary layer on the streams of model/connectivity.py (module doc). scannable: whether the
+    """The ordinary layer on the streams of connectivity/streams.py (module doc). scannable: whether the
     layer loop may run a stack's layers as a scan with this step."""
 
     scannable = True

@@ -2,7 +2,7 @@
 
 Every stream of FarSkip connectivity (docs/design.md section 1) is per token: the streams of token j
 depend only on token j's own sub-block outputs, and tokens interact only inside attention (through
-keys/values). So a decode step runs the SAME stream logic (model/connectivity.py `Streams`) over the
+keys/values). So a decode step runs the SAME stream logic (connectivity/streams.py `Streams`) over the
 new tokens only, with attention reading the cached keys/values of all earlier tokens. The cache
 holds, per layer, k [batch, max_len, kv_heads, head_dim] and v [batch, max_len, kv_heads, v_dim]
 (MLA: the decompressed per-head keys/values, not the latent; simple and exact, not memory-lean).

@@ -1,14 +1,16 @@
-"""Converted-layer sets of the farskip section: the presets' stream choices and the `farskip.layers`
-forms ('all', 'none', 'first:N', 'last:N', 'range:A:B', a list) -> the set of converted layers.
+"""The farskip section read: presets -> stream kinds, the `farskip.layers` forms ('all', 'none',
+'first:N', 'last:N', 'range:A:B', a list) -> the set of converted layers, and each layer's
+(attn_input, moe_input), which streams.py turns into stream reads (`Streams.attn_input`, `moe_stream`).
 
-Plain Python (no JAX): config validation and the XLA flags chosen before JAX starts read it; the model
-turns a layer's (attn_input, moe_input) into its stream reads in model/connectivity.py (`Streams`).
+Plain Python (no JAX): config validation and the XLA flags chosen before JAX starts read it.
 
     parse_layer_spec("last:2", 4) == frozenset({2, 3})
+    layer_inputs(FarSkipConfig(preset="farskip", layers="last:2"), 3, 4) == ("partial", "outdated")
 """
 
 from __future__ import annotations
 
+import difflib
 from typing import Optional
 
 from farskip_jax.errors import ConfigError
@@ -19,6 +21,8 @@ def _check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+ATTN_KINDS = ("full", "partial", "outdated")  # the streams attention may read (streams.py)
+MOE_KINDS = ("full", "outdated")  # the streams the MoE / dense MLP may read
 PRESETS: dict[str, tuple[str, str]] = {
     # preset -> (attn_input, moe_input) on converted layers (docs/design.md section 1)
     "standard": ("full", "full"),
@@ -26,6 +30,33 @@ PRESETS: dict[str, tuple[str, str]] = {
     "attn_only": ("partial", "full"),
     "mlp_only": ("full", "outdated"),
 }
+
+
+def check_farskip_section(fs) -> None:
+    """ConfigError unless the farskip section `fs` names a preset and a layer set of valid syntax (the
+    bounds need the model: check_converted_layers), and `auto` has something to convert."""
+    if fs.preset not in PRESETS:
+        close = difflib.get_close_matches(fs.preset, list(PRESETS), n=3, cutoff=0.5)
+        raise ConfigError(f"farskip.preset={fs.preset!r} is unknown; choose one of {sorted(PRESETS)}"
+                          + (f" (did you mean {', '.join(map(repr, close))}?)" if close else ""))
+    if isinstance(fs.layers, str) and fs.layers != "auto":
+        parse_layer_spec(fs.layers, None)
+    _check(fs.layers != "auto" or fs.preset != "standard",
+           "farskip.layers: auto chooses which layers to convert, but farskip.preset is standard (nothing to "
+           "convert); set farskip.preset: farskip (or attn_only / mlp_only)")
+
+
+def converted_layers(fs, num_layers: int) -> frozenset[int]:
+    """The layers the farskip section `fs` converts on a num_layers model (no bounds check)."""
+    return parse_layer_spec(fs.layers, num_layers) if isinstance(fs.layers, str) else frozenset(fs.layers)
+
+
+def layer_inputs(fs, i: int, num_layers: int) -> tuple[str, str]:
+    """(attn_input, moe_input) of layer i under the farskip section `fs`."""
+    if i not in converted_layers(fs, num_layers):
+        return ("full", "full")
+    attn, moe = PRESETS[fs.preset]
+    return (fs.attn_input or attn, fs.moe_input or moe)
 
 
 def check_converted_layers(fs, num_layers: int) -> frozenset[int]:

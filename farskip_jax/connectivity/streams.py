@@ -32,8 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-ATTN_KINDS = ("full", "partial", "outdated")
-MOE_KINDS = ("full", "outdated")
+from farskip_jax.connectivity.layer_sets import ATTN_KINDS, MOE_KINDS
 
 
 def add_present(x: jax.Array, *ys: Optional[jax.Array]) -> jax.Array:
