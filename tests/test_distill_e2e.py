@@ -187,3 +187,42 @@ def test_distill_from_hf_folder_end_to_end(tmp_path):
     b = val_batches(run_cfg, 1)[0]
     np.testing.assert_allclose(forward(gd2, st2, b, run_cfg.farskip).logits, forward(gd, st, b, run_cfg.farskip).logits,
                                rtol=1e-5, atol=1e-5)
+
+
+def test_resume_step_drops_a_best_student_of_the_discarded_steps(teacher_run, tmp_path):
+    """train.resume_step=2 after a run whose best student is of step 6: best/ then holds the student of
+    the best evaluation up to step 2 (replayed by early stopping), never the discarded step 6's."""
+    import io
+
+    from farskip_jax.config import load_config
+    from farskip_jax.fcsd.distill import distill
+    from farskip_jax.loading.checkpoint import Checkpointer
+
+    run = str(tmp_path / "run")
+
+    def cfg(*extra):
+        return load_config("configs/distill_tiny.yaml", [*TINY, f"distill.init_from_run={teacher_run}", "train.steps=6",
+                                                         "distill.eval_every=2", "train.lr=3e-3", "train.warmup_steps=1",
+                                                         "train.log_every=1", "train.checkpoint_every=2",
+                                                         "train.keep_checkpoints=5", f"train.run_dir={run}", *extra])
+
+    a = distill(cfg(), stream=io.StringIO())
+    assert a.status == "done" and a.best_step == 6, (a.status, a.best_step, a.evals)  # the KL falls at every evaluation
+    hook = SigtermAt(3)  # stop right after the resumed run's first step, before it evaluates again
+    b = distill(cfg("train.resume_step=2"), stream=hook)
+    assert hook.sent and b.status == "preempted", b.status
+    with open(os.path.join(run, "early_stopping.json")) as f:
+        es = json.load(f)
+    best = Checkpointer(os.path.join(run, "best"), keep=1)
+    assert es["best_step"] == 2 and best.latest_step() == 2, (es, best.latest_step())
+    best.close()
+    text = "".join(hook.text)
+    assert "best/ held the student of step 6, which train.resume_step=2 discards: dropped" in text, text[-2000:]
+    import jax
+
+    from farskip_jax.loading.load import load_run
+
+    _, _, kept = load_run(run, "best")  # the best student is the run's checkpoint of step 2, bit for bit
+    _, _, at2 = load_run(run, 2)
+    for x, y in zip(jax.tree.leaves(kept["params"]), jax.tree.leaves(at2["params"]), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -207,6 +207,25 @@ class DistillTask(Task):
         return None
 
 
+def drop_discarded_best(best: Checkpointer, es: EarlyStopper, start: int, state, data_state: dict) -> list[str]:
+    """After train.resume_step=start (the steps after it are trained again): best/ may hold a student of
+    those discarded steps. Drop it, so best/ holds the student of es.best_step (replayed up to start)
+    or none: the student at `start` when it is that best, else the best is forgotten (its weights were
+    replaced) and the next evaluation's student becomes it. Lines for the log."""
+    held = best.latest_step()
+    if held is None or held <= start:
+        return []
+    best.drop_after(start)
+    head = f"best/ held the student of step {held}, which train.resume_step={start} discards: dropped; "
+    if es.best_step == start:
+        best.save(start, state, data_state)
+        return [head + f"the student of step {start}, the best up to it, is kept instead"]
+    lost = es.best_step
+    es.forget_best()
+    return [head + (f"the best before it (step {lost}) was not kept, so " if lost is not None else "")
+            + "the next evaluation's student becomes the best"]
+
+
 def distill(cfg: Config, *, stream=None) -> DistillResult:
     """Run (or resume) FCSD as described by `cfg` (train.mode must be 'distill')."""
     t, d = cfg.train, cfg.distill
@@ -257,6 +276,11 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     if saved_es is not None and session.start is not None:  # evaluations after the checkpoint will run again
         es.load_state_dict(saved_es, upto=session.start)
     best = Checkpointer(os.path.join(run_dir, "best"), keep=1, async_save=False)
+    if t.resume_step is not None and session.start is not None:
+        for line in drop_discarded_best(best, es, session.start, session.state, session.train_it.get_state()):
+            log.print(line)
+            with open(es_path, "w") as f:
+                json.dump(es.state_dict(), f)
     if plan is not None:
         if not plan_reused:
             write_plan(plan, run_dir, auto_request)

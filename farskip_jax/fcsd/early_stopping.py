@@ -69,6 +69,11 @@ class EarlyStopper:
     def state_dict(self) -> dict:
         return dict(best=self.best, best_step=self.best_step, bad_evals=self.bad_evals, history=self.history)
 
+    def forget_best(self) -> None:
+        """No best value (history and the count of evaluations without improvement stay): the next
+        finite evaluation becomes the best; used when the best's weights are no longer kept."""
+        self.best, self.best_step = None, None
+
     def load_state_dict(self, d: dict, upto: Optional[int] = None) -> None:
         """Restore a state_dict by replaying its history (best, best_step and bad_evals follow from
         it); with `upto`, only the evaluations up to that step: a resume from an older checkpoint
