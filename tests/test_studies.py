@@ -16,6 +16,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
 
 
+def test_the_dp_ep_study_compiles_each_point_once_through_the_harness_cache(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from farskip_jax.studies import compare_dp_ep
+
+    made = []
+
+    def fake_compile(cfg, program, rows, tokens, context):
+        made.append((cfg.runtime.micro_batches, cfg.farskip.preset, cfg.model.num_layers, program, rows, tokens, context))
+        return SimpleNamespace(compile_s=0.0, what=made[-1])
+
+    monkeypatch.setattr(compare_dp_ep, "compile_dp_ep", fake_compile)
+    base = compare_dp_ep.load_config(harness.model_config_path("dsv3_6l"))
+    cache = harness.CompileCache(str(tmp_path))
+    for _ in range(2):
+        c = compare_dp_ep.compile_point(base, cache, "decode", 72, 32, 1, 28, "farskip_tbo", 3)
+    assert made == [(2, "farskip", 3, "decode", 32, 1, 28)] and c.what == made[0]
+    assert os.listdir(tmp_path) == ["decode_ep72_r32_t1_farskip_tbo_l3.pkl.gz"]
+
+
 def test_compile_cache_keeps_each_key_once(tmp_path):
     cache = harness.CompileCache(str(tmp_path / "cache"))
     calls = []

@@ -27,25 +27,20 @@ spread (analysis/calibration.py reads the SGLang hold-out rows from it); OUT/tab
 from __future__ import annotations
 
 import argparse
-import gzip
+import dataclasses
 import json
 import os
-import pickle
 import sys
 import time
 
-from farskip_jax.studies import harness
-
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # deviceless compiles: no accelerator wanted, set before JAX loads
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-from farskip_jax.analysis.dp_ep_report import compile_dp_ep, dp_ep_config
-import dataclasses
-from farskip_jax.analysis.calibration import variants_of_constants
-from farskip_jax.analysis.dp_ep_report import time_dp_ep
-from farskip_jax.config import load_config
-from farskip_jax.analysis.dp_ep_report import point_rows
 
-ROOT = harness.REPO
+from farskip_jax.analysis.calibration import variants_of_constants  # noqa: E402
+from farskip_jax.analysis.dp_ep_report import compile_dp_ep, dp_ep_config, point_rows, time_dp_ep  # noqa: E402
+from farskip_jax.config import load_config  # noqa: E402
+from farskip_jax.studies import harness  # noqa: E402
+
 OUT = harness.results_dir("compare_dp_ep")
 VARIANTS = ("standard", "standard_tbo", "farskip", "farskip_tbo")
 LABELS = {"no_overlap": "standard, no overlap (SGLang without TBO)", "standard": "standard (XLA schedule)",
@@ -57,27 +52,22 @@ def point_key(program: str, ep: int, rows: int, tokens: int, variant: str, layer
     return f"{program}_ep{ep}_r{rows}_t{tokens}_{variant}_l{layers}"
 
 
-def compile_point(base, program, ep, rows, tokens, context, variant, layers, cache_dir, log):
+def compile_point(base, cache: harness.CompileCache, program, ep, rows, tokens, context, variant, layers):
+    """The compiled dp_ep program of one point, variant and depth (kept in `cache`)."""
 
-    path = os.path.join(cache_dir, point_key(program, ep, rows, tokens, variant, layers) + ".pkl.gz")
-    if os.path.exists(path):
-        with gzip.open(path, "rb") as f:
-            return pickle.load(f)
-    cfg = dp_ep_config(base, "farskip" if variant.startswith("farskip") else "standard", ep, layers,
-                       2 if variant.endswith("_tbo") else 1, num_experts=288 if ep == 72 else None)
-    c = compile_dp_ep(cfg, program, rows, tokens, context)
-    os.makedirs(cache_dir, exist_ok=True)
-    with gzip.open(path, "wb") as f:
-        pickle.dump(c, f)
-    log(f"[dp_ep] {os.path.basename(path)}: compiled in {c.compile_s:.0f}s")
-    return c
+    def compile_fn():
+        cfg = dp_ep_config(base, "farskip" if variant.startswith("farskip") else "standard", ep, layers,
+                           2 if variant.endswith("_tbo") else 1, num_experts=288 if ep == 72 else None)
+        c = compile_dp_ep(cfg, program, rows, tokens, context)
+        harness.log(f"[dp_ep] {point_key(program, ep, rows, tokens, variant, layers)}: compiled in {c.compile_s:.0f}s")
+        return c
+
+    return cache.get_or_compile(point_key(program, ep, rows, tokens, variant, layers), compile_fn)
 
 
 def timings(c) -> dict:
     """{constant set: DpEpTiming fields} of a compiled point: central, each SPREAD constant low / high,
     and the diagnostic without contention."""
-
-
     out = {}
     for lab, end, hw_w, lk_w in variants_of_constants():
         out[f"{lab}:{end}" if end else lab] = dataclasses.asdict(time_dp_ep(c, which=(hw_w, lk_w)))
@@ -95,10 +85,10 @@ def points(a) -> list[tuple]:
     return first + sorted(dec.values(), key=lambda p: p[3]) + list(pre.values())
 
 
-def run(a, path: str, log) -> dict:
+def run(a, path: str) -> dict:
     """Compile what is missing, time every point; results.json is rewritten after each point."""
-
-    base = load_config(os.path.join(ROOT, "configs", "deepseek_v3_6l.yaml"))
+    base = load_config(harness.model_config_path("dsv3_6l"))
+    cache = harness.CompileCache(a.cache)
     res = {"date": time.strftime("%Y-%m-%d"), "depths": a.depths, "layers": a.layers, "context": a.context,
            "points": {}}
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -106,7 +96,7 @@ def run(a, path: str, log) -> dict:
         pt = {"program": program, "ep": ep, "rows_per_gpu": rows, "tokens": tokens, "context_compiled": ctx,
               "variants": {}}
         for v in VARIANTS:
-            pt["variants"][v] = {str(d): timings(compile_point(base, program, ep, rows, tokens, ctx, v, d, a.cache, log))
+            pt["variants"][v] = {str(d): timings(compile_point(base, cache, program, ep, rows, tokens, ctx, v, d))
                                  for d in a.depths}
         res["points"][name] = pt
         with open(path, "w") as f:
@@ -115,7 +105,7 @@ def run(a, path: str, log) -> dict:
 
 
 def table_md(res: dict) -> str:
-
+    """The markdown table of a results.json: every point's speedups over standard without overlap."""
     d, n = res["depths"], res["layers"]
     lines = [f"Modelled {res['date']} (`JAX_PLATFORMS=cpu python -m farskip_jax.studies.compare_dp_ep`): DeepSeek-V3 "
              f"shapes in the dp_ep layout on H100 nodes (8 per node, 8 x 400 Gb/s NICs), compiled at {d[0]} and "
@@ -143,23 +133,20 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=2000, help="decode context (tokens of a latent MLA cache)")
     ap.add_argument("--depths", type=lambda s: [int(x) for x in s.split(",")], default=[2, 3])
     ap.add_argument("--layers", type=int, default=61)
-    ap.add_argument("--cache", default=os.path.join(ROOT, "runs", "compare_dp_ep_schedules"))
+    ap.add_argument("--cache", default=os.path.join(harness.REPO, "runs", "compare_dp_ep_schedules"))
     ap.add_argument("--out", default=OUT)
     ap.add_argument("--table-only", action="store_true")
     a = ap.parse_args(argv)
-    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     path = os.path.join(a.out, "results.json")
     if a.table_only:
         if not os.path.exists(path):
-            print(f"error: {path} is missing: run without --table-only first", file=sys.stderr)
-            return 2
+            return harness.fail(f"{path} is missing: run without --table-only first")
         with open(path) as f:
             res = json.load(f)
     else:
-        res = run(a, path, log)
+        res = run(a, path)
     text = table_md(res)
-    with open(os.path.join(a.out, "table.md"), "w") as f:
-        f.write(text + "\n")
+    harness.write_text(os.path.join(a.out, "table.md"), text + "\n")
     print(text)
     return 0
 
