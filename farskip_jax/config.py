@@ -61,8 +61,6 @@ class Bound:
 
 Pos, NonNeg = Annotated[int, Bound(1)], Annotated[int, Bound(0)]
 PosReal, NonNegReal = Annotated[float, Bound(0, lo_open=True)], Annotated[float, Bound(0)]
-
-
 _hints = functools.cache(lambda cls: typing.get_type_hints(cls, include_extras=True))
 
 
@@ -78,7 +76,11 @@ def section(path: str):
                     b.check(getattr(self, name), f"{path}.{name}", type(None) in args, a.__origin__ is int)
         getattr(self, "check", lambda: None)()
 
-    return lambda cls: dataclass(frozen=True)(type.__setattr__(cls, "__post_init__", post_init) or cls)
+    def wrap(cls: type) -> type:
+        cls.__post_init__ = post_init
+        return dataclass(frozen=True)(cls)
+
+    return wrap
 
 
 @section("model.rope_scaling")
