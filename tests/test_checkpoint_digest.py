@@ -127,3 +127,45 @@ def test_a_checkpoint_without_a_digest_is_read_and_says_so(tmp_path):
     assert old.verified is False and data == {"pos": 1}
     assert "written by a farskip_jax that wrote no digests" in old.after_resume(1, None)[0]
     old.close()
+
+
+def test_processes_that_share_the_reading_hash_each_block_once_and_agree_on_the_first_bad_one(tmp_path, monkeypatch):
+    """first_mismatch with share=(i, n): process i hashes blocks i, i+n, ...; `agree` (the collective
+    of a multi-host run, here the minimum over the n shares) gives every share the same first
+    differing block, which is the one a single reader names."""
+    from farskip_jax.loading import digest
+
+    monkeypatch.setattr(digest, "BLOCK", 1024)
+    rng = np.random.default_rng(0)
+    files = {}
+    for name, size in (("a", 5000), ("b", 0), ("c", 3000)):
+        files[name] = str(tmp_path / name)
+        with open(files[name], "wb") as f:
+            f.write(rng.bytes(size))
+    expected = digest.digest_files(files)
+    hashed = []
+    real = digest._hash_blocks
+    monkeypatch.setattr(digest, "_hash_blocks", lambda blocks: (hashed.extend(b[:3] for b in blocks), real(blocks))[1])
+
+    def shared(n):
+        """What each of n processes returns (their shares' first bad blocks exchanged by `agree`)."""
+        firsts = []
+        for i in range(n):  # each process: its own share, up to the exchange
+            digest.first_mismatch(expected, files, (i, n), lambda k: firsts.append(k) or -1)
+        hits = [k for k in firsts if k >= 0]
+        return [digest.first_mismatch(expected, files, (i, n), lambda k: min(hits, default=-1)) for i in range(n)]
+
+    assert shared(3) == [None] * 3
+    blocks = [(name, path, start) for name, path, start, _ in digest._blocks(files)]
+    hashed.clear()
+    digest.first_mismatch(expected, files, (0, 3), lambda k: k)
+    digest.first_mismatch(expected, files, (1, 3), lambda k: k)
+    digest.first_mismatch(expected, files, (2, 3), lambda k: k)
+    assert sorted(hashed) == sorted(blocks) and len(hashed) == len(blocks) == 5 + 1 + 3  # each block once
+    for name, at, first in (("c", 2100, "c (bytes 2048-2999)"), ("a", 4500, "a (bytes 4096-4999)")):
+        with open(files[name], "r+b") as f:  # damage c's last block, then a's last block too
+            f.seek(at)
+            f.write(b"\x00" * 16)
+        one = digest.first_mismatch(expected, files)  # a single reader
+        assert one == f"{first} differs from what was saved"
+        assert shared(3) == [one] * 3 and shared(2) == [one] * 2

@@ -83,10 +83,14 @@ def test_two_processes_follow_the_one_process_loss_curve(tmp_path):
 
 
 @pytest.mark.extended
-def test_both_processes_refuse_a_damaged_step_when_they_resume(tmp_path):
+def test_both_processes_share_the_check_of_a_step_and_refuse_a_damaged_one_when_they_resume(tmp_path):
+    """Each process hashes half of the step's blocks and they agree (a collective): a good step resumes,
+    a damaged one is refused by both, naming the same step and the earlier good one."""
     run = tmp_path / "two"
-    codes, logs = _two_processes(run)
+    codes, logs = _two_processes(run, f"train.steps={STEPS - 1}")
     assert codes == [0, 0], logs[0][-3000:]
+    codes, logs = _two_processes(run)
+    assert codes == [0, 0] and f"resumed from checkpoint step {STEPS - 1}" in logs[0], logs[0][-3000:]  # process 0 logs
     step_dir = run / "checkpoints" / str(STEPS) / "state"
     big = max((os.path.join(d, f) for d, _, fs in os.walk(step_dir) for f in fs), key=os.path.getsize)
     with open(big, "r+b") as f:
@@ -95,4 +99,4 @@ def test_both_processes_refuse_a_damaged_step_when_they_resume(tmp_path):
     codes, logs = _two_processes(run, f"train.steps={STEPS + 3}")
     assert codes == [2, 2], [log[-2000:] for log in logs]
     for log in logs:
-        assert f"checkpoint step {STEPS} in " in log and "train.resume_step=3" in log, log[-2000:]
+        assert f"checkpoint step {STEPS} in " in log and f"train.resume_step={STEPS - 1}" in log, log[-2000:]

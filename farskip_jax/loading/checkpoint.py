@@ -17,7 +17,8 @@ Digests: once orbax has finalized a step's files and before it renames the step 
 0 writes `data_state/<step>/digest.json` (loading/digest.py: SHA-256 of every file of the step's state
 and of its data states). A folder whose steps all have digests is sealed (`data_state/digests`) and
 then only steps with a digest count as complete. Every restore checks the step against its digest
-first (on every process: each reads the files it restores); a step that differs is never read: one
+first (the processes of a multi-host run share it: each hashes 1/n of the step's blocks and they
+agree on the first that differs, a collective); a step that differs is never read: one
 CheckpointError names it, the newest earlier step that verifies, and how to use that one. Steps of
 a folder written before digests existed are read unverified (`verified` is then False after restore).
 
@@ -43,7 +44,9 @@ import shutil
 from typing import Any, Callable, Optional
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from farskip_jax.errors import CheckpointError, ConfigError
@@ -96,6 +99,13 @@ def unflatten_state(flat: dict, template: Any) -> Any:
             raise CheckpointError(f"checkpoint lacks {k!r}; it was written by a different model/optimizer config")
         leaves.append(flat[k])
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _first_over_processes(bad: int) -> int:
+    """The smallest of the processes' `bad` block indices that is >= 0 (-1: none): a collective."""
+    got = np.asarray(multihost_utils.process_allgather(np.array([bad], np.int64))).ravel()
+    hits = got[got >= 0]
+    return int(hits.min()) if hits.size else -1
 
 
 class Checkpointer:
@@ -246,7 +256,9 @@ class Checkpointer:
         if not digest:
             return f"its digest {self._digest_path(step)} does not read"
         self.verified = True
-        return first_mismatch(digest, self._files(step, os.path.join(self.dir, str(step))))
+        n = jax.process_count()  # several processes: each reads 1/n of the step (every one calls check)
+        return first_mismatch(digest, self._files(step, os.path.join(self.dir, str(step))), (self.process, n),
+                              _first_over_processes if n > 1 else None)
 
     def _corrupted(self, step: int, what: str, hint: Callable[[int], str]) -> CheckpointError:
         good = next((s for s in reversed(self.complete_steps()) if s < step and self.check(s) is None), None)
