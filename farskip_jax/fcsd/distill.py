@@ -297,6 +297,7 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     if status == "done" and max_steps < t.steps:
         status = "token_budget"
     session.close()
+    kept = best.latest_step()  # the student best/ holds: what an export writes
     best.close()
     speed = (f"; mean {res.tokens_per_s:,.0f} tokens/s" + (f", MFU {100 * res.mfu:.1f}%" if res.mfu else "")
              if res.tokens_per_s else "")
@@ -304,8 +305,9 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
               f"({step * tokens_per_step:,} training tokens{speed})")
     if d.export_hf and status not in ("preempted", "time_limit", "diverged"):
         _, best_state = restore_train_state(cfg, os.path.join(run_dir, "best"), "best", mesh)
-        log.print(f"exported the best student (step {es.best_step}) to "
-                  f"{export_student(cfg, graphdef, best_state, export_dir, es.best_step)}")
+        other = "" if kept == es.best_step else f"; early stopping's best since the resume is step {es.best_step}"
+        log.print(f"exported the best student (step {kept}, kept in best/{other}) to "
+                  f"{export_student(cfg, graphdef, best_state, export_dir, kept)}")
     log.write("event", step, dict(status=status, best_step=es.best_step, best_metric=es.best))
     session.release()
     return DistillResult(status=status, step=step, best_step=es.best_step, best_metric=es.best,
