@@ -14,7 +14,6 @@ overrides and old key names: config_yaml.py.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import os
 import types
@@ -26,8 +25,7 @@ import yaml
 
 from farskip_jax.config_yaml import MOVED_KEYS, apply_overrides, load_yaml_tree, migrate_tree, note_moved  # noqa: F401
 from farskip_jax.connectivity import layer_sets
-from farskip_jax.connectivity.layer_sets import PRESETS, check_converted_layers, parse_layer_spec  # noqa: F401
-from farskip_jax.errors import ConfigError
+from farskip_jax.errors import ConfigError, did_you_mean
 
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -61,7 +59,15 @@ class Bound:
 
 Pos, NonNeg = Annotated[int, Bound(1)], Annotated[int, Bound(0)]
 PosReal, NonNegReal = Annotated[float, Bound(0, lo_open=True)], Annotated[float, Bound(0)]
-_hints = functools.cache(lambda cls: typing.get_type_hints(cls, include_extras=True))
+@functools.cache
+def _bounds(cls: type) -> list[tuple[str, Bound, bool, bool]]:
+    """(field, Bound, nullable, integer) of each bounded field of section class `cls`."""
+    out = []
+    for name, tp in typing.get_type_hints(cls, include_extras=True).items():
+        args = typing.get_args(tp) if typing.get_origin(tp) in (Union, types.UnionType) else (tp,)
+        for a in (a for a in args if typing.get_origin(a) is Annotated):
+            out += [(name, b, type(None) in args, a.__origin__ is int) for b in a.__metadata__ if isinstance(b, Bound)]
+    return out
 
 
 def section(path: str):
@@ -69,11 +75,8 @@ def section(path: str):
     one checks each `Bound` of its fields, then runs the class's `check()` (cross-key rules), if any."""
 
     def post_init(self):
-        for name, tp in _hints(type(self)).items():
-            args = typing.get_args(tp) if typing.get_origin(tp) in (Union, types.UnionType) else (tp,)
-            for a in (a for a in args if typing.get_origin(a) is Annotated):
-                for b in (b for b in a.__metadata__ if isinstance(b, Bound)):
-                    b.check(getattr(self, name), f"{path}.{name}", type(None) in args, a.__origin__ is int)
+        for name, bound, nullable, integer in _bounds(type(self)):
+            bound.check(getattr(self, name), f"{path}.{name}", nullable, integer)
         getattr(self, "check", lambda: None)()
 
     def wrap(cls: type) -> type:
@@ -455,7 +458,7 @@ class Config:
                    f"farskip.layers: auto is chosen at the start of FCSD (train.mode: distill), not in train.mode="
                    f"{self.train.mode}; set an explicit farskip.layers (plan one with python -m farskip_jax.analysis.conversion_plan)")
         else:
-            check_converted_layers(fs, m.num_layers)
+            layer_sets.check_converted_layers(fs, m.num_layers)
         _check(self.train.seq_len <= m.max_seq_len, f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
         rows = self.train.batch_size // self.train.grad_accum
         _check(rows % r.micro_batches == 0,
@@ -473,11 +476,6 @@ REMOVED_KEYS = {
     **{f"farskip.{k}": f"it is distill.{k} now (with the other FCSD keys)" for k in ("auto_budget", "auto_retention",
                                                                                     "auto_search")},
 }
-
-
-def _suggest(name: str, options: list[str]) -> str:
-    close = difflib.get_close_matches(name, options, n=3, cutoff=0.5)
-    return f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
 
 
 def _coerce(value: Any, tp: Any, path: str) -> Any:
@@ -498,7 +496,7 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         if value in args and type(value) is type(next(a for a in args if a == value)):
             return value
         raise ConfigError(f"{path}={value!r} is not allowed; choose one of {list(args)}"
-                          + _suggest(str(value), [str(a) for a in args]))
+                          + did_you_mean(str(value), [str(a) for a in args]))
     if dataclasses.is_dataclass(tp):
         _check(isinstance(value, dict), f"{path} must be a mapping of {tp.__name__} fields, got {value!r}")
         return from_dict(tp, value, path)
@@ -534,7 +532,7 @@ def from_dict(cls: type, data: dict, path: str = "") -> Any:
         _check(full not in REMOVED_KEYS, f"config key {full!r} was removed: {REMOVED_KEYS.get(full)}")
         _check(full not in MOVED_KEYS, f"config key {full!r} is {MOVED_KEYS.get(full)} now (the run's choices "
                                        f"live in runtime:, docs/config.md); set {MOVED_KEYS.get(full)}")
-        _check(key in names, f"unknown config key {full!r}" + (_suggest(key, names) or f"; valid keys: {names}"))
+        _check(key in names, f"unknown config key {full!r}" + (did_you_mean(key, names) or f"; valid keys: {names}"))
         kwargs[key] = _coerce(value, hints[key], full)
     try:
         return cls(**kwargs)

@@ -4,8 +4,8 @@ Every user mistake (bad config key, wrong shape in a checkpoint, missing file, e
 subclass of `FarSkipError` whose message names the culprit and the fix, so no traceback is needed.
 """
 
+import difflib
 import os
-
 
 
 class FarSkipError(Exception):
@@ -26,6 +26,12 @@ class DataError(FarSkipError):
 
 class BackendError(FarSkipError):
     """A feature requested on a platform that cannot run it (e.g. ragged all-to-all on CPU)."""
+
+
+def did_you_mean(name: str, options) -> str:
+    """' (did you mean 'a', 'b'?)' for the options close to `name` (for an error message), else ''."""
+    close = difflib.get_close_matches(name, list(options), n=3, cutoff=0.5)
+    return f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
 
 
 def env_choice(name: str, choices: dict[str, str]) -> str:

@@ -9,7 +9,6 @@ The recorder subclasses the model's layer step (model/layer_step.py) and only ob
 it records is the one every forward runs. Eager calls only (the records are the arrays themselves).
 """
 
-from farskip_jax.connectivity.streams import moe_stream
 from farskip_jax.model.foe import FoEStep
 
 
@@ -24,10 +23,14 @@ def record(model, tokens, farskip, **call_kw) -> list:
         def __init__(self, *args):
             super().__init__(*args, **extra)
 
+        def moe_input(self, x):
+            self.moe_in = x  # the stream the layer body gave its MoE
+            return super().moe_input(x)
+
         def __call__(self, block, carry, site, entry=None):
             x, _ = self.attention_input(carry, site, self.plan(block, carry, site))
             new, out, entry = super().__call__(block, carry, site, entry)
-            rec = dict(attn_in=x, moe_in=moe_stream(site.kinds[1], carry.full, out.attn), attn=out.attn,
+            rec = dict(attn_in=x, moe_in=self.moe_in, attn=out.attn,
                        shared=out.shared, routed=out.routed, attn_kind=site.kinds[0], moe_kind=site.kinds[1])
             if isinstance(self, FoEStep):
                 rec.update(attn_groups=out.attn_groups, routed_groups=out.routed_groups)

@@ -143,9 +143,13 @@ def test_processes_that_share_the_reading_hash_each_block_once_and_agree_on_the_
         with open(files[name], "wb") as f:
             f.write(rng.bytes(size))
     expected = digest.digest_files(files)
-    hashed = []
-    real = digest._hash_blocks
-    monkeypatch.setattr(digest, "_hash_blocks", lambda blocks: (hashed.extend(b[:3] for b in blocks), real(blocks))[1])
+    hashed, real = [], digest._hash_blocks
+
+    def counting(blocks):
+        hashed.extend(b[:3] for b in blocks)  # (name, path, start) of each block hashed
+        return real(blocks)
+
+    monkeypatch.setattr(digest, "_hash_blocks", counting)
 
     def shared(n):
         """What each of n processes returns (their shares' first bad blocks exchanged by `agree`)."""
@@ -158,9 +162,8 @@ def test_processes_that_share_the_reading_hash_each_block_once_and_agree_on_the_
     assert shared(3) == [None] * 3
     blocks = [(name, path, start) for name, path, start, _ in digest._blocks(files)]
     hashed.clear()
-    digest.first_mismatch(expected, files, (0, 3), lambda k: k)
-    digest.first_mismatch(expected, files, (1, 3), lambda k: k)
-    digest.first_mismatch(expected, files, (2, 3), lambda k: k)
+    for i in range(3):
+        digest.first_mismatch(expected, files, (i, 3), lambda k: k)
     assert sorted(hashed) == sorted(blocks) and len(hashed) == len(blocks) == 5 + 1 + 3  # each block once
     for name, at, first in (("c", 2100, "c (bytes 2048-2999)"), ("a", 4500, "a (bytes 4096-4999)")):
         with open(files[name], "r+b") as f:  # damage c's last block, then a's last block too

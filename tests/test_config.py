@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 import yaml
 
-from farskip_jax.config import (Config, FarSkipConfig, dump_config, load_config, parse_layer_spec, replace,
-                                config_from_dict)
+from farskip_jax.config import Config, FarSkipConfig, config_from_dict, dump_config, load_config, replace
+from farskip_jax.connectivity.layer_sets import parse_layer_spec
 from farskip_jax.errors import ConfigError
 
 

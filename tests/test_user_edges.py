@@ -55,7 +55,8 @@ def test_impossible_converted_layers_are_refused_before_anything_runs(tmp_path):
     ("[1, 4]", r"farskip\.layers lists layers outside \[0, 4\): \[4\]"),
 ])
 def test_layer_sets_out_of_range_or_empty(spec, needle):
-    from farskip_jax.config import load_config, parse_layer_spec
+    from farskip_jax.config import load_config
+    from farskip_jax.connectivity.layer_sets import parse_layer_spec
     from farskip_jax.errors import ConfigError
 
     with pytest.raises(ConfigError, match=needle):
@@ -66,7 +67,8 @@ def test_layer_sets_out_of_range_or_empty(spec, needle):
 
 
 def test_empty_layer_set_is_the_standard_model_on_purpose():
-    from farskip_jax.config import FarSkipConfig, load_config, parse_layer_spec
+    from farskip_jax.config import FarSkipConfig, load_config
+    from farskip_jax.connectivity.layer_sets import parse_layer_spec
 
     for spec in ("none", "[]", "first:0"):
         cfg = load_config(None, ["model.num_layers=4", "farskip.preset=standard", f"farskip.layers={spec}"])

@@ -59,7 +59,8 @@ from farskip_jax.analysis.sensitivity import (bandwidth_sweep, contention_sweep,
 from farskip_jax.analysis.speedup import split_lines, split_speedup
 from farskip_jax.analysis.timeline import plot_layer_timelines
 from farskip_jax.analysis.topology import LINKS, Topology
-from farskip_jax.config import load_config, PRESETS as CONNECTIVITY, replace
+from farskip_jax.config import load_config, replace
+from farskip_jax.connectivity.layer_sets import PRESETS as CONNECTIVITY
 from farskip_jax.errors import ConfigError, FarSkipError
 
 PROGRAMS = ("forward", "train")

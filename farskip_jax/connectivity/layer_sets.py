@@ -1,6 +1,6 @@
 """The farskip section read: presets -> stream kinds, the `farskip.layers` forms ('all', 'none',
 'first:N', 'last:N', 'range:A:B', a list) -> the set of converted layers, and each layer's
-(attn_input, moe_input), which streams.py turns into stream reads (`Streams.attn_input`, `moe_stream`).
+(attn_input, moe_input): which stream the layer body reads (`Streams.attn_input`; model/block.py `Block.layer`).
 
 Plain Python (no JAX): config validation and the XLA flags chosen before JAX starts read it.
 
@@ -10,10 +10,9 @@ Plain Python (no JAX): config validation and the XLA flags chosen before JAX sta
 
 from __future__ import annotations
 
-import difflib
 from typing import Optional
 
-from farskip_jax.errors import ConfigError
+from farskip_jax.errors import ConfigError, did_you_mean
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -35,10 +34,8 @@ PRESETS: dict[str, tuple[str, str]] = {
 def check_farskip_section(fs) -> None:
     """ConfigError unless the farskip section `fs` names a preset and a layer set of valid syntax (the
     bounds need the model: check_converted_layers), and `auto` has something to convert."""
-    if fs.preset not in PRESETS:
-        close = difflib.get_close_matches(fs.preset, list(PRESETS), n=3, cutoff=0.5)
-        raise ConfigError(f"farskip.preset={fs.preset!r} is unknown; choose one of {sorted(PRESETS)}"
-                          + (f" (did you mean {', '.join(map(repr, close))}?)" if close else ""))
+    _check(fs.preset in PRESETS, f"farskip.preset={fs.preset!r} is unknown; choose one of {sorted(PRESETS)}"
+           + did_you_mean(fs.preset, PRESETS))
     if isinstance(fs.layers, str) and fs.layers != "auto":
         parse_layer_spec(fs.layers, None)
     _check(fs.layers != "auto" or fs.preset != "standard",

@@ -8,7 +8,7 @@ With a_j, s_j, r_j the attention, shared (dense MLP for dense layers) and routed
     no_moe     O_k      = R_k minus s_j + r_j of the last d layers    -> attention input `outdated`
 
 d = `skip_distance` (1 = the paper's FarSkip: partial = R_{k-2} + a_{k-1} + s_{k-1}, outdated =
-R_{k-2} + a_{k-1}). The MoE reads R_{k-1} + a_k (`full`) or R_{k-1} (`outdated`): `moe_stream`. All
+R_{k-2} + a_{k-1}). The MoE reads R_{k-1} + a_k (`full`) or R_{k-1} (`outdated`): model/block.py `Block.layer`. All
 streams start as the embedding. Everything is additive (no subtraction), so each stream is exactly
 the sum named above; streams nobody reads are dead code that XLA removes (standard connectivity
 costs nothing).
@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from farskip_jax.connectivity.layer_sets import ATTN_KINDS, MOE_KINDS
+from farskip_jax.connectivity.layer_sets import ATTN_KINDS
 
 
 def add_present(x: jax.Array, *ys: Optional[jax.Array]) -> jax.Array:
@@ -41,16 +41,6 @@ def add_present(x: jax.Array, *ys: Optional[jax.Array]) -> jax.Array:
         if y is not None:
             x = x + y
     return x
-
-
-def moe_stream(kind: str, full: jax.Array, attn_out: jax.Array) -> jax.Array:
-    """The stream the MoE / dense MLP of layer k reads: `full` = R_{k-1} + a_k | `outdated` = R_{k-1}.
-    full: R_{k-1} [..., d]; attn_out: a_k [..., d]."""
-    if kind == "full":
-        return full + attn_out
-    if kind == "outdated":
-        return full
-    raise ValueError(f"unknown moe input {kind!r}; expected one of {MOE_KINDS}")
 
 
 @struct.dataclass

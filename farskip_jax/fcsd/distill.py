@@ -193,9 +193,33 @@ class DistillTask(Task):
         dec = self.es.update(at, m)
         if dec.improved:
             self.best.save(at, state, train_it.get_state())
+        self.save_stopper()
+        return dec
+
+    def save_stopper(self) -> None:
         with open(self.es_path, "w") as f:
             json.dump(self.es.state_dict(), f)
-        return dec
+
+    def drop_discarded_best(self, start: int, state, data_state: dict) -> list[str]:
+        """After train.resume_step=start (the steps after it are trained again): best/ may hold a student
+        of those discarded steps. Drop it, so best/ holds the student of es.best_step (replayed up to
+        start) or none: the student at `start` when it is that best, else the best is forgotten (its
+        weights were replaced) and the next evaluation's student becomes it. Lines for the log."""
+        held = self.best.latest_step()
+        if held is None or held <= start:
+            return []
+        self.best.drop_after(start)
+        head = f"best/ held the student of step {held}, which train.resume_step={start} discards: dropped; "
+        lost = self.es.best_step
+        if lost == start:
+            self.best.save(start, state, data_state)
+            why = f"the student of step {start}, the best up to it, is kept instead"
+        else:
+            self.es.forget_best()
+            why = ((f"the best before it (step {lost}) was not kept, so " if lost is not None else "")
+                   + "the next evaluation's student becomes the best")
+        self.save_stopper()  # the stopper as replayed up to start
+        return [head + why]
 
     def after_step(self, step: int, state, train_it, last: bool) -> Optional[str]:
         if step % self.cfg.distill.eval_every and not last:
@@ -205,25 +229,6 @@ class DistillTask(Task):
             self.log.print(f"early stop at step {step}: {dec.reason}")
             return "early_stop"
         return None
-
-
-def drop_discarded_best(best: Checkpointer, es: EarlyStopper, start: int, state, data_state: dict) -> list[str]:
-    """After train.resume_step=start (the steps after it are trained again): best/ may hold a student of
-    those discarded steps. Drop it, so best/ holds the student of es.best_step (replayed up to start)
-    or none: the student at `start` when it is that best, else the best is forgotten (its weights were
-    replaced) and the next evaluation's student becomes it. Lines for the log."""
-    held = best.latest_step()
-    if held is None or held <= start:
-        return []
-    best.drop_after(start)
-    head = f"best/ held the student of step {held}, which train.resume_step={start} discards: dropped; "
-    if es.best_step == start:
-        best.save(start, state, data_state)
-        return [head + f"the student of step {start}, the best up to it, is kept instead"]
-    lost = es.best_step
-    es.forget_best()
-    return [head + (f"the best before it (step {lost}) was not kept, so " if lost is not None else "")
-            + "the next evaluation's student becomes the best"]
 
 
 def distill(cfg: Config, *, stream=None) -> DistillResult:
@@ -276,11 +281,6 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
     if saved_es is not None and session.start is not None:  # evaluations after the checkpoint will run again
         es.load_state_dict(saved_es, upto=session.start)
     best = Checkpointer(os.path.join(run_dir, "best"), keep=1, async_save=False)
-    if t.resume_step is not None and session.start is not None:
-        for line in drop_discarded_best(best, es, session.start, session.state, session.train_it.get_state()):
-            log.print(line)
-            with open(es_path, "w") as f:
-                json.dump(es.state_dict(), f)
     if plan is not None:
         if not plan_reused:
             write_plan(plan, run_dir, auto_request)
@@ -290,6 +290,9 @@ def distill(cfg: Config, *, stream=None) -> DistillResult:
                   + ("the stored choice of this run folder, no new sweep" if plan_reused
                      else f"written to {os.path.join(run_dir, 'farskip_auto.json')}") + ")")
     task = DistillTask(session.graphdef, teacher, cfg, val, es, es_path, best, log, task_score, tokens_per_step)
+    if t.resume_step is not None and session.start is not None:
+        for line in task.drop_discarded_best(session.start, session.state, session.train_it.get_state()):
+            log.print(line)
     if not session.start:
         task.evaluate(0, session.state, session.train_it)  # the converted model before any training
     res = session.run(task)

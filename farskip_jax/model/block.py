@@ -7,8 +7,9 @@ returns (`BlockOutput`, `ModelOutput`) and the remat policies (`REMAT_POLICIES`)
     dense layers); aux_loss, z_loss [], load [E] or None, dropped [].
     out, cache = remat(block, "minimal", fn, *args)           # fn(block, *args) under the policy
 
-Which stream each half reads, and what a layout changes in between (its attention, where partial
-sums go), is the layer step's (model/layer_loop.py `LayerStep`): the layer is written there once.
+The layer body is `Block.layer`, written once: attention on the stream the layer step chose, the
+stream the MoE reads (R_{k-1} + a_k or R_{k-1}), the FFN; what a layout changes in between (its
+attention, where partial sums go, the MoE's input) are hooks of the layer step (model/layer_step.py).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from flax import nnx, struct
 from jax.ad_checkpoint import checkpoint_name
 
 from farskip_jax.config import Config
+from farskip_jax.connectivity.layer_sets import MOE_KINDS
 from farskip_jax.model.attention import Attention, KVCache, LayerCache
-from farskip_jax.connectivity.streams import moe_stream
 from farskip_jax.model.experts import RoutedComputeFn
 from farskip_jax.model.layers import RMSNorm, SwiGLU, dtype_of
 from farskip_jax.model.mla import MLAttention
@@ -109,13 +110,15 @@ class Block(nnx.Module):
             return out if sums is None else sums(out)
 
     def layer(self, step, x: jax.Array, full: jax.Array, extra, site, plan, cache: Optional[LayerCache]):
-        """The layer body: attention on the stream x, the stream the MoE reads (site.kinds[1] over
-        R_{k-1} = `full` and the attention output, connectivity.moe_stream), the FFN on it ->
+        """The layer body: attention on the stream x, the stream the MoE reads (site.kinds[1]: `full` =
+        R_{k-1} + a_k, `outdated` = R_{k-1}, with R_{k-1} = `full`), the FFN on it ->
         (BlockOutput, cache). `step` (model/layer_step.LayerStep) supplies what a layout changes: the
         attention, where its sum goes, the MoE's input and options, how the outputs join."""
         a, cache = self.attend(x, step.positions, step.segment_ids, cache, step.attention_of(site, plan))
         a, held = step.attention_sum(a, extra, site, plan)
-        x_moe = step.moe_input(moe_stream(site.kinds[1], full, a))
+        if site.kinds[1] not in MOE_KINDS:
+            raise ValueError(f"unknown moe input {site.kinds[1]!r}; expected one of {MOE_KINDS}")
+        x_moe = step.moe_input(full + a if site.kinds[1] == "full" else full)
         out = self.ffn(x_moe, **step.ffn_options(self, extra, site, plan))
         return step.finish(out, a, held, site, plan), cache
 
